@@ -1,0 +1,119 @@
+"""Named implementations ("backends") of the parts under test, and provenance of what ran.
+
+Every implementation of a part (MoE layer, LM head, decoder) registers under a kind and a
+name. Users add their own through the `moeperf.backends` entry-point group, loaded lazily on
+the first lookup: each entry point names a `Backend` (or a callable returning one). Each call
+of a backend records a `ProvenanceEvent`, so suites assert which kernels actually ran rather
+than which flags were set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import contextvars
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable, Iterator
+
+ENTRY_POINT_GROUP = "moeperf.backends"
+# Modules whose import registers the built-in backends; imported on the first lookup.
+BUILTIN_MODULES = ("impl.moe",)
+KINDS = ("moe", "head", "decoder")
+
+
+@dataclass(frozen=True)
+class Backend:
+    kind: str
+    name: str
+    fn: Callable[..., Any]
+    description: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"backend {self.name!r} has unknown kind {self.kind!r}; expected one of {KINDS}")
+
+
+_registry: dict[tuple[str, str], Backend] = {}
+_entry_points_loaded = False
+
+
+def register(backend: Backend, *, replace: bool = False) -> Backend:
+    key = (backend.kind, backend.name)
+    if key in _registry and not replace and _registry[key] is not backend:
+        raise ValueError(f"a {backend.kind} backend named {backend.name!r} is already registered")
+    _registry[key] = backend
+    return backend
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        obj = ep.load()
+        backend = obj if isinstance(obj, Backend) else obj()
+        if not isinstance(backend, Backend):
+            raise TypeError(f"entry point {ep.name!r} in {ENTRY_POINT_GROUP!r} gave {type(backend).__name__}, "
+                            "expected impl.backends.Backend")
+        register(backend)
+
+
+def get(kind: str, name: str) -> Backend:
+    if kind not in KINDS:
+        raise ValueError(f"unknown backend kind {kind!r}; expected one of {KINDS}")
+    _load_entry_points()
+    try:
+        return _registry[(kind, name)]
+    except KeyError:
+        raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}") from None
+
+
+def available(kind: str) -> list[str]:
+    _load_entry_points()
+    return sorted(name for k, name in _registry if k == kind)
+
+
+@dataclass(frozen=True)
+class ProvenanceEvent:
+    kind: str
+    backend: str
+    kernel: str
+    config: dict = field(default_factory=dict)
+
+
+class Provenance:
+    """The events recorded while it was active, in call order."""
+
+    def __init__(self) -> None:
+        self.events: list[ProvenanceEvent] = []
+
+    def kernels(self, kind: str | None = None) -> set[str]:
+        return {e.kernel for e in self.events if kind is None or e.kind == kind}
+
+    def backends(self, kind: str | None = None) -> set[str]:
+        return {e.backend for e in self.events if kind is None or e.kind == kind}
+
+
+_active: contextvars.ContextVar[Provenance | None] = contextvars.ContextVar("moeperf_provenance", default=None)
+
+
+@contextlib.contextmanager
+def record_provenance() -> Iterator[Provenance]:
+    prov = Provenance()
+    token = _active.set(prov)
+    try:
+        yield prov
+    finally:
+        _active.reset(token)
+
+
+def note(kind: str, backend: str, kernel: str, **config: Any) -> None:
+    """Called by a backend each time it runs; free when nothing is recording."""
+    prov = _active.get()
+    if prov is not None:
+        prov.events.append(ProvenanceEvent(kind, backend, kernel, config))

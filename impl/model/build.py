@@ -1,0 +1,67 @@
+"""Build the model under test from a preset name or a checkpoint folder, on a device."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from impl.model.causal_lm import MoECausalLM
+from impl.model.config import PRESETS, ModelConfig, get_config
+from impl.model.layers import Router
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def resolve_device(spec: str | torch.device) -> torch.device:
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"unsupported device {spec!r}; use cpu, cuda or cuda:N")
+    return device
+
+
+def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, moe_backend: str = "gather",
+                seed: int = 0) -> MoECausalLM:
+    """`spec` is a preset name (random weights from `seed`), a ModelConfig, or a folder holding a
+    transformers-format checkpoint (config.json + safetensors)."""
+    device = resolve_device(device)
+    if isinstance(spec, ModelConfig):
+        config, folder = spec, None
+    elif spec in PRESETS:
+        config, folder = get_config(spec), None
+    elif Path(spec).is_dir():
+        from impl.model.loading import read_config
+        folder = Path(spec)
+        config = read_config(folder)
+    else:
+        raise ValueError(f"--moe-model {spec!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
+    need = config.num_parameters() * torch.finfo(dtype).bits // 8
+    free = _free_bytes(device)
+    if need > free:
+        raise MemoryError(f"model {config.name!r} needs {need / 2**30:.1f} GiB of weights in {dtype}, "
+                          f"{device} has {free / 2**30:.1f} GiB free; use a smaller preset")
+    with torch.device(device):
+        model = MoECausalLM(config, moe_backend=moe_backend)
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()
+    if folder is None:
+        model.init_weights(torch.Generator().manual_seed(seed))
+    else:
+        from impl.model.loading import load_weights
+        load_weights(model, folder)
+    return model.eval()

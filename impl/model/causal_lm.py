@@ -1,0 +1,99 @@
+"""A compact MoE causal LM with a static KV cache (gpt-fast style: fixed shapes, positions as
+device tensors, no host syncs inside forward)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from impl import backends
+from impl.model.config import ModelConfig
+from impl.model.layers import DecoderLayer, KVCache, RMSNorm, rope_tables
+
+
+class MoECausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, moe_backend: str = "gather") -> None:
+        super().__init__()
+        self.config = config
+        backend = backends.get("moe", moe_backend)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(config, config.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("causal_mask", None, persistent=False)
+        self.cache_batch_size = 0
+        self.cache_seq_len = 0
+
+    @property
+    def moe_backend(self) -> str:
+        blocks = [layer.mlp for layer in self.layers if hasattr(layer.mlp, "backend")]
+        return blocks[0].backend.name if blocks else "none"
+
+    def set_moe_backend(self, name: str) -> None:
+        backend = backends.get("moe", name)
+        for layer in self.layers:
+            if hasattr(layer.mlp, "backend"):
+                layer.mlp.backend = backend
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> "MoECausalLM":
+        """Random weights for shape-faithful benchmarking; norms at 1, biases at 0."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+        return self
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        if not 1 <= max_seq_len <= self.config.max_seq_len:
+            raise ValueError(f"cache length must be in [1, {self.config.max_seq_len}] "
+                             f"(the model's max_seq_len), got {max_seq_len}")
+        if self.cache_batch_size == max_batch_size and self.cache_seq_len == max_seq_len:
+            return
+        c = self.config
+        p = self.embed_tokens.weight
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim,
+                                               p.dtype, p.device)
+        self.causal_mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=p.device))
+        self.cache_batch_size, self.cache_seq_len = max_batch_size, max_seq_len
+
+    def _check_inputs(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None) -> None:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an int tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.device != self.embed_tokens.weight.device:
+            raise ValueError(f"input_ids are on {input_ids.device}, the model on {self.embed_tokens.weight.device}")
+        if self.cache_seq_len:
+            if input_pos is None or input_pos.shape != (input_ids.shape[1],):
+                raise ValueError(f"with a KV cache, input_pos must be [seq={input_ids.shape[1]}], got "
+                                 f"{None if input_pos is None else tuple(input_pos.shape)}")
+            if input_ids.shape[0] > self.cache_batch_size:
+                raise ValueError(f"batch {input_ids.shape[0]} exceeds the cache's {self.cache_batch_size}")
+        elif input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence of {input_ids.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+
+    def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H]; with caches, `input_pos` are the absolute positions."""
+        self._check_inputs(input_ids, input_pos)
+        if self.cache_seq_len:
+            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+            mask = self.causal_mask[input_pos]
+        else:
+            t = input_ids.shape[1]
+            cos, sin, mask = self.rope_cos[:t], self.rope_sin[:t], None
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, mask)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, input_pos))

@@ -1,0 +1,165 @@
+"""Decoder building blocks: RMSNorm, rotary embedding, GQA attention with a static KV cache,
+SwiGLU MLP, router and MoE block.
+
+Parameter names follow transformers' Qwen3-MoE / GLM-4.5 layout, so a checkpoint maps onto
+them with little renaming. Expert weights are stored fused: gate_up [E, 2I, H] (gate rows
+first) and down [E, H, I].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from impl import backends
+from impl.model.config import ModelConfig
+from impl.routing import sigmoid_grouped_topk, softmax_topk
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [max_seq_len, rotary_dim] in fp32, in the rotate-half layout."""
+    dim = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float, device=device), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [T, rotary_dim]; rotates the first rotary_dim channels."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    x_rot = (x_rot * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+    return torch.cat((x_rot, x_pass), dim=-1)
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype, device) -> None:
+        super().__init__()
+        shape = (batch, kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # index_copy_ keeps shapes static and the positions on the device (no host sync).
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.attention_out_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Router logits in fp32 whatever the model dtype: top-k choices are sensitive to rounding."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size, dtype=torch.float32))
+        if config.router == "sigmoid_grouped":
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        if c.router == "softmax":
+            return softmax_topk(logits, c.top_k, c.norm_topk_prob)
+        return sigmoid_grouped_topk(logits, c.top_k, c.n_group, c.topk_group, self.e_score_correction_bias,
+                                    c.routed_scaling_factor, c.norm_topk_prob)
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ModelConfig, backend: backends.Backend) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = (MLP(config.hidden_size, config.shared_intermediate_size)
+                               if config.num_shared_experts else None)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.backend.fn(flat, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, moe_backend: backends.Backend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (MoEBlock(config, moe_backend) if config.is_moe_layer(layer)
+                    else MLP(config.hidden_size, config.intermediate_size))
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

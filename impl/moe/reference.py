@@ -1,0 +1,60 @@
+"""The oracle MoE: SwiGLU experts, weighted combine, optional shared expert, in fp32.
+
+Deliberately simple (a loop over the experts that were chosen) so that every faster
+implementation can be checked against it. Weights may be given dequantized in any float dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """Raise a named error for any shape, dtype or device mismatch between the MoE operands."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"expert weights must be [E, 2I, H] and [E, H, I], got "
+                         f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    experts, two_i, h = w_gate_up.shape
+    if h != hidden or two_i % 2:
+        raise ValueError(f"gate_up weight {tuple(w_gate_up.shape)} does not fit hidden size {hidden}")
+    if w_down.shape != (experts, hidden, two_i // 2):
+        raise ValueError(f"down weight must be {(experts, hidden, two_i // 2)}, got {tuple(w_down.shape)}")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != tokens:
+        raise ValueError(f"routing ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
+                         f"[{tokens}, top_k]")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"routing ids must be int32 or int64, got {ids.dtype}")
+    for name, t in (("x", x), ("routing weights", weights), ("gate_up weight", w_gate_up),
+                    ("down weight", w_down)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    devices = {t.device for t in (x, weights, ids, w_gate_up, w_down)}
+    if len(devices) > 1:
+        raise ValueError(f"MoE operands are on different devices: {sorted(map(str, devices))}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+        raise ValueError(f"expert ids must be in [0, {experts}), got range "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up stacked as [2I, H] (gate first)."""
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), computed in fp32, returned in x's dtype."""
+    check_moe_inputs(x, weights, ids, w_gate_up, w_down)
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for expert in torch.unique(ids).tolist():
+        token_idx, slot = torch.where(ids == expert)
+        y = swiglu(xf[token_idx], w_gate_up[expert].float(), w_down[expert].float())
+        out.index_add_(0, token_idx, y * weights[token_idx, slot, None].float())
+    return out.to(x.dtype)
