@@ -282,6 +282,14 @@ def test_subnormal_block_clamps_exponent_and_flushes() -> None:
     assert deq[32].item() == 2.0**-126 * 3
 
 
+def test_fp32_max_stays_finite() -> None:
+    # floor(log2(fp32 max)) = 127 -> exponent 125, code 252; 7.99... saturates to 6 * 2**125.
+    w = torch.full((32,), torch.finfo(torch.float32).max)
+    q = quantize_mxfp4(w)
+    assert int(q.scales[0]) == 252
+    assert torch.equal(q.dequantize(), torch.full((32,), 6 * 2.0**125))
+
+
 def test_huge_float64_clamps_exponent_and_saturates() -> None:
     w = torch.zeros(32, dtype=torch.float64)
     w[0], w[1] = 1e300, -(2.0**129)

@@ -16,8 +16,9 @@ E4M3_MAX = 448.0
 GRANULARITIES = ("row", "tensor")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Smallest positive fp32 (a subnormal): floor for scales of rows whose amax / 448 underflows.
-_MIN_SCALE = 2.0**-149
+# Scales are kept >= the smallest normal fp32: a subnormal amax / 448 would lose precision
+# (or be 0) and could round down far enough that amax / scale overflows 448.
+_MIN_SCALE = torch.finfo(torch.float32).smallest_normal
 
 
 def _check_granularity(granularity: object) -> None:
@@ -77,11 +78,13 @@ class FP8Tensor:
 def quantize_fp8(w: torch.Tensor, granularity: str = "row") -> FP8Tensor:
     """Quantize a float [N, K] weight to e4m3 with scale = amax / 448 per row or per tensor.
 
-    Computation is in float32 (float64 inputs are narrowed first). Edge cases:
+    Computation is in float32 (float64 inputs are narrowed first, so values beyond
+    the fp32 range become +-Inf and saturate as below). Edge cases:
       * all-zero row (or tensor): scale 1.0, data exact zeros (sign of -0.0 kept).
       * +-Inf: ignored by amax and saturated to +-448, i.e. dequantizes to +-448 * scale.
       * NaN: ignored by amax, stays NaN in its own element only.
-      * amax / 448 underflowing fp32 (subnormal rows): scale floored at 2**-149.
+      * amax < 448 * 2**-126 (~5e-36): scale floored at 2**-126 (smallest normal fp32);
+        nothing saturates, values below 2**-132 fall into e4m3 subnormals (abs error <= 2**-136).
       * scaled values are clamped to +-448 before the cast so rounding of the scale
         can never push an element past the e4m3 range.
     """

@@ -171,11 +171,11 @@ def quantize_mxfp4(w: torch.Tensor) -> MXFP4Tensor:
     are w / 2**exponent rounded by encode_e2m1. Edge cases:
       * all-zero block: log2(0) = -inf clamps to -127, so scale code 0 and elements
         0 (sign kept, so -0.0 round-trips); this is also what underflowing blocks get.
-      * tiny blocks (amax < 2**-125): the exponent clamps at -127, elements that fall
+      * tiny blocks (amax < 2**-125): the exponent clamps at -127, elements at or
         below 0.25 * 2**-127 flush to +-0.
       * huge float64 blocks (amax >= 2**130): the exponent clamps at 127, elements saturate.
       * a block holding NaN or +-Inf gets scale code 255 (NaN) and zero elements, so
-        the whole block dequantizes to NaN, as the OCP spec prescribes.
+        the whole block dequantizes to NaN (the spec's NaN-scale semantics).
     """
     _check_tensor(w, "MXFP4 input")
     _check_float_dtype(w.dtype, "MXFP4 input")

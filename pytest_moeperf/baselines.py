@@ -1,0 +1,153 @@
+"""Frozen baselines: one JSON file per device, one entry per full fingerprint inside it.
+
+    baselines/<device slug>.json
+    {"schema": "pytest-moeperf/baseline/1",
+     "entries": [{"fingerprint": {...}, "metrics": {"<metric id>": {<FrozenMetric fields>}}}]}
+
+Files are validated when loaded (errors name the file and the problem), only the entry whose
+fingerprint equals this device's is ever used, and freezing rewrites a file atomically while
+keeping every other entry and every metric that was not re-measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pytest_moeperf.stats import DIRECTIONS
+
+SCHEMA = "pytest-moeperf/baseline/1"
+
+
+class BaselineError(Exception):
+    """A baseline file that cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class FrozenMetric:
+    value: float  # median of the samples
+    samples: list[float]
+    unit: str
+    direction: str  # "higher" or "lower" is better
+    tolerance: float  # practical threshold, a fraction of the value
+    config: dict = field(default_factory=dict)
+    frozen_at: str = ""
+
+    @classmethod
+    def from_json(cls, raw, where: str) -> "FrozenMetric":
+        if not isinstance(raw, dict):
+            raise BaselineError(f"{where}: expected an object, got {type(raw).__name__}")
+        missing = {"value", "samples", "unit", "direction", "tolerance"} - set(raw)
+        if missing:
+            raise BaselineError(f"{where}: missing field(s) {sorted(missing)}")
+        unknown = set(raw) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise BaselineError(f"{where}: unknown field(s) {sorted(unknown)}")
+        samples = raw["samples"]
+        if not isinstance(samples, list) or not samples or not all(_finite(s) for s in samples):
+            raise BaselineError(f"{where}: 'samples' must be a non-empty list of finite numbers")
+        if not _finite(raw["value"]):
+            raise BaselineError(f"{where}: 'value' must be a finite number, got {raw['value']!r}")
+        if raw["direction"] not in DIRECTIONS:
+            raise BaselineError(f"{where}: 'direction' must be one of {DIRECTIONS}, got {raw['direction']!r}")
+        if not _finite(raw["tolerance"]) or not 0 < raw["tolerance"] < 1:
+            raise BaselineError(f"{where}: 'tolerance' must be a fraction in (0, 1), got {raw['tolerance']!r}")
+        if not isinstance(raw.get("config", {}), dict):
+            raise BaselineError(f"{where}: 'config' must be an object")
+        return cls(**raw)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class BaselineFile:
+    path: Path
+    entries: list[dict]  # each {"fingerprint": dict, "metrics": {id: FrozenMetric}}
+
+    def entry_for(self, fingerprint: dict) -> dict | None:
+        return next((e for e in self.entries if e["fingerprint"] == fingerprint), None)
+
+
+def load_file(path: Path) -> BaselineFile:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BaselineError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise BaselineError(f"{path}: cannot be read ({e})") from None
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        found = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
+        raise BaselineError(f"{path}: expected schema {SCHEMA!r}, found {found!r}")
+    if not isinstance(raw.get("entries"), list):
+        raise BaselineError(f"{path}: 'entries' must be a list")
+    entries = []
+    for i, e in enumerate(raw["entries"]):
+        if not isinstance(e, dict) or not isinstance(e.get("fingerprint"), dict) or not isinstance(e.get("metrics"), dict):
+            raise BaselineError(f"{path}: entries[{i}] needs a 'fingerprint' object and a 'metrics' object")
+        metrics = {mid: FrozenMetric.from_json(m, f"{path}: entries[{i}].metrics[{mid!r}]")
+                   for mid, m in e["metrics"].items()}
+        entries.append({"fingerprint": e["fingerprint"], "metrics": metrics})
+    return BaselineFile(path, entries)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: readers see the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class BaselineStore:
+    """The folder of baseline files, as seen from one device."""
+
+    def __init__(self, folder: Path, fingerprint: dict, slug: str) -> None:
+        self.folder = Path(folder)
+        self.fingerprint = fingerprint
+        self.path = self.folder / f"{slug}.json"
+        self._file = load_file(self.path) if self.path.exists() else BaselineFile(self.path, [])
+
+    @staticmethod
+    def validate_folder(folder: Path) -> list[Path]:
+        """Load every file in `folder` so that a malformed one is reported before any test runs."""
+        paths = sorted(Path(folder).glob("*.json")) if Path(folder).is_dir() else []
+        for p in paths:
+            load_file(p)
+        return paths
+
+    @property
+    def metrics(self) -> dict[str, FrozenMetric]:
+        entry = self._file.entry_for(self.fingerprint)
+        return entry["metrics"] if entry else {}
+
+    def other_fingerprints(self) -> list[dict]:
+        return [e["fingerprint"] for e in self._file.entries if e["fingerprint"] != self.fingerprint]
+
+    def freeze(self, metrics: dict[str, FrozenMetric]) -> Path:
+        """Record `metrics` for this fingerprint; re-reads the file first so concurrent edits survive."""
+        current = load_file(self.path) if self.path.exists() else BaselineFile(self.path, [])
+        entry = current.entry_for(self.fingerprint)
+        if entry is None:
+            entry = {"fingerprint": self.fingerprint, "metrics": {}}
+            current.entries.append(entry)
+        entry["metrics"].update(metrics)
+        doc = {"schema": SCHEMA, "entries": [
+            {"fingerprint": e["fingerprint"],
+             "metrics": {mid: asdict(m) for mid, m in sorted(e["metrics"].items())}}
+            for e in current.entries]}
+        atomic_write_text(self.path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
+        self._file = current
+        return self.path

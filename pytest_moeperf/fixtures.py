@@ -1,0 +1,58 @@
+"""Fixtures the suites use: device, model under test, baselines, gate and sampler."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_moeperf.gate import Gate
+from pytest_moeperf.session import MoePerfSession
+from pytest_moeperf.timing import Sampler
+
+
+def get_session(config) -> MoePerfSession:
+    from pytest_moeperf.plugin import SESSION_KEY
+    return config.stash[SESSION_KEY]
+
+
+@pytest.fixture(scope="session")
+def moe_session(pytestconfig) -> MoePerfSession:
+    return get_session(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def moe_device(moe_session):
+    """The device under test (`--moe-device`), with `.torch_device`, `.fingerprint`, `.key`."""
+    return moe_session.device
+
+
+@pytest.fixture(scope="session")
+def moe_model(moe_session):
+    """The model under test (`--moe-model`), built once per session on the device, in eval mode."""
+    import torch
+
+    from impl.model import build_model
+    return build_model(moe_session.options.model, moe_session.device.torch_device,
+                       getattr(torch, moe_session.dtype_name))
+
+
+@pytest.fixture(scope="session")
+def moe_baseline(moe_session):
+    """This device's frozen figures (`BaselineStore`): `.metrics`, `.path`, `.freeze(...)`."""
+    return moe_session.store
+
+
+@pytest.fixture
+def moe_gate(moe_session, request) -> Gate:
+    """Gate figures of this test against the frozen baseline: `moe_gate.check(metric, samples, ...)`."""
+    return Gate(moe_session, request.node.nodeid)
+
+
+@pytest.fixture
+def moe_sampler(moe_session, request) -> Sampler:
+    """Timing samples on the device; the first `sample` call goes through pytest-benchmark when active."""
+    benchmark = None
+    # Ask for pytest-benchmark's fixture only when it will measure (it warns when left unused).
+    bench_session = getattr(request.config, "_benchmarksession", None)
+    if bench_session is not None and not bench_session.disabled:
+        benchmark = request.getfixturevalue("benchmark")
+    return Sampler(moe_session.device.torch_device, moe_session.options.samples, benchmark=benchmark)

@@ -1,0 +1,163 @@
+"""pytest wiring: options, markers, hooks. The work lives in session, gate, timing and report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_moeperf.device import parse_device
+from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
+    moe_baseline, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
+from pytest_moeperf.session import MoePerfSession, Options
+from pytest_moeperf.timing import parse_samples
+
+SESSION_KEY = pytest.StashKey[MoePerfSession]()
+
+DEFAULTS = {"moe_device": "auto", "moe_model": "tiny", "moe_baselines": "baselines", "moe_samples": "10"}
+BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
+MARKERS = (
+    "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
+    "gpu: needs a CUDA device; skipped (with the reason) when there is none",
+    "requires_capability(major, minor): needs a CUDA device of at least this compute capability",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("moeperf", "MoE decode correctness and performance (pytest-moeperf)")
+
+    def add(flag, ini, help, **kw):
+        group.addoption(flag, dest=ini, default=None, help=f"{help} (ini: {ini})", **kw)
+        parser.addini(ini, help, type="bool" if kw.get("action") == "store_true" else "string",
+                      default=DEFAULTS.get(ini, False if kw.get("action") == "store_true" else None))
+
+    add("--moe-bench", "moe_bench", "run the performance suites (marked moe_bench)", action="store_true")
+    add("--moe-device", "moe_device", "device under test: auto, cpu, cuda or cuda:N (default: auto)",
+        metavar="DEVICE")
+    add("--moe-model", "moe_model", "model under test: a preset name or a checkpoint folder (default: tiny)",
+        metavar="MODEL")
+    add("--moe-baselines", "moe_baselines", "folder of frozen baselines, relative to rootdir "
+        "(default: baselines)", metavar="DIR")
+    add("--moe-freeze", "moe_freeze", "write or refresh this device's frozen figures (needs --moe-bench)",
+        action="store_true")
+    add("--moe-report", "moe_report", "write the gate's results as JSON to PATH and Markdown beside it",
+        metavar="PATH")
+    add("--moe-samples", "moe_samples", "timing samples per metric, at least 3 (default: 10)", metavar="N")
+
+
+def _option(config: pytest.Config, name: str):
+    value = config.getoption(name)
+    return value if value is not None else config.getini(name)
+
+
+def parse_model(value: str, rootpath: Path) -> str:
+    from impl.model.config import PRESETS
+    if value in PRESETS:
+        return value
+    path = Path(value) if Path(value).is_absolute() else rootpath / value
+    if path.is_dir():
+        return str(path)
+    raise ValueError(f"--moe-model {value!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
+
+
+def parse_options(config: pytest.Config) -> Options:
+    root = config.rootpath
+    baselines = Path(_option(config, "moe_baselines"))
+    report = _option(config, "moe_report")
+    options = Options(
+        bench=bool(_option(config, "moe_bench")),
+        device=parse_device(_option(config, "moe_device")),
+        model=parse_model(_option(config, "moe_model"), root),
+        baselines=baselines if baselines.is_absolute() else root / baselines,
+        freeze=bool(_option(config, "moe_freeze")),
+        report=None if not report else Path(report),
+        samples=parse_samples(_option(config, "moe_samples")),
+    )
+    if options.freeze and not options.bench:
+        raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
+    return options
+
+
+class _BenchmarkHooks:
+    """Registered only when pytest-benchmark is installed: puts the fingerprint in its machine info."""
+
+    def __init__(self, session: MoePerfSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl
+    def pytest_benchmark_update_machine_info(self, config, machine_info) -> None:
+        machine_info["moeperf"] = {"fingerprint": self.session.device.fingerprint, "key": self.session.device.key}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+    try:
+        options = parse_options(config)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    session = MoePerfSession(options)
+    config.stash[SESSION_KEY] = session
+    if options.bench:
+        from pytest_moeperf.baselines import BaselineError, BaselineStore
+        try:
+            BaselineStore.validate_folder(options.baselines)
+        except BaselineError as e:
+            raise pytest.UsageError(f"malformed baseline: {e}") from None
+        if options.device != "auto":
+            try:
+                session.device.torch_device
+            except ValueError as e:
+                raise pytest.UsageError(str(e)) from None
+    if config.pluginmanager.hasplugin("benchmark"):
+        config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
+
+
+def _gpu_skip_reason(session: MoePerfSession, item: pytest.Item) -> str | None:
+    if not session.device.is_cuda:
+        return f"needs a CUDA device; the device under test is {session.device.torch_device}"
+    cap = item.get_closest_marker("requires_capability")
+    if cap is not None:
+        import torch
+        have = torch.cuda.get_device_capability(session.device.torch_device)
+        need = tuple(cap.args)
+        if have < need:
+            return f"needs compute capability >= {need[0]}.{need[1]}, the device has {have[0]}.{have[1]}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    session = config.stash[SESSION_KEY]
+    for item in items:
+        if item.get_closest_marker("moe_bench") and not session.options.bench:
+            item.add_marker(pytest.mark.skip(reason=BENCH_SKIP_REASON))
+        elif item.get_closest_marker("gpu") or item.get_closest_marker("requires_capability"):
+            reason = _gpu_skip_reason(session, item)
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None or not session.options.bench:
+        return None
+    h = session.header()
+    return [f"moeperf: {h['device']} [fingerprint {h['fingerprint']}]",
+            f"moeperf: model {h['model']}, baselines {h['baselines']}" + (" (freezing)" if session.freeze else "")]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    state = session.config.stash.get(SESSION_KEY, None)
+    if state is not None:
+        state.finish_lines = state.finish()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    from pytest_moeperf import report
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None or not session.results:
+        return
+    terminalreporter.write_sep("=", "moeperf gate")
+    terminalreporter.write_line(report.table(session.results))
+    for line in getattr(session, "finish_lines", []):
+        terminalreporter.write_line(line)

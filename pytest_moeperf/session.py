@@ -1,0 +1,66 @@
+"""Run state of one pytest session: parsed options, the device, the baseline store, results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from pytest_moeperf import report
+from pytest_moeperf.baselines import BaselineStore
+from pytest_moeperf.device import DeviceInfo
+
+
+@dataclass(frozen=True)
+class Options:
+    bench: bool
+    device: str
+    model: str
+    baselines: Path
+    freeze: bool
+    report: Path | None
+    samples: int
+
+
+class MoePerfSession:
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.results: list = []
+        self.to_freeze: dict = {}
+
+    @property
+    def freeze(self) -> bool:
+        return self.options.freeze
+
+    @cached_property
+    def device(self) -> DeviceInfo:
+        return DeviceInfo(self.options.device)
+
+    @cached_property
+    def store(self) -> BaselineStore:
+        return BaselineStore(self.options.baselines, self.device.fingerprint, self.device.slug)
+
+    @property
+    def dtype_name(self) -> str:
+        # bf16 is what a GPU decodes in; fp32 on CPU, where bf16 matmuls are emulated and slow.
+        return "bfloat16" if self.device.is_cuda else "float32"
+
+    @property
+    def run_config(self) -> dict:
+        """What every gated figure of this run depends on besides the device."""
+        return {"model": self.options.model, "dtype": self.dtype_name}
+
+    def header(self) -> dict:
+        return {"device": self.device.describe(), "fingerprint": self.device.key,
+                "model": self.options.model, "baselines": str(self.store.path)}
+
+    def finish(self) -> list[str]:
+        """Write frozen figures and the report; returns lines for the terminal."""
+        lines = []
+        if self.to_freeze:
+            path = self.store.freeze(self.to_freeze)
+            lines.append(f"froze {len(self.to_freeze)} metric(s) for {self.device.key} into {path}")
+        if self.options.report is not None and self.results:
+            json_path, md_path = report.write(self.options.report, self.results, self.header())
+            lines.append(f"report written to {json_path} and {md_path}")
+        return lines

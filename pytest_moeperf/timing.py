@@ -1,0 +1,86 @@
+"""Repeated timing samples: host clock on CPU, CUDA events on GPU, warm-up first.
+
+`Sampler.sample` goes through pytest-benchmark's fixture (pedantic mode) when it is active, so
+its tables, --benchmark-json and compare tooling see the same rounds; otherwise (disabled, or
+under xdist) it runs the same loop itself. `Sampler.interleaved` times several callables in
+turn (A B A B ...) so that their ratio is measured under the same machine conditions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+class CudaEventClock:
+    """A pytest-benchmark-compatible timer reading CUDA events: seconds since construction.
+
+    Each reading records an event and waits for it, so an interval is device time between
+    two points of the stream (launch gaps included, host-side Python excluded once queued)."""
+
+    def __init__(self, device) -> None:
+        import torch
+        self._torch = torch
+        self._device = device
+        with torch.cuda.device(device):
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+            self._origin.synchronize()
+
+    def __call__(self) -> float:
+        with self._torch.cuda.device(self._device):
+            ev = self._torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ev.synchronize()
+        return self._origin.elapsed_time(ev) / 1e3
+
+
+def clock_for(device) -> Callable[[], float]:
+    return CudaEventClock(device) if getattr(device, "type", "cpu") == "cuda" else time.perf_counter
+
+
+def parse_samples(value: str) -> int:
+    n = int(value)
+    if n < 3:
+        raise ValueError(f"--moe-samples must be at least 3 (a median and an interval need them), got {n}")
+    return n
+
+
+class Sampler:
+    """Takes `rounds` samples of `inner` calls each; a sample is seconds per call."""
+
+    def __init__(self, device, rounds: int, warmup: int = 2, benchmark=None) -> None:
+        self.device, self.rounds, self.warmup = device, rounds, warmup
+        self.clock = clock_for(device)
+        self.benchmark = benchmark if benchmark is not None and getattr(benchmark, "enabled", False) else None
+
+    def sample(self, fn: Callable[[], object], inner: int = 1, rounds: int | None = None) -> list[float]:
+        rounds = rounds or self.rounds
+        if self.benchmark is not None:
+            self.benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
+            benchmark, self.benchmark = self.benchmark, None  # the fixture times one thing per test
+            benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
+            benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=self.warmup)
+            return list(benchmark.stats.stats.data)
+        for _ in range(self.warmup):
+            self._time(fn, inner)
+        return [self._time(fn, inner) for _ in range(rounds)]
+
+    def interleaved(self, fns: dict[str, Callable[[], object]], inner: int = 1,
+                    rounds: int | None = None) -> dict[str, list[float]]:
+        rounds = rounds or self.rounds
+        for _ in range(self.warmup):
+            for fn in fns.values():
+                self._time(fn, inner)
+        out: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                out[name].append(self._time(fn, inner))
+        return out
+
+    def _time(self, fn, inner: int) -> float:
+        self.clock()  # drains queued device work before the interval starts
+        start = self.clock()
+        for _ in range(inner):
+            fn()
+        return (self.clock() - start) / inner
