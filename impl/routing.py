@@ -40,8 +40,11 @@ def sigmoid_grouped_topk(
     groups whose two best biased scores sum highest; weights are the unbiased scores."""
     _check_logits(logits, top_k)
     num_tokens, num_experts = logits.shape
-    if num_experts % n_group or not 1 <= topk_group <= n_group:
+    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"{num_experts} experts cannot form {n_group} groups with topk_group={topk_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"top_k ({top_k}) exceeds the {topk_group * (num_experts // n_group)} experts in the "
+                         f"{topk_group} kept group(s) of {num_experts // n_group}")
     if bias is not None and bias.shape != (num_experts,):
         raise ValueError(f"correction bias must have shape ({num_experts},), got {tuple(bias.shape)}")
     scores = torch.sigmoid(logits.float())

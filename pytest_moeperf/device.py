@@ -9,6 +9,7 @@ import platform
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from importlib import metadata
 
 
 def parse_device(value: str) -> str:
@@ -31,11 +32,11 @@ def _cpu_brand() -> str:
 
 
 def _triton_version() -> str | None:
+    # From the package metadata: importing triton costs seconds and cannot be undone in-process.
     try:
-        import triton
-    except ImportError:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
         return None
-    return triton.__version__
 
 
 @dataclass(frozen=True)

@@ -366,3 +366,32 @@ def test_mtp_layers_are_skipped(glm_copy, checkpoints):
     ids = random_ids(seed=13)
     with torch.no_grad():
         assert rel_err(ours(ids), hf(ids).logits) <= RTOL
+
+
+@pytest.mark.parametrize("case", ["qwen3-no_norm_topk-bias-tied", "glm-qk_norm"])
+def test_config_keys_left_to_transformers_defaults(checkpoints, case, tmp_path):
+    """A config.json may omit any key whose value is transformers' default (norm_topk_prob is
+    False for Qwen3-MoE but True for GLM; GLM's rms_norm_eps is 1e-5, partial_rotary_factor 0.5,
+    first_k_dense_replace 1, n_shared_experts 1). The loader must read such a file as transformers does."""
+    hf, folder = checkpoints[case]
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    defaults = type(hf.config)().to_dict()
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("partial_rotary_factor") == 0.5 and isinstance(hf, Glm4MoeForCausalLM):
+        del rope["partial_rotary_factor"]
+    stripped = {k: v for k, v in raw.items() if k == "model_type" or v != defaults.get(k, object())}
+    dropped = set(raw) - set(stripped)
+    assert {"norm_topk_prob"} <= dropped if case.startswith("qwen3") else \
+        {"rms_norm_eps", "first_k_dense_replace", "n_shared_experts", "norm_topk_prob"} <= dropped
+    (tmp_path / "config.json").write_text(json.dumps(stripped))
+    # The stripped file means the same model to transformers...
+    reread = type(hf.config).from_pretrained(tmp_path)
+    for key in ("norm_topk_prob", "rms_norm_eps", "rope_parameters", "mlp_only_layers", "first_k_dense_replace",
+                "n_shared_experts", "tie_word_embeddings"):
+        assert getattr(reread, key, None) == getattr(hf.config, key, None), key
+    # ...and must mean the same to us.
+    ours = build_model(str(tmp_path))
+    ids = random_ids(seed=21)
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) <= RTOL

@@ -57,9 +57,11 @@ class KVCache(nn.Module):
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # index_copy_ keeps shapes static and the positions on the device (no host sync).
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+        # A batch smaller than the cache's uses its first rows.
+        b = k.shape[0]
+        self.k[:b].index_copy_(2, input_pos, k)
+        self.v[:b].index_copy_(2, input_pos, v)
+        return self.k[:b], self.v[:b]
 
 
 class Attention(nn.Module):

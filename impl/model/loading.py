@@ -18,6 +18,13 @@ from safetensors import safe_open
 from impl.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe")
+# transformers' defaults for keys a config.json may omit, where they differ between the families
+# or from the fallbacks below (Qwen3MoeConfig / Glm4MoeConfig).
+_FAMILY_DEFAULTS = {
+    "qwen3_moe": dict(norm_topk_prob=False, rms_norm_eps=1e-6),
+    "glm4_moe": dict(norm_topk_prob=True, rms_norm_eps=1e-5, partial_rotary_factor=0.5,
+                     first_k_dense_replace=1, n_shared_experts=1),
+}
 DEFAULT_MAX_SEQ_LEN = 8192  # caps the rope tables and the largest KV cache a loaded model allows
 
 
@@ -47,6 +54,7 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConf
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not supported; supported: "
                               f"{list(SUPPORTED_ARCHITECTURES)}")
+    raw = {**_FAMILY_DEFAULTS[arch], **raw}
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
     theta, partial = _rope(raw, folder)

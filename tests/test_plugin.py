@@ -1,0 +1,264 @@
+"""The plugin end to end, through pytester: gate verdicts, freezing, baselines, options, report.
+
+Most cases gate synthetic samples (a fixed spread scaled by a planted factor) so that each
+verdict is deterministic; one case times real work with a planted slowdown.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pytest_moeperf.baselines import SCHEMA, BaselineStore, load_file
+from pytest_moeperf.device import DeviceInfo
+
+# Latencies with a 1% spread, like the CPU decode step's per-sample CV measured on this machine kind.
+SUITE = """
+import os
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
+
+def test_latency(moe_gate):
+    factor = float(os.environ.get("PLANTED_FACTOR", "1"))
+    moe_gate.check("latency_us", [100 * s * factor for s in SPREAD], unit="us", direction="lower",
+                   tolerance=0.10)
+"""
+
+
+@pytest.fixture
+def suite(pytester):
+    pytester.makepyfile(test_suite=SUITE)
+    return pytester
+
+
+def _run(pytester, *args, factor=1.0, monkeypatch=None):
+    monkeypatch.setenv("PLANTED_FACTOR", str(factor))
+    # In-process (fast); the plugin is already imported here, so assertion rewriting of it is moot.
+    return pytester.runpytest("-p", "no:cacheprovider", "-rsw", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                              *args)
+
+
+@pytest.fixture
+def run(suite, monkeypatch):
+    return lambda *args, factor=1.0: _run(suite, *args, factor=factor, monkeypatch=monkeypatch)
+
+
+def _this_device_store(pytester) -> BaselineStore:
+    dev = DeviceInfo("auto")
+    return BaselineStore(pytester.path / "baselines", dev.fingerprint, dev.slug)
+
+
+def test_bench_suites_skip_without_the_flag_and_say_how_to_enable(run):
+    result = run()
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*performance suite: run with --moe-bench to enable it*"])
+
+
+def test_without_a_frozen_figure_the_gate_skips_and_says_how_to_freeze(run):
+    result = run("--moe-bench")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*latency_us: no frozen figure*--moe-freeze*"])
+
+
+def test_unchanged_run_passes_after_freezing(run, suite):
+    frozen = run("--moe-bench", "--moe-freeze")
+    frozen.assert_outcomes(passed=1)
+    frozen.stdout.fnmatch_lines(["*latency_us*FROZEN*", "*froze 1 metric(s)*"])
+    assert list(_this_device_store(suite).metrics) == ["test_suite.py::test_latency::latency_us"]
+    again = run("--moe-bench")
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(["*moeperf gate*", "*latency_us*100 us*100 us*1.000*PASS*"])
+
+
+def test_planted_20_percent_slowdown_fails(run):
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    result = run("--moe-bench", factor=1.2)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*latency_us: 120 us vs frozen 100 us: x0.833*-> regression*",
+                                 "*REGRESSION*"])
+
+
+def test_slowdown_within_tolerance_passes(run):
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    run("--moe-bench", factor=1.05).assert_outcomes(passed=1)
+
+
+def test_improvement_beyond_tolerance_says_refreeze(run):
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    result = run("--moe-bench", factor=0.7)
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*RefreezeWarning*latency_us*run --moe-freeze*", "*REFREEZE*"])
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"schema": "other/9", "entries": []}), "expected schema"),
+    (json.dumps({"schema": SCHEMA, "entries": [{"fingerprint": {}, "metrics": {"m": {
+        "value": 1.0, "samples": [1.0], "unit": "us", "direction": "lower", "tolerance": 1.5}}}]}),
+     "'tolerance' must be a fraction"),
+    (json.dumps({"schema": SCHEMA, "entries": [{"fingerprint": {}, "metrics": {"m": {
+        "value": 1.0, "unit": "us", "direction": "lower", "tolerance": 0.1}}}]}), "missing field(s)*samples"),
+    (json.dumps({"schema": SCHEMA, "entries": [{"fingerprint": {}, "metrics": {"m": {
+        "value": 1.0, "samples": [1.0, None], "unit": "us", "direction": "lower", "tolerance": 0.1}}}]}),
+     "'samples' must be a non-empty list of finite numbers"),
+    (json.dumps({"schema": SCHEMA, "entries": [{"fingerprint": {}, "metrics": {"m": {
+        "value": 1.0, "samples": [1.0], "unit": "us", "direction": "sideways", "tolerance": 0.1}}}]}),
+     "'direction' must be one of"),
+])
+def test_malformed_baseline_is_a_usage_error_naming_file_and_problem(run, suite, content, problem):
+    (suite.path / "baselines").mkdir()
+    (suite.path / "baselines" / "broken.json").write_text(content)
+    result = run("--moe-bench")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*malformed baseline:*broken.json*{problem}*"])
+
+
+def test_a_figure_frozen_on_another_fingerprint_is_never_used(run, suite):
+    store = _this_device_store(suite)
+    other = {**store.fingerprint, "torch": "0.0.1-other"}
+    BaselineStore(store.folder, other, store.path.stem).freeze({
+        "test_suite.py::test_latency::latency_us": _frozen(value=50.0)})
+    # A 2x slower run would fail against that figure; it must be skipped instead.
+    result = run("--moe-bench", factor=1.0)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no frozen figure*"])
+
+
+def test_freeze_keeps_other_devices_entries_and_metrics_not_remeasured(run, suite):
+    store = _this_device_store(suite)
+    other = {**store.fingerprint, "name": "Some Other CPU"}
+    BaselineStore(store.folder, other, store.path.stem).freeze({"elsewhere::m": _frozen(value=7.0)})
+    store.freeze({"not_run::m": _frozen(value=3.0)})
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    entries = {json.dumps(e["fingerprint"], sort_keys=True): e["metrics"] for e in load_file(store.path).entries}
+    assert set(entries[json.dumps(other, sort_keys=True)]) == {"elsewhere::m"}
+    assert set(entries[json.dumps(store.fingerprint, sort_keys=True)]) == {
+        "not_run::m", "test_suite.py::test_latency::latency_us"}
+
+
+def test_freeze_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
+    store = BaselineStore(tmp_path, {"kind": "cpu", "name": "x"}, "dev")
+    store.freeze({"a::m": _frozen(value=1.0)})
+    before = store.path.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("pytest_moeperf.baselines.os.replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        store.freeze({"b::m": _frozen(value=2.0)})
+    assert store.path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["dev.json"]  # no temporary file left behind
+
+
+def test_a_figure_frozen_under_another_configuration_is_not_compared(run, suite):
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    # The frozen figure was taken with --moe-model tiny (the default); ling-3.0-flash differs.
+    result = run("--moe-bench", "--moe-model", "ling-3.0-flash", factor=2.0)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*another configuration (model: 'tiny' -> 'ling-3.0-flash')*"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--moe-freeze"], "--moe-freeze needs --moe-bench"),
+    (["--moe-device", "tpu"], "--moe-device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--moe-model", "no-such-model"], "--moe-model 'no-such-model' is neither a preset"),
+    (["--moe-samples", "2"], "--moe-samples must be at least 3"),
+])
+def test_bad_options_are_usage_errors(run, args, message):
+    result = run(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_options_fall_back_to_ini_keys(suite, monkeypatch):
+    suite.makeini("[pytest]\nmoe_bench = true\nmoe_model = no-such-model\n")
+    result = _run(suite, monkeypatch=monkeypatch)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-model 'no-such-model'*"])
+
+
+def test_report_is_written_as_json_and_markdown(run, suite):
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    run("--moe-bench", "--moe-report", "out/report.json", factor=1.2).assert_outcomes(failed=1)
+    doc = json.loads((suite.path / "out" / "report.json").read_text())
+    (metric,) = doc["metrics"]
+    assert metric["verdict"] == "regression" and metric["ratio"] == pytest.approx(1 / 1.2, rel=1e-3)
+    assert doc["header"]["fingerprint"] == DeviceInfo("auto").key
+    assert "| test_suite.py::test_latency::latency_us | 120 us | 100 us | 0.833 |" in \
+        (suite.path / "out" / "report.md").read_text()
+
+
+def test_gpu_markers_skip_with_their_reason_on_a_cpu(pytester, monkeypatch):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.gpu
+        def test_needs_gpu():
+            pass
+
+        @pytest.mark.requires_capability(9, 0)
+        def test_needs_hopper():
+            pass
+    """)
+    result = _run(pytester, "--moe-device", "cpu", monkeypatch=monkeypatch)
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*needs a CUDA device; the device under test is cpu*"])
+
+
+def test_benchmark_json_carries_the_device_fingerprint(pytester, monkeypatch):
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.moe_bench
+        def test_timed(moe_sampler):
+            samples = moe_sampler.sample(lambda: sum(range(1000)), inner=10)
+            assert len(samples) == 10 and all(s > 0 for s in samples)
+    """)
+    result = _run(pytester, "--moe-bench", "--benchmark-json", "bench.json", monkeypatch=monkeypatch)
+    result.assert_outcomes(passed=1)
+    doc = json.loads((pytester.path / "bench.json").read_text())
+    assert doc["machine_info"]["moeperf"]["key"] == DeviceInfo("auto").key
+    (bench,) = doc["benchmarks"]
+    assert bench["stats"]["rounds"] == 10 and bench["stats"]["iterations"] == 10
+
+
+REAL_WORK_SUITE = """
+import os
+import pytest
+import torch
+
+pytestmark = pytest.mark.moe_bench
+
+def test_matmul_chain(moe_sampler, moe_gate):
+    extra = float(os.environ.get("PLANTED_FACTOR", "1"))
+    a = torch.randn(256, 256)
+    steps = round(20 * extra)  # the planted defect: more work per call
+
+    def work():
+        x = a
+        for _ in range(steps):
+            x = torch.tanh(x @ a)
+        return x
+
+    seconds = moe_sampler.sample(work, inner=5)
+    moe_gate.check("chain_ms", [s * 1e3 for s in seconds], unit="ms", direction="lower", tolerance=0.10)
+"""
+
+
+def test_real_timing_catches_a_planted_slowdown(pytester, monkeypatch):
+    """Timed work, not synthetic samples: the same code passes, 20% more work per call fails."""
+    pytester.makepyfile(test_real=REAL_WORK_SUITE)
+    _run(pytester, "--moe-bench", "--moe-freeze", monkeypatch=monkeypatch).assert_outcomes(passed=1)
+    _run(pytester, "--moe-bench", monkeypatch=monkeypatch).assert_outcomes(passed=1)
+    slow = _run(pytester, "--moe-bench", factor=1.2, monkeypatch=monkeypatch)
+    slow.assert_outcomes(failed=1)
+    slow.stdout.fnmatch_lines(["*chain_ms*-> regression*"])
+
+
+def _frozen(value: float):
+    from pytest_moeperf.baselines import FrozenMetric
+    return FrozenMetric(value, [value] * 3, "us", "lower", 0.1, {"model": "tiny", "dtype": "float32"})
