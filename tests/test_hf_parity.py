@@ -32,7 +32,7 @@ BATCH, SEQ = 2, 17
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2,
-              max_position_embeddings=64, rope_theta=10000.0)
+              max_position_embeddings=64, rope_theta=25000.0)  # not the default: a misread theta shows
 
 CASES = {
     "qwen3-norm_topk": ("qwen3", dict(num_experts=8, mlp_only_layers=[1], norm_topk_prob=True)),
@@ -127,6 +127,7 @@ def test_config_read_matches_hf(checkpoints, case):
     dense = [i for i, layer in enumerate(hf.model.layers) if not hasattr(layer.mlp, "gate")]
     assert list(c.dense_layers) == dense
     assert c.rotary_dim == hf.model.rotary_emb.inv_freq.numel() * 2
+    assert c.rope_theta == h.rope_parameters["rope_theta"] == COMMON["rope_theta"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

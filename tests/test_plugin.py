@@ -233,6 +233,14 @@ import torch
 
 pytestmark = pytest.mark.moe_bench
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # One thread: less exposed to whatever else runs on a 2-core machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 def test_matmul_chain(moe_sampler, moe_gate):
     extra = float(os.environ.get("PLANTED_FACTOR", "1"))
     a = torch.randn(256, 256)
