@@ -50,9 +50,8 @@ def moe_gate(moe_session, request) -> Gate:
 @pytest.fixture
 def moe_sampler(moe_session, request) -> Sampler:
     """Timing samples on the device; the first `sample` call goes through pytest-benchmark when active."""
-    benchmark = None
-    # Ask for pytest-benchmark's fixture only when it will measure (it warns when left unused).
+    # pytest-benchmark's fixture is requested only when `sample` uses it: it warns when left unused.
     bench_session = getattr(request.config, "_benchmarksession", None)
-    if bench_session is not None and not bench_session.disabled:
-        benchmark = request.getfixturevalue("benchmark")
-    return Sampler(moe_session.device.torch_device, moe_session.options.samples, benchmark=benchmark)
+    use_benchmark = bench_session is not None and not bench_session.disabled
+    return Sampler(moe_session.device.torch_device, moe_session.options.samples,
+                   benchmark=(lambda: request.getfixturevalue("benchmark")) if use_benchmark else None)

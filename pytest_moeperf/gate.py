@@ -11,6 +11,7 @@ import statistics
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Callable
 
 import pytest
 
@@ -48,7 +49,9 @@ class Gate:
         self.nodeid = nodeid
 
     def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: float,
-              config: dict | None = None) -> GateResult:
+              config: dict | None = None, remeasure: Callable[[], list[float]] | None = None) -> GateResult:
+        """Gate `samples` (in `unit`); `remeasure`, if given, takes fresh samples to confirm a
+        regression before failing (timings on shared machines)."""
         samples = [float(s) for s in samples]
         if not samples:
             raise ValueError(f"metric {metric!r}: no samples to gate")
@@ -75,27 +78,45 @@ class Gate:
         if (frozen.unit, frozen.direction) != (unit, direction):
             raise ValueError(f"{metric}: frozen as {frozen.unit!r}/{frozen.direction!r} but measured as "
                              f"{unit!r}/{direction!r}; refreeze after changing a metric's meaning")
-        cmp = compare(samples, frozen.samples, direction, frozen.tolerance)
         result.frozen, result.tolerance = frozen.value, frozen.tolerance
-        result.ratio, result.ci_low, result.ci_high, result.p_value = cmp.ratio, cmp.ci_low, cmp.ci_high, cmp.p_value
-        result.verdict = cmp.verdict
-        result.message = (f"{metric}: {result.current:.4g} {unit} vs frozen {frozen.value:.4g} {unit}: "
-                          f"x{cmp.ratio:.3f} (95% CI {cmp.ci_low:.3f}-{cmp.ci_high:.3f}, tolerance "
-                          f"{frozen.tolerance:.0%}, {direction} is better) -> {cmp.verdict}")
-        if cmp.verdict == "regression":
+        self._compare(result, samples, frozen)
+        if result.verdict == "regression" and remeasure is not None:
+            # A burst of host noise can slow one whole measurement; a real regression survives a
+            # second, independent one. The second measurement decides, and the message keeps both.
+            first = result.message
+            samples = [float(s) for s in remeasure()]
+            result.current, result.samples = statistics.median(samples), samples
+            self._compare(result, samples, frozen)
+            result.message += f" (re-measured after: {first})"
+        if result.verdict == "regression":
             pytest.fail(result.message, pytrace=False)
-        if cmp.verdict == "refreeze":
+        if result.verdict == "refreeze":
             warnings.warn(RefreezeWarning(result.message + "; run --moe-freeze to record the new level"))
         return result
 
-    def check_ratio(self, metric: str, numerator, denominator, *, direction: str, tolerance: float,
-                    config: dict | None = None) -> GateResult:
-        """Gate the per-round ratio of two series measured side by side (interleaved)."""
-        if len(numerator) != len(denominator):
-            raise ValueError(f"metric {metric!r}: paired series differ in length "
-                             f"({len(numerator)} vs {len(denominator)})")
-        return self.check(metric, [a / b for a, b in zip(numerator, denominator)], unit="x",
-                          direction=direction, tolerance=tolerance, config=config)
+    @staticmethod
+    def _compare(result: GateResult, samples: list[float], frozen: FrozenMetric) -> None:
+        cmp = compare(samples, frozen.samples, result.direction, frozen.tolerance)
+        result.ratio, result.ci_low, result.ci_high, result.p_value = cmp.ratio, cmp.ci_low, cmp.ci_high, cmp.p_value
+        result.verdict = cmp.verdict
+        result.message = (f"{result.metric}: {result.current:.4g} {result.unit} vs frozen {frozen.value:.4g} "
+                          f"{result.unit}: x{cmp.ratio:.3f} (95% CI {cmp.ci_low:.3f}-{cmp.ci_high:.3f}, "
+                          f"tolerance {frozen.tolerance:.0%}, {result.direction} is better) -> {cmp.verdict}")
+
+    def check_ratio(self, metric: str, measure: Callable[[], tuple[list[float], list[float]]], *,
+                    direction: str, tolerance: float, config: dict | None = None) -> GateResult:
+        """Gate the per-round ratio of two series measured side by side (interleaved);
+        `measure()` returns (numerator, denominator) and is called again to confirm a regression."""
+
+        def ratios() -> list[float]:
+            numerator, denominator = measure()
+            if len(numerator) != len(denominator):
+                raise ValueError(f"metric {metric!r}: paired series differ in length "
+                                 f"({len(numerator)} vs {len(denominator)})")
+            return [a / b for a, b in zip(numerator, denominator)]
+
+        return self.check(metric, ratios(), unit="x", direction=direction, tolerance=tolerance,
+                          config=config, remeasure=ratios)
 
 
 def _diff(frozen: dict, current: dict) -> str:

@@ -49,16 +49,18 @@ def parse_samples(value: str) -> int:
 class Sampler:
     """Takes `rounds` samples of `inner` calls each; a sample is seconds per call."""
 
-    def __init__(self, device, rounds: int, warmup: int = 2, benchmark=None) -> None:
+    def __init__(self, device, rounds: int, warmup: int = 2,
+                 benchmark: Callable[[], object] | None = None) -> None:
+        """`benchmark` returns pytest-benchmark's fixture; it is called at most once, by `sample`."""
         self.device, self.rounds, self.warmup = device, rounds, warmup
         self.clock = clock_for(device)
-        self.benchmark = benchmark if benchmark is not None and getattr(benchmark, "enabled", False) else None
+        self.benchmark = benchmark
 
     def sample(self, fn: Callable[[], object], inner: int = 1, rounds: int | None = None) -> list[float]:
         rounds = rounds or self.rounds
         if self.benchmark is not None:
             self.benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
-            benchmark, self.benchmark = self.benchmark, None  # the fixture times one thing per test
+            benchmark, self.benchmark = self.benchmark(), None  # the fixture times one thing per test
             benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
             benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=self.warmup)
             return list(benchmark.stats.stats.data)

@@ -1,10 +1,12 @@
 """Decode throughput and per-layer MoE time of the model under test, gated against frozen figures.
 
-Tolerances: 10% on absolute figures. On the CI machine kind the per-sample CV of a ~0.2 ms step
-is under 1% (shared/DESIGN.md), but absolute speed drifts more between sessions (clock, neighbours),
-so 10% is the smallest threshold that does not flag the machine instead of the code; the
-bootstrap interval keeps noisier runs from failing on noise alone. The ratio against a
-bytes-equivalent GEMV, measured interleaved in the same run, cancels most machine drift.
+Tolerance, 25% on CPU: within one run the samples are tight (interval widths of a few percent),
+but on the shared 2-core VMs this runs on, the same code measured minutes apart drifted by up to
+about 20% (decode step 1.79 to 2.32 ms in six consecutive processes, 2026-11-29), a slowdown of
+the host that no statistic over one run's samples can see. 25% keeps that drift from failing the
+gate while still catching what matters at this size (e.g. the oracle MoE path left switched on, or
+a per-token host sync, each tens of percent). On a GPU the spread is far smaller: 5%.
+The MoE-over-dense ratio is measured interleaved (A B A B) in one run, so host drift cancels.
 """
 
 from __future__ import annotations
@@ -12,12 +14,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl.model.layers import MoEBlock
+from impl.model.layers import MLP, MoEBlock
 
 pytestmark = pytest.mark.moe_bench
 
 CONTEXT = 64  # tokens in the cache when the decode step is timed
 STEPS_PER_SAMPLE = 32
+CALLS_PER_SAMPLE = 200
+
+
+def _tolerance(model) -> float:
+    return 0.05 if model.embed_tokens.weight.is_cuda else 0.25
+
+
+def _config(model) -> dict:
+    return {"threads": torch.get_num_threads(), "moe_backend": model.moe_backend, "context": CONTEXT}
 
 
 @pytest.fixture(scope="module")
@@ -40,45 +51,45 @@ def decode_step(moe_model):
     return step
 
 
-def _config(model) -> dict:
-    return {"threads": torch.get_num_threads(), "moe_backend": model.moe_backend, "context": CONTEXT}
-
-
-def test_decode_tokens_per_s(moe_model, decode_step, moe_sampler, moe_gate):
-    seconds = moe_sampler.sample(decode_step, inner=STEPS_PER_SAMPLE)
-    moe_gate.check("decode_tokens_per_s", [1 / s for s in seconds], unit="tok/s", direction="higher",
-                   tolerance=0.10, config=_config(moe_model))
-
-
 @pytest.fixture(scope="module")
-def first_moe_layer(moe_model):
+def moe_layer(moe_model):
+    """The first MoE block of the model and one random token's hidden state."""
     block = next(layer.mlp for layer in moe_model.layers if isinstance(layer.mlp, MoEBlock))
     w = moe_model.embed_tokens.weight
     x = torch.randn(1, 1, moe_model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(w)
     return block, x
 
 
-def _bytes_equivalent_gemv(model, x):
-    """A dense GEMV reading as many weight bytes as one MoE layer does for one token."""
-    c = model.config
-    cols = 3 * c.moe_intermediate_size * c.top_k + 3 * c.shared_intermediate_size + c.num_experts
-    w = torch.randn(c.hidden_size, cols, generator=torch.Generator().manual_seed(2)).to(x)
-    flat = x.view(1, -1)
-    return lambda: flat @ w
+def test_decode_tokens_per_s(moe_model, decode_step, moe_sampler, moe_gate):
+    def tokens_per_s():
+        return [1 / s for s in moe_sampler.sample(decode_step, inner=STEPS_PER_SAMPLE)]
+
+    moe_gate.check("decode_tokens_per_s", tokens_per_s(), unit="tok/s", direction="higher",
+                   tolerance=_tolerance(moe_model), config=_config(moe_model), remeasure=tokens_per_s)
 
 
-def test_moe_layer_us(moe_model, first_moe_layer, moe_sampler, moe_gate):
-    block, x = first_moe_layer
-    with torch.inference_mode():
-        seconds = moe_sampler.sample(lambda: block(x), inner=200)
-    moe_gate.check("moe_layer_us", [s * 1e6 for s in seconds], unit="us", direction="lower",
-                   tolerance=0.10, config=_config(moe_model))
+def test_moe_layer_us(moe_model, moe_layer, moe_sampler, moe_gate):
+    block, x = moe_layer
+
+    @torch.inference_mode()
+    def microseconds():
+        return [s * 1e6 for s in moe_sampler.sample(lambda: block(x), inner=CALLS_PER_SAMPLE)]
+
+    moe_gate.check("moe_layer_us", microseconds(), unit="us", direction="lower",
+                   tolerance=_tolerance(moe_model), config=_config(moe_model), remeasure=microseconds)
 
 
-def test_moe_layer_vs_bytes_equivalent_gemv(moe_model, first_moe_layer, moe_sampler, moe_gate):
-    block, x = first_moe_layer
-    gemv = _bytes_equivalent_gemv(moe_model, x)
-    with torch.inference_mode():
-        s = moe_sampler.interleaved({"moe": lambda: block(x), "gemv": gemv}, inner=200)
-    moe_gate.check_ratio("moe_layer_over_gemv", s["moe"], s["gemv"], direction="lower", tolerance=0.10,
-                         config=_config(moe_model))
+def test_moe_layer_over_dense_equivalent(moe_model, moe_layer, moe_sampler, moe_gate):
+    """MoE layer time over a dense SwiGLU MLP doing the same useful work for one token (width
+    top_k * I + shared): what routing, gathering and combining cost on top of the math."""
+    block, x = moe_layer
+    c = moe_model.config
+    dense = MLP(c.hidden_size, c.top_k * c.moe_intermediate_size + c.shared_intermediate_size).to(x)
+
+    @torch.inference_mode()
+    def side_by_side():
+        s = moe_sampler.interleaved({"moe": lambda: block(x), "dense": lambda: dense(x)}, inner=CALLS_PER_SAMPLE)
+        return s["moe"], s["dense"]
+
+    moe_gate.check_ratio("moe_over_dense_equivalent", side_by_side, direction="lower",
+                         tolerance=_tolerance(moe_model), config=_config(moe_model))

@@ -86,6 +86,49 @@ def test_slowdown_within_tolerance_passes(run):
     run("--moe-bench", factor=1.05).assert_outcomes(passed=1)
 
 
+REMEASURE_SUITE = """
+import os
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
+
+def test_latency(moe_gate):
+    # Each measurement takes its factor from the next entry of PLANTED_FACTORS.
+    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
+
+    def measure():
+        f = next(factors)
+        return [100 * s * f for s in SPREAD]
+
+    moe_gate.check("latency_us", measure(), unit="us", direction="lower", tolerance=0.10, remeasure=measure)
+
+def test_ratio(moe_gate):
+    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
+
+    def side_by_side():
+        f = next(factors)
+        return [2.0 * s * f for s in SPREAD], [1.0 * s for s in SPREAD]
+
+    moe_gate.check_ratio("new_over_old", side_by_side, direction="lower", tolerance=0.10)
+"""
+
+
+@pytest.mark.parametrize("factors, outcome", [
+    ("1.3,1.0", "passed"),   # a transient: the second measurement clears it
+    ("1.3,1.25", "failed"),  # a real regression: confirmed
+])
+def test_a_regression_must_survive_a_second_measurement(pytester, monkeypatch, factors, outcome):
+    pytester.makepyfile(test_suite=REMEASURE_SUITE)
+    _run(pytester, "--moe-bench", "--moe-freeze", monkeypatch=monkeypatch).assert_outcomes(passed=2)
+    monkeypatch.setenv("PLANTED_FACTORS", factors)
+    result = _run(pytester, "--moe-bench", monkeypatch=monkeypatch)
+    result.assert_outcomes(**{outcome: 2})
+    if outcome == "failed":
+        result.stdout.fnmatch_lines(["*latency_us: 125 us vs frozen 100 us*-> regression (re-measured after: "
+                                     "latency_us: 130 us*-> regression)*"])
+
+
 def test_improvement_beyond_tolerance_says_refreeze(run):
     run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
     result = run("--moe-bench", factor=0.7)

@@ -19,7 +19,10 @@ def _free_bytes(device: torch.device) -> int:
 
 
 def resolve_device(spec: str | torch.device) -> torch.device:
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {spec!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")

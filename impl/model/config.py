@@ -62,7 +62,7 @@ class ModelConfig:
             raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; expected one of {ROUTERS}")
-        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"grouped routing needs num_experts ({self.num_experts}) divisible by "
                              f"n_group ({self.n_group}) and 1 <= topk_group ({self.topk_group}) <= n_group")
         if self.router == "sigmoid_grouped" and self.top_k > self.topk_group * self.num_experts // self.n_group:
