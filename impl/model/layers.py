@@ -14,6 +14,8 @@ from torch import nn
 
 from impl import backends
 from impl.model.config import ModelConfig
+from impl.moe.shared import SharedExpert
+from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
 from impl.routing import sigmoid_grouped_topk, softmax_topk
 
 
@@ -128,11 +130,34 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """Routed experts' weights, in the model dtype or, after `quantize("mxfp4")`, as MXFP4."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.format = "dense"
+
+    @torch.no_grad()
+    def quantize(self, fmt: str) -> None:
+        if fmt != "mxfp4":
+            raise ValueError(f"unknown expert weight format {fmt!r}; supported: 'mxfp4'")
+        if self.format == "mxfp4":
+            return
+        gate_up, down = quantize_mxfp4(self.gate_up_proj), quantize_mxfp4(self.down_proj)
+        del self.gate_up_proj, self.down_proj
+        for name, q in (("gate_up", gate_up), ("down", down)):
+            self.register_buffer(f"{name}_packed", q.packed)
+            self.register_buffer(f"{name}_scales", q.scales)
+        self.format = "mxfp4"
+
+    def weights(self):
+        """(gate_up, down) as the MoE backends take them: tensors or MXFP4Tensor."""
+        if self.format == "mxfp4":
+            return (MXFP4Tensor(self.gate_up_packed, self.gate_up_scales),
+                    MXFP4Tensor(self.down_packed, self.down_scales))
+        return self.gate_up_proj, self.down_proj
 
 
 class MoEBlock(nn.Module):
@@ -147,10 +172,11 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        out = self.backend.fn(flat, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        shared = None
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view_as(x)
+            s = self.shared_experts
+            shared = SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+        return self.backend.fn(flat, weights, ids, *self.experts.weights(), shared).view_as(x)
 
 
 class DecoderLayer(nn.Module):

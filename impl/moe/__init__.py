@@ -1,23 +1,44 @@
-"""MoE layer implementations, registered as `moe` backends."""
+"""MoE layer implementations, registered as `moe` backends.
+
+A `moe` backend is fn(x [T, H], weights fp32 [T, k], ids [T, k], w_gate_up, w_down, shared)
+-> [T, H], where the routed weights are [E, 2I, H] / [E, H, I] tensors or MXFP4Tensor and
+`shared` is a SharedExpert or None.
+"""
+
+import torch.nn.functional as F
 
 from impl import backends
 from impl.moe.gather import moe_gather
 from impl.moe.reference import check_moe_inputs, moe_reference, swiglu
+from impl.moe.shared import SharedExpert
+from impl.quant.mxfp4 import MXFP4Tensor
 
 
-def _reference(x, weights, ids, w_gate_up, w_down):
-    backends.note("moe", "reference", "moe_reference", experts=w_gate_up.shape[0], tokens=x.shape[0])
-    return moe_reference(x, weights, ids, w_gate_up, w_down)
+def _reference(x, weights, ids, w_gate_up, w_down, shared=None):
+    backends.note("moe", "reference", "moe_reference", tokens=x.shape[0])
+    return moe_reference(x, weights, ids, w_gate_up, w_down, shared)
 
 
-def _gather(x, weights, ids, w_gate_up, w_down):
-    backends.note("moe", "gather", "moe_gather", experts=w_gate_up.shape[0], tokens=x.shape[0])
-    return moe_gather(x, weights, ids, w_gate_up, w_down)
+def _gather(x, weights, ids, w_gate_up, w_down, shared=None):
+    if isinstance(w_gate_up, MXFP4Tensor) or isinstance(w_down, MXFP4Tensor):
+        raise TypeError("the gather MoE backend takes plain tensors; use 'triton' or 'reference' for MXFP4 experts")
+    backends.note("moe", "gather", "moe_gather", tokens=x.shape[0])
+    out = moe_gather(x, weights, ids, w_gate_up, w_down)
+    if shared is not None:
+        out = out + F.linear(F.silu(F.linear(x, shared.gate)) * F.linear(x, shared.up), shared.down)
+    return out
+
+
+def _triton(x, weights, ids, w_gate_up, w_down, shared=None):
+    from impl.moe.triton_moe import moe_triton
+    return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
 
 
 backends.register(backends.Backend(
     "moe", "reference", _reference, "fp32 loop over the chosen experts (the oracle)"))
 backends.register(backends.Backend(
-    "moe", "gather", _gather, "gather the chosen experts' weights, two einsums; no host syncs"))
+    "moe", "gather", _gather, "gather the chosen experts' weights, two einsums; no host syncs; bf16 only"))
+backends.register(backends.Backend(
+    "moe", "triton", _triton, "fused Triton decode kernels, bf16 or MXFP4 experts, shared expert fused"))
 
-__all__ = ["check_moe_inputs", "moe_gather", "moe_reference", "swiglu"]
+__all__ = ["SharedExpert", "check_moe_inputs", "moe_gather", "moe_reference", "swiglu"]

@@ -9,10 +9,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from impl.quant.mxfp4 import MXFP4Tensor
+
+
+def logical_weight(w) -> torch.Tensor:
+    """A tensor standing for `w`'s logical shape, dtype class and device: `w` itself, or for an
+    MXFP4Tensor a zero-stride fp32 view (no memory) of its dequantized shape."""
+    if isinstance(w, MXFP4Tensor):
+        return torch.empty(1, device=w.packed.device).expand(w.shape)
+    return w
+
+
+def dense_weight(w) -> torch.Tensor:
+    return w.dequantize(torch.float32) if isinstance(w, MXFP4Tensor) else w
+
 
 def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
-    """Raise a named error for any shape, dtype or device mismatch between the MoE operands."""
+                     w_gate_up: torch.Tensor, w_down: torch.Tensor, check_ids: bool = True) -> None:
+    """Raise a named error for any shape, dtype or device mismatch between the MoE operands.
+    `check_ids` reads the ids' range back to the host: leave it off inside a CUDA graph capture."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
     tokens, hidden = x.shape
@@ -36,7 +51,7 @@ def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     devices = {t.device for t in (x, weights, ids, w_gate_up, w_down)}
     if len(devices) > 1:
         raise ValueError(f"MoE operands are on different devices: {sorted(map(str, devices))}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+    if check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
         raise ValueError(f"expert ids must be in [0, {experts}), got range "
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
@@ -48,13 +63,17 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
 
 
 def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), computed in fp32, returned in x's dtype."""
-    check_moe_inputs(x, weights, ids, w_gate_up, w_down)
+                  w_gate_up, w_down, shared=None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared expert), computed in fp32,
+    returned in x's dtype. Weights may be plain tensors or MXFP4Tensor (dequantized here)."""
+    check_moe_inputs(x, weights, ids, logical_weight(w_gate_up), logical_weight(w_down))
+    w_gate_up, w_down = dense_weight(w_gate_up), dense_weight(w_down)
     xf = x.float()
     out = torch.zeros_like(xf)
     for expert in torch.unique(ids).tolist():
         token_idx, slot = torch.where(ids == expert)
         y = swiglu(xf[token_idx], w_gate_up[expert].float(), w_down[expert].float())
         out.index_add_(0, token_idx, y * weights[token_idx, slot, None].float())
+    if shared is not None:
+        out += swiglu(xf, torch.cat((shared.gate, shared.up)).float(), shared.down.float())
     return out.to(x.dtype)

@@ -1,0 +1,287 @@
+"""Fused MoE for decode and verify steps (M <= 16 tokens) in Triton: routed experts in bf16 or
+MXFP4 (E2M1 pairs + one E8M0 scale per 32 along K, decoded in registers), SwiGLU, the weighted
+combine and an optional shared expert, in three launches with no host synchronization:
+
+1. `moe_slots_kernel` (one program): groups the (token, expert) pairs by expert into "slots",
+   so each chosen expert is read once however many tokens chose it;
+2. `moe_gate_up_kernel` (slot x intermediate block): act = silu(x Wg^T) * (x Wu^T) for all
+   tokens of the slot at once, into a small scratch buffer;
+3. `moe_down_kernel` (hidden block): sum over slots of weight * act Wd^T, plus the shared
+   expert, written once in the output dtype (deterministic: no atomics on the output).
+
+Tokens are padded to M_PAD = 16 rows so the products run on tensor cores; at decode sizes the
+wasted arithmetic is free, the weight bytes are what cost.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from impl import backends
+from impl.moe.configs import MoELaunchConfig, lookup
+from impl.moe.shared import SharedExpert
+from impl.quant.mxfp4 import MXFP4Tensor
+from impl.triton_env import FP32_MATH, tl, triton
+
+M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
+E8M0_MIN = 2.0 ** -127  # E8M0 code 0: a subnormal in fp32, not reachable by the bit trick below
+
+
+@triton.jit
+def _decode_e2m1(nib):
+    """uint8 nibbles (E2M1 codes) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+    exp = (nib >> 1) & 3
+    man = (nib & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * man) * ((exp.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, 0.5 * man, normal)
+    return tl.where((nib >> 3) != 0, -mag, mag)
+
+
+@triton.jit
+def _decode_e8m0(code):
+    """uint8 E8M0 codes -> fp32 2**(code - 127); 255 is NaN."""
+    c = code.to(tl.int32)
+    scale = (c << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(c == 0, 5.877471754111438e-39, scale)  # 2**-127, an fp32 subnormal
+    return tl.where(c == 255, float("nan"), scale)
+
+
+@triton.jit
+def _load_weight_tile(w_ptr, ws_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """Rows `offs_n`, columns k0..k0+BLOCK_K of a [N, K] weight -> [BLOCK_N, BLOCK_K] (fp32 for
+    MXFP4, the stored dtype otherwise); out-of-range elements are 0."""
+    if MXFP4:
+        offs_kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_kq[None, :],
+                         mask=n_mask[:, None] & (offs_kq[None, :] < K // 2), other=0)
+        # Element 2j is the low nibble of byte j, element 2j+1 the high one.
+        w = tl.join(_decode_e2m1(packed & 0xF), _decode_e2m1(packed >> 4)).reshape(BLOCK_N, BLOCK_K)
+        offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_ks[None, :],
+                        mask=n_mask[:, None] & (offs_ks[None, :] < K // 32), other=127)
+        scale = _decode_e8m0(codes)
+        w = (w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    return w
+
+
+@triton.jit
+def _dot_t(a, w, FP32_MATH: tl.constexpr):
+    """a [M, K] @ w[N, K]^T with fp32 accumulation; bf16 operands on the GPU (exact products)."""
+    if FP32_MATH:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+    return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+
+
+@triton.jit
+def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
+                 stride_wn, stride_sn, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, FP32_MATH: tl.constexpr):
+    offs_m = tl.arange(0, M_PAD)
+    acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        wg = _load_weight_tile(g_ptr, gs_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+        wu = _load_weight_tile(u_ptr, us_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+        acc_g += _dot_t(x, wg, FP32_MATH)
+        acc_u += _dot_t(x, wu, FP32_MATH)
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
+def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                     num_pairs, top_k, num_slots,
+                     P_PAD: tl.constexpr, S_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """Pairs (token, expert) -> slots: slot_expert[s] (-1 if unused), slot_weight[s, m] (sum of
+    token m's weights for that expert) and slot_tokens[s] (bit m set if token m chose it)."""
+    offs_p = tl.arange(0, P_PAD)
+    valid = offs_p < num_pairs
+    expert = tl.load(ids_ptr + offs_p, mask=valid, other=-1).to(tl.int32)
+    weight = tl.load(weights_ptr + offs_p, mask=valid, other=0.0)
+    token = offs_p // top_k
+    same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]
+    seen_before = tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), axis=1)
+    first = valid & (seen_before == 0)
+    first_slot = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    slot = tl.max(tl.where(same & first[None, :], first_slot[None, :], -1), axis=1)
+    offs_s = tl.arange(0, S_PAD)
+    tl.store(slot_expert_ptr + offs_s, tl.full((S_PAD,), -1, tl.int32), mask=offs_s < num_slots)
+    tl.store(slot_tokens_ptr + offs_s, tl.zeros((S_PAD,), tl.int32), mask=offs_s < num_slots)
+    offs_sm = tl.arange(0, S_PAD * M_PAD)
+    tl.store(slot_weight_ptr + offs_sm, tl.zeros((S_PAD * M_PAD,), tl.float32), mask=offs_sm < num_slots * M_PAD)
+    tl.debug_barrier()
+    tl.store(slot_expert_ptr + first_slot, expert, mask=first)
+    tl.atomic_add(slot_weight_ptr + slot * M_PAD + token, weight, mask=valid)
+    tl.atomic_or(slot_tokens_ptr + slot, 1 << token, mask=valid)
+    tl.static_assert(M_PAD <= 31)  # slot_tokens is a 32-bit mask of tokens
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
+                       slot_expert_ptr, num_slots,
+                       w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
+                       sg_ptr, su_ptr, stride_shn,
+                       act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
+                       M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Program (slot, n-block): activations of intermediate columns n-block for every token.
+    The program after the last routed slot computes the shared expert instead."""
+    slot = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    if slot < num_slots:
+        expert = tl.load(slot_expert_ptr + slot)
+        if expert >= 0:
+            if tl.program_id(1) * BLOCK_N < I:
+                n_mask = offs_n < I
+                g_ptr = w_ptr + expert.to(tl.int64) * stride_we
+                gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
+                act = _swiglu_tile(x_ptr, stride_xm, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
+                                   gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
+                                   M_PAD, BLOCK_N, BLOCK_K, MXFP4, FP32_MATH)
+                tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
+                         act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
+    elif HAS_SHARED:
+        if tl.program_id(1) * BLOCK_N < I_SHARED:
+            n_mask = offs_n < I_SHARED
+            act = _swiglu_tile(x_ptr, stride_xm, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
+                               stride_shn, 0, M_PAD, BLOCK_N, BLOCK_K, False, FP32_MATH)
+            tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_n[None, :],
+                     act.to(shared_act_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+@triton.jit
+def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
+                    slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
+                    w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
+                    sd_ptr, stride_sdn,
+                    out_ptr, stride_om, M, H, I, I_SHARED,
+                    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, FP32_MATH: tl.constexpr):
+    """Program (hidden block): out[:, block] = sum_s weight[s] * act[s] Wd[e_s]^T (+ shared)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_m = tl.arange(0, M_PAD)
+    out = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for slot in range(0, num_slots):
+        expert = tl.load(slot_expert_ptr + slot)
+        if expert >= 0:
+            w_e = w_ptr + expert.to(tl.int64) * stride_we
+            ws_e = ws_ptr + expert.to(tl.int64) * stride_se
+            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_k[None, :],
+                            mask=offs_k[None, :] < I, other=0.0)
+                w = _load_weight_tile(w_e, ws_e, offs_n, n_mask, k0, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
+                acc += _dot_t(a, w, FP32_MATH)
+            weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
+            chose = ((tl.load(slot_tokens_ptr + slot) >> offs_m) & 1) != 0
+            # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
+            out += tl.where(chose[:, None], acc * weight[:, None], 0.0)
+    if HAS_SHARED:
+        for k0 in range(0, I_SHARED, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(shared_act_ptr + offs_m[:, None] * stride_sam + offs_k[None, :],
+                        mask=offs_k[None, :] < I_SHARED, other=0.0)
+            w = _load_weight_tile(sd_ptr, sd_ptr, offs_n, n_mask, k0, I_SHARED, stride_sdn, 0, BLOCK_N, BLOCK_K, False)
+            out += _dot_t(a, w, FP32_MATH)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < M) & n_mask[None, :])
+
+
+def _weight_args(w):
+    """(weight pointer, scale pointer, strides) for a routed weight [E, N, K] of either format."""
+    if isinstance(w, MXFP4Tensor):
+        q, s = w.packed, w.scales
+        return q, s, q.stride(0), q.stride(1), s.stride(0), s.stride(1)
+    return w, w, w.stride(0), w.stride(1), 0, 0
+
+
+def check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared) -> tuple[int, int, int]:
+    """Shapes, dtypes, devices and layout the kernels rely on; returns (E, H, I)."""
+    from impl.moe.reference import check_moe_inputs, logical_weight
+    gu, dn = logical_weight(w_gate_up), logical_weight(w_down)
+    check_moe_inputs(x, weights, ids, gu, dn, check_ids=not _capturing(x))
+    experts, two_i, hidden = gu.shape
+    for name, w in (("gate_up", w_gate_up), ("down", w_down)):
+        t = w.packed if isinstance(w, MXFP4Tensor) else w
+        if not t.is_contiguous() or (isinstance(w, MXFP4Tensor) and not w.scales.is_contiguous()):
+            raise ValueError(f"{name} weight must be contiguous")
+        if not isinstance(w, MXFP4Tensor) and w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{name} weight must be bf16, fp16, fp32 or MXFP4, got {w.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError("x must be contiguous along the hidden dimension")
+    if hidden % 32 or (two_i // 2) % 32:
+        raise ValueError(f"the Triton MoE needs H and I to be multiples of 32, got H={hidden}, I={two_i // 2}")
+    if shared is not None:
+        i_s = shared.gate.shape[0]
+        if shared.gate.shape != (i_s, hidden) or shared.up.shape != (i_s, hidden) or shared.down.shape != (hidden, i_s):
+            raise ValueError(f"shared expert must be [Is, {hidden}], [Is, {hidden}], [{hidden}, Is]; got "
+                             f"{tuple(shared.gate.shape)}, {tuple(shared.up.shape)}, {tuple(shared.down.shape)}")
+        if any(not t.is_contiguous() or t.device != x.device for t in (shared.gate, shared.up, shared.down)):
+            raise ValueError("shared expert weights must be contiguous and on the device of x")
+    return experts, hidden, two_i // 2
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up, w_down,
+               shared: SharedExpert | None = None, config: MoELaunchConfig | None = None) -> torch.Tensor:
+    """Fused MoE for x [T, H]: routed experts (bf16/fp16/fp32 tensors or MXFP4Tensor) chosen by
+    ids/weights [T, k], plus `shared`; returns [T, H] in x's dtype."""
+    experts, hidden, inter = check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared)
+    if x.shape[0] > M_PAD:
+        return torch.cat([moe_triton(x[i:i + M_PAD], weights[i:i + M_PAD], ids[i:i + M_PAD], w_gate_up,
+                                     w_down, shared, config) for i in range(0, x.shape[0], M_PAD)])
+    m, top_k = ids.shape
+    mxfp4 = isinstance(w_gate_up, MXFP4Tensor)
+    if mxfp4 != isinstance(w_down, MXFP4Tensor):
+        raise TypeError("gate_up and down weights must both be MXFP4 or both be plain tensors")
+    fmt = "mxfp4" if mxfp4 else "bf16"
+    cfg = config or lookup(experts, hidden, inter, top_k, m, fmt, x.device)
+    backends.note("moe", "triton", "moe_slots_kernel+moe_gate_up_kernel+moe_down_kernel", format=fmt,
+                  tokens=m, shared=shared is not None, config=cfg)
+    num_slots = min(m * top_k, experts)
+    i_shared = shared.gate.shape[0] if shared is not None else 0
+    act_dtype = torch.float32 if FP32_MATH else x.dtype
+    dev = x.device
+    slot_expert = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    slot_tokens = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    slot_weight = torch.empty(num_slots, M_PAD, dtype=torch.float32, device=dev)
+    act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
+    shared_act = torch.empty(M_PAD, max(i_shared, 1), dtype=act_dtype, device=dev)
+    out = torch.empty(m, hidden, dtype=x.dtype, device=dev)
+
+    moe_slots_kernel[(1,)](ids.contiguous(), weights.float().contiguous(), slot_expert, slot_weight, slot_tokens,
+                           m * top_k, top_k, num_slots, P_PAD=triton.next_power_of_2(m * top_k),
+                           S_PAD=triton.next_power_of_2(num_slots), M_PAD=M_PAD, num_warps=4)
+    gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up)
+    sg = shared.gate if shared is not None else x
+    su = shared.up if shared is not None else x
+    grid_a = (num_slots + (shared is not None), triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
+    moe_gate_up_kernel[grid_a](
+        x, x.stride(0), m, hidden, inter, i_shared, slot_expert, num_slots,
+        gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
+        act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
+        M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
+        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down)
+    sd = shared.down if shared is not None else x
+    moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n),)](
+        act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
+        slot_expert, slot_weight, slot_tokens, num_slots,
+        dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0),
+        out, out.stride(0), m, hidden, inter, i_shared,
+        M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
+        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
