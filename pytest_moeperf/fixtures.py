@@ -32,7 +32,14 @@ def moe_model(moe_session):
 
     from impl.model import build_model
     return build_model(moe_session.options.model, moe_session.device.torch_device,
-                       getattr(torch, moe_session.dtype_name))
+                       getattr(torch, moe_session.dtype_name), moe_backend=moe_session.moe_backend)
+
+
+@pytest.fixture(scope="session")
+def moe_backend(moe_session):
+    """The MoE backend under test (`--moe-backend`), an `impl.backends.Backend` of kind `moe`."""
+    from impl import backends
+    return backends.get("moe", moe_session.moe_backend)
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,14 @@ import pytest
 
 from pytest_moeperf.device import parse_device
 from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
-    moe_baseline, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
+    moe_backend, moe_baseline, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
 from pytest_moeperf.session import MoePerfSession, Options
 from pytest_moeperf.timing import parse_samples
 
 SESSION_KEY = pytest.StashKey[MoePerfSession]()
 
-DEFAULTS = {"moe_device": "auto", "moe_model": "tiny", "moe_baselines": "baselines", "moe_samples": "10"}
+DEFAULTS = {"moe_device": "auto", "moe_model": "tiny", "moe_backend": "auto", "moe_baselines": "baselines",
+            "moe_samples": "10"}
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
     "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
@@ -36,6 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DEVICE")
     add("--moe-model", "moe_model", "model under test: a preset name or a checkpoint folder (default: tiny)",
         metavar="MODEL")
+    add("--moe-backend", "moe_backend", "MoE implementation under test, a registered `moe` backend "
+        "(default: auto = triton on CUDA, gather on CPU)", metavar="NAME")
     add("--moe-baselines", "moe_baselines", "folder of frozen baselines, relative to rootdir "
         "(default: baselines)", metavar="DIR")
     add("--moe-freeze", "moe_freeze", "write or refresh this device's frozen figures (needs --moe-bench)",
@@ -60,6 +63,17 @@ def parse_model(value: str, rootpath: Path) -> str:
     raise ValueError(f"--moe-model {value!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
 
 
+def parse_backend(value: str) -> str:
+    if value == "auto":
+        return value
+    from impl import backends
+    try:
+        backends.get("moe", value)
+    except ValueError as e:
+        raise ValueError(f"--moe-backend: {e}") from None
+    return value
+
+
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     baselines = Path(_option(config, "moe_baselines"))
@@ -68,6 +82,7 @@ def parse_options(config: pytest.Config) -> Options:
         bench=bool(_option(config, "moe_bench")),
         device=parse_device(_option(config, "moe_device")),
         model=parse_model(_option(config, "moe_model"), root),
+        backend=parse_backend(_option(config, "moe_backend")),
         baselines=baselines if baselines.is_absolute() else root / baselines,
         freeze=bool(_option(config, "moe_freeze")),
         report=None if not report else Path(report),

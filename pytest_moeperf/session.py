@@ -16,6 +16,7 @@ class Options:
     bench: bool
     device: str
     model: str
+    backend: str
     baselines: Path
     freeze: bool
     report: Path | None
@@ -46,13 +47,21 @@ class MoePerfSession:
         return "bfloat16" if self.device.is_cuda else "float32"
 
     @property
+    def moe_backend(self) -> str:
+        """The MoE backend under test; `auto` is Triton on a GPU and gather on a CPU, where
+        Triton only runs in its (slow) interpreter."""
+        if self.options.backend != "auto":
+            return self.options.backend
+        return "triton" if self.device.is_cuda else "gather"
+
+    @property
     def run_config(self) -> dict:
         """What every gated figure of this run depends on besides the device."""
-        return {"model": self.options.model, "dtype": self.dtype_name}
+        return {"model": self.options.model, "dtype": self.dtype_name, "moe_backend": self.moe_backend}
 
     def header(self) -> dict:
-        return {"device": self.device.describe(), "fingerprint": self.device.key,
-                "model": self.options.model, "baselines": str(self.store.path)}
+        return {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
+                "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
 
     def finish(self) -> list[str]:
         """Write frozen figures and the report; returns lines for the terminal."""

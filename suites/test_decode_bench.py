@@ -28,7 +28,7 @@ def _tolerance(model) -> float:
 
 
 def _config(model) -> dict:
-    return {"threads": torch.get_num_threads(), "moe_backend": model.moe_backend, "context": CONTEXT}
+    return {"threads": torch.get_num_threads(), "context": CONTEXT}
 
 
 @pytest.fixture(scope="module")

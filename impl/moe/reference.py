@@ -20,8 +20,11 @@ def logical_weight(w) -> torch.Tensor:
     return w
 
 
-def dense_weight(w) -> torch.Tensor:
-    return w.dequantize(torch.float32) if isinstance(w, MXFP4Tensor) else w
+def expert_weight(w, expert: int) -> torch.Tensor:
+    """Expert `expert` of a routed weight [E, N, K] in fp32, dequantizing only that expert."""
+    if isinstance(w, MXFP4Tensor):
+        return MXFP4Tensor(w.packed[expert], w.scales[expert]).dequantize(torch.float32)
+    return w[expert].float()
 
 
 def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -67,12 +70,11 @@ def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared expert), computed in fp32,
     returned in x's dtype. Weights may be plain tensors or MXFP4Tensor (dequantized here)."""
     check_moe_inputs(x, weights, ids, logical_weight(w_gate_up), logical_weight(w_down))
-    w_gate_up, w_down = dense_weight(w_gate_up), dense_weight(w_down)
     xf = x.float()
     out = torch.zeros_like(xf)
     for expert in torch.unique(ids).tolist():
         token_idx, slot = torch.where(ids == expert)
-        y = swiglu(xf[token_idx], w_gate_up[expert].float(), w_down[expert].float())
+        y = swiglu(xf[token_idx], expert_weight(w_gate_up, expert), expert_weight(w_down, expert))
         out.index_add_(0, token_idx, y * weights[token_idx, slot, None].float())
     if shared is not None:
         out += swiglu(xf, torch.cat((shared.gate, shared.up)).float(), shared.down.float())
