@@ -284,30 +284,35 @@ def one_thread():
     yield
     torch.set_num_threads(before)
 
+def chain(steps, a):
+    x = a
+    for _ in range(steps):
+        x = torch.tanh(x @ a)
+    return x
+
 def test_matmul_chain(moe_sampler, moe_gate):
     extra = float(os.environ.get("PLANTED_FACTOR", "1"))
-    a = torch.randn(256, 256)
+    a = torch.randn(128, 128)
     steps = round(20 * extra)  # the planted defect: more work per call
 
-    def work():
-        x = a
-        for _ in range(steps):
-            x = torch.tanh(x @ a)
-        return x
+    def side_by_side():
+        s = moe_sampler.interleaved({"new": lambda: chain(steps, a), "old": lambda: chain(20, a)}, inner=5)
+        return s["new"], s["old"]
 
-    seconds = moe_sampler.sample(work, inner=5)
-    moe_gate.check("chain_ms", [s * 1e3 for s in seconds], unit="ms", direction="lower", tolerance=0.10)
+    moe_gate.check_ratio("chain_new_over_old", side_by_side, direction="lower", tolerance=0.10)
 """
 
 
 def test_real_timing_catches_a_planted_slowdown(pytester, monkeypatch):
-    """Timed work, not synthetic samples: the same code passes, 20% more work per call fails."""
+    """Timed work, not synthetic samples, as a ratio measured side by side (A B A B), which host
+    noise that slows both sides cannot move: the same code passes, 20% more work per call fails."""
     pytester.makepyfile(test_real=REAL_WORK_SUITE)
-    _run(pytester, "--moe-bench", "--moe-freeze", monkeypatch=monkeypatch).assert_outcomes(passed=1)
-    _run(pytester, "--moe-bench", monkeypatch=monkeypatch).assert_outcomes(passed=1)
-    slow = _run(pytester, "--moe-bench", factor=1.2, monkeypatch=monkeypatch)
+    samples = ("--moe-samples", "25")  # a ~0.5 s measurement: enough for a tight interval under noise
+    _run(pytester, "--moe-bench", "--moe-freeze", *samples, monkeypatch=monkeypatch).assert_outcomes(passed=1)
+    _run(pytester, "--moe-bench", *samples, monkeypatch=monkeypatch).assert_outcomes(passed=1)
+    slow = _run(pytester, "--moe-bench", *samples, factor=1.2, monkeypatch=monkeypatch)
     slow.assert_outcomes(failed=1)
-    slow.stdout.fnmatch_lines(["*chain_ms*-> regression*"])
+    slow.stdout.fnmatch_lines(["*chain_new_over_old*-> regression*"])
 
 
 def _frozen(value: float):
