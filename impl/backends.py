@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 ENTRY_POINT_GROUP = "moeperf.backends"
 # Modules whose import registers the built-in backends; imported on the first lookup.
-BUILTIN_MODULES = ("impl.moe",)
+BUILTIN_MODULES = ("impl.moe", "impl.head")
 KINDS = ("moe", "head", "decoder")
 
 
@@ -29,6 +29,10 @@ class Backend:
     fn: Callable[..., Any]
     description: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # For kind "moe": optionally the whole layer, routing included (fused routing kernels):
+    # layer(x, router, w_gate_up, w_down, shared) -> out. Without it, the model routes with
+    # its own router and calls fn.
+    layer: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

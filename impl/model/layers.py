@@ -171,11 +171,13 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, ids = self.gate(flat)
         shared = None
         if self.shared_experts is not None:
             s = self.shared_experts
             shared = SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+        if self.backend.layer is not None:
+            return self.backend.layer(flat, self.gate, *self.experts.weights(), shared).view_as(x)
+        weights, ids = self.gate(flat)
         return self.backend.fn(flat, weights, ids, *self.experts.weights(), shared).view_as(x)
 
 

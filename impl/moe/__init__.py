@@ -5,6 +5,7 @@ A `moe` backend is fn(x [T, H], weights fp32 [T, k], ids [T, k], w_gate_up, w_do
 `shared` is a SharedExpert or None.
 """
 
+import torch
 import torch.nn.functional as F
 
 from impl import backends
@@ -34,11 +35,26 @@ def _triton(x, weights, ids, w_gate_up, w_down, shared=None):
     return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
 
 
+def _triton_layer(x, router, w_gate_up, w_down, shared=None):
+    from impl.moe.triton_moe import M_PAD, moe_experts
+    from impl.moe.triton_routing import fused_routing_supported, route_triton
+    if not fused_routing_supported(router.config):
+        return _triton(x, *router(x), w_gate_up, w_down, shared)
+    outs = []
+    for i in range(0, x.shape[0], M_PAD):
+        chunk = x[i:i + M_PAD]
+        backends.note("moe", "triton", "router_logits_kernel+router_topk_kernel", tokens=chunk.shape[0])
+        slots, _, _ = route_triton(chunk, router.weight, router.e_score_correction_bias, router.config)
+        outs.append(moe_experts(chunk, slots, w_gate_up, w_down, shared))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 backends.register(backends.Backend(
     "moe", "reference", _reference, "fp32 loop over the chosen experts (the oracle)"))
 backends.register(backends.Backend(
     "moe", "gather", _gather, "gather the chosen experts' weights, two einsums; no host syncs; bf16 only"))
 backends.register(backends.Backend(
-    "moe", "triton", _triton, "fused Triton decode kernels, bf16 or MXFP4 experts, shared expert fused"))
+    "moe", "triton", _triton, "fused Triton decode kernels, bf16 or MXFP4 experts, shared expert fused",
+    layer=_triton_layer))
 
 __all__ = ["SharedExpert", "check_moe_inputs", "moe_gather", "moe_reference", "swiglu"]

@@ -15,6 +15,8 @@ wasted arithmetic is free, the weight bytes are what cost.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from impl import backends
@@ -96,16 +98,12 @@ def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n
 
 
 @triton.jit
-def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
-                     num_pairs, top_k, num_slots,
-                     P_PAD: tl.constexpr, S_PAD: tl.constexpr, M_PAD: tl.constexpr):
-    """Pairs (token, expert) -> slots: slot_expert[s] (-1 if unused), slot_weight[s, m] (sum of
-    token m's weights for that expert) and slot_tokens[s] (bit m set if token m chose it)."""
+def write_slots(expert, weight, valid, token, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
+                P_PAD: tl.constexpr, S_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """Pairs (token, expert) [P_PAD] -> slots: slot_expert[s] (-1 if unused), slot_weight[s, m]
+    (sum of token m's weights for that expert) and slot_tokens[s] (bit m set if token m chose it).
+    Called by a single program."""
     offs_p = tl.arange(0, P_PAD)
-    valid = offs_p < num_pairs
-    expert = tl.load(ids_ptr + offs_p, mask=valid, other=-1).to(tl.int32)
-    weight = tl.load(weights_ptr + offs_p, mask=valid, other=0.0)
-    token = offs_p // top_k
     same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]
     seen_before = tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), axis=1)
     first = valid & (seen_before == 0)
@@ -121,6 +119,19 @@ def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slo
     tl.atomic_add(slot_weight_ptr + slot * M_PAD + token, weight, mask=valid)
     tl.atomic_or(slot_tokens_ptr + slot, 1 << token, mask=valid)
     tl.static_assert(M_PAD <= 31)  # slot_tokens is a 32-bit mask of tokens
+
+
+@triton.jit
+def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                     num_pairs, top_k, num_slots,
+                     P_PAD: tl.constexpr, S_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """Slots from routing given as ids/weights [M, k] (one program)."""
+    offs_p = tl.arange(0, P_PAD)
+    valid = offs_p < num_pairs
+    expert = tl.load(ids_ptr + offs_p, mask=valid, other=-1).to(tl.int32)
+    weight = tl.load(weights_ptr + offs_p, mask=valid, other=0.0)
+    write_slots(expert, weight, valid, offs_p // top_k, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                num_slots, P_PAD, S_PAD, M_PAD)
 
 
 @triton.jit
@@ -235,36 +246,70 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Routing grouped by expert, on the device: what the expert kernels consume."""
+
+    expert: torch.Tensor  # int32 [S]: expert of each slot, -1 if unused
+    weight: torch.Tensor  # fp32 [S, M_PAD]: routing weight of token m for the slot's expert
+    tokens: torch.Tensor  # int32 [S]: bit m set if token m chose the slot's expert
+    num_tokens: int
+    top_k: int
+
+    @classmethod
+    def empty(cls, num_tokens: int, top_k: int, experts: int, device) -> "Slots":
+        n = min(num_tokens * top_k, experts)
+        return cls(torch.empty(n, dtype=torch.int32, device=device),
+                   torch.empty(n, M_PAD, dtype=torch.float32, device=device),
+                   torch.empty(n, dtype=torch.int32, device=device), num_tokens, top_k)
+
+    @property
+    def num_slots(self) -> int:
+        return self.expert.shape[0]
+
+
+def slots_from_routing(weights: torch.Tensor, ids: torch.Tensor, experts: int) -> Slots:
+    m, top_k = ids.shape
+    slots = Slots.empty(m, top_k, experts, ids.device)
+    moe_slots_kernel[(1,)](ids.contiguous(), weights.float().contiguous(), slots.expert, slots.weight, slots.tokens,
+                           m * top_k, top_k, slots.num_slots, P_PAD=triton.next_power_of_2(m * top_k),
+                           S_PAD=triton.next_power_of_2(slots.num_slots), M_PAD=M_PAD, num_warps=4)
+    return slots
+
+
 def moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up, w_down,
                shared: SharedExpert | None = None, config: MoELaunchConfig | None = None) -> torch.Tensor:
     """Fused MoE for x [T, H]: routed experts (bf16/fp16/fp32 tensors or MXFP4Tensor) chosen by
     ids/weights [T, k], plus `shared`; returns [T, H] in x's dtype."""
-    experts, hidden, inter = check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared)
+    experts, _, _ = check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared)
     if x.shape[0] > M_PAD:
         return torch.cat([moe_triton(x[i:i + M_PAD], weights[i:i + M_PAD], ids[i:i + M_PAD], w_gate_up,
                                      w_down, shared, config) for i in range(0, x.shape[0], M_PAD)])
-    m, top_k = ids.shape
+    backends.note("moe", "triton", "moe_slots_kernel", tokens=x.shape[0])
+    return moe_experts(x, slots_from_routing(weights, ids, experts), w_gate_up, w_down, shared, config)
+
+
+def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
+                config: MoELaunchConfig | None = None) -> torch.Tensor:
+    """The expert kernels for at most M_PAD tokens whose routing is already grouped in `slots`."""
     mxfp4 = isinstance(w_gate_up, MXFP4Tensor)
     if mxfp4 != isinstance(w_down, MXFP4Tensor):
         raise TypeError("gate_up and down weights must both be MXFP4 or both be plain tensors")
+    experts, _, hidden = w_gate_up.shape
+    inter = w_down.shape[-1]
+    m, top_k, num_slots = slots.num_tokens, slots.top_k, slots.num_slots
     fmt = "mxfp4" if mxfp4 else "bf16"
     cfg = config or lookup(experts, hidden, inter, top_k, m, fmt, x.device)
-    backends.note("moe", "triton", "moe_slots_kernel+moe_gate_up_kernel+moe_down_kernel", format=fmt,
+    backends.note("moe", "triton", "moe_gate_up_kernel+moe_down_kernel", format=fmt,
                   tokens=m, shared=shared is not None, config=cfg)
-    num_slots = min(m * top_k, experts)
     i_shared = shared.gate.shape[0] if shared is not None else 0
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
-    slot_expert = torch.empty(num_slots, dtype=torch.int32, device=dev)
-    slot_tokens = torch.empty(num_slots, dtype=torch.int32, device=dev)
-    slot_weight = torch.empty(num_slots, M_PAD, dtype=torch.float32, device=dev)
     act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
     shared_act = torch.empty(M_PAD, max(i_shared, 1), dtype=act_dtype, device=dev)
     out = torch.empty(m, hidden, dtype=x.dtype, device=dev)
+    slot_expert, slot_weight, slot_tokens = slots.expert, slots.weight, slots.tokens
 
-    moe_slots_kernel[(1,)](ids.contiguous(), weights.float().contiguous(), slot_expert, slot_weight, slot_tokens,
-                           m * top_k, top_k, num_slots, P_PAD=triton.next_power_of_2(m * top_k),
-                           S_PAD=triton.next_power_of_2(num_slots), M_PAD=M_PAD, num_warps=4)
     gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up)
     sg = shared.gate if shared is not None else x
     su = shared.up if shared is not None else x

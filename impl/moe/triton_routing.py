@@ -1,0 +1,154 @@
+"""Fused routing for decode in two launches, so that a whole MoE layer is four kernels:
+
+1. `router_logits_kernel` (expert blocks): logits = x Wr^T in fp32 (exact fp32 products, not
+   tf32: a top-k choice flips on tiny differences);
+2. `router_topk_kernel` (one program): softmax or sigmoid + correction bias + group-limited
+   top-k, renormalization and routed scaling, then the expert slots the MoE kernels consume.
+
+Same semantics as `impl.routing` (the oracle); grouped routing needs a power-of-two number of
+groups and of experts per group (every model in the presets), other shapes use the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from impl.moe.triton_moe import M_PAD, Slots, write_slots
+from impl.triton_env import FP32_MATH, tl, triton
+
+ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
+
+
+@triton.jit
+def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H,
+                         M_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         FP32_MATH: tl.constexpr):
+    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_m = tl.arange(0, M_PAD)
+    acc = tl.zeros((M_PAD, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < H), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
+                    mask=(offs_e[:, None] < E) & (offs_k[None, :] < H), other=0.0).to(tl.float32)
+        if FP32_MATH:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=(offs_m[:, None] < M) & (offs_e[None, :] < E))
+
+
+@triton.jit
+def _argmax_rows(values, offs, WIDTH: tl.constexpr):
+    """Per row: the largest value and its lowest index (ties go to the lower index)."""
+    best = tl.max(values, axis=1)
+    idx = tl.min(tl.where(values == best[:, None], offs[None, :], WIDTH), axis=1)
+    return best, idx
+
+
+@triton.jit
+def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+                       slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                       M, E, TOP_K, num_slots, routed_scaling,
+                       ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                       M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    offs_m = tl.arange(0, M_PAD)
+    offs_e = tl.arange(0, E_PAD)
+    offs_k = tl.arange(0, K_PAD)
+    live = (offs_m[:, None] < M) & (offs_e[None, :] < E)
+    logits = tl.load(logits_ptr + offs_m[:, None] * E + offs_e[None, :], mask=live, other=float("-inf"))
+    if ROUTER == 0:  # softmax over the experts
+        row_max = tl.where(offs_m < M, tl.max(logits, axis=1), 0.0)  # padded rows are all -inf
+        z = tl.exp(logits - row_max[:, None])
+        scores = z / tl.maximum(tl.sum(z, axis=1), 1e-30)[:, None]
+        choice = tl.where(live, scores, float("-inf"))
+    else:  # sigmoid; the correction bias moves the choice, not the weights
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+        choice = scores
+        if HAS_BIAS:
+            choice = choice + tl.load(bias_ptr + offs_e, mask=offs_e < E, other=0.0)[None, :]
+        choice = tl.where(live, choice, float("-inf"))
+        if N_GROUP > 1:
+            PER_GROUP: tl.constexpr = E_PAD // N_GROUP
+            grouped = tl.reshape(choice, (M_PAD, N_GROUP, PER_GROUP))
+            offs_in = tl.arange(0, PER_GROUP)
+            top1 = tl.max(grouped, axis=2)
+            first = tl.min(tl.where(grouped == top1[:, :, None], offs_in[None, None, :], PER_GROUP), axis=2)
+            top2 = tl.max(tl.where(offs_in[None, None, :] == first[:, :, None], float("-inf"), grouped), axis=2)
+            group_score = top1 + top2 if PER_GROUP > 1 else top1
+            offs_g = tl.arange(0, N_GROUP)
+            keep = tl.zeros((M_PAD, N_GROUP), dtype=tl.int1)
+            for _ in tl.static_range(TOPK_GROUP):
+                _, g = _argmax_rows(group_score, offs_g, N_GROUP)
+                hit = offs_g[None, :] == g[:, None]
+                keep = keep | hit
+                group_score = tl.where(hit, float("-inf"), group_score)
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (M_PAD, N_GROUP, PER_GROUP)), (M_PAD, E_PAD))
+            choice = tl.where(keep_e, choice, float("-inf"))
+    ids = tl.zeros((M_PAD, K_PAD), dtype=tl.int32)
+    weights = tl.zeros((M_PAD, K_PAD), dtype=tl.float32)
+    for j in range(0, TOP_K):
+        _, idx = _argmax_rows(choice, offs_e, E_PAD)
+        hit = offs_e[None, :] == idx[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
+        weights = tl.where(offs_k[None, :] == j, w[:, None], weights)
+        choice = tl.where(hit, float("-inf"), choice)
+    in_k = offs_k[None, :] < TOP_K
+    if RENORMALIZE:
+        weights = weights / (tl.sum(tl.where(in_k, weights, 0.0), axis=1)[:, None] + 1e-20)
+    weights = weights * routed_scaling
+    valid = (offs_m[:, None] < M) & in_k
+    tl.store(ids_ptr + offs_m[:, None] * TOP_K + offs_k[None, :], ids, mask=valid)
+    tl.store(weights_ptr + offs_m[:, None] * TOP_K + offs_k[None, :], weights, mask=valid)
+    P: tl.constexpr = M_PAD * K_PAD
+    write_slots(tl.reshape(ids, (P,)), tl.reshape(weights, (P,)), tl.reshape(valid, (P,)),
+                tl.arange(0, P) // K_PAD, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
+                P, S_PAD, M_PAD)
+
+
+def fused_routing_supported(router_config) -> bool:
+    c = router_config
+    if c.router == "softmax" or c.n_group == 1:
+        return True
+    per_group = c.num_experts // c.n_group
+    return c.n_group & (c.n_group - 1) == 0 and per_group & (per_group - 1) == 0
+
+
+def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
+                 block_e: int = 32, block_k: int = 128) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+    """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
+    (weights fp32 [M, k], ids int32 [M, k]) they were built from."""
+    m, hidden = x.shape
+    experts = router_weight.shape[0]
+    if m > M_PAD:
+        raise ValueError(f"route_triton takes at most {M_PAD} tokens, got {m}")
+    if router_weight.shape != (experts, hidden) or router_weight.dtype != torch.float32:
+        raise ValueError(f"router weight must be fp32 [E, {hidden}], got {router_weight.dtype} "
+                         f"{tuple(router_weight.shape)}")
+    if not fused_routing_supported(config):
+        raise ValueError(f"fused routing needs power-of-two groups and experts per group, got "
+                         f"{config.num_experts} experts in {config.n_group} groups")
+    top_k = config.top_k
+    dev = x.device
+    logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
+    router_logits_kernel[(triton.cdiv(experts, block_e),)](
+        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden,
+        M_PAD=M_PAD, BLOCK_E=block_e, BLOCK_K=block_k, FP32_MATH=FP32_MATH, num_warps=4)
+    slots = Slots.empty(m, top_k, experts, dev)
+    ids = torch.empty(m, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
+    sigmoid = config.router == "sigmoid_grouped"
+    e_pad = triton.next_power_of_2(experts)
+    if sigmoid and config.n_group > 1 and e_pad != experts:
+        raise ValueError(f"grouped routing needs a power-of-two expert count, got {experts}")
+    router_topk_kernel[(1,)](
+        logits, bias if bias is not None else logits, ids, weights, slots.expert, slots.weight, slots.tokens,
+        m, experts, top_k, slots.num_slots, float(config.routed_scaling_factor if sigmoid else 1.0),
+        ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=bias is not None,
+        N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
+        M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
+        S_PAD=triton.next_power_of_2(slots.num_slots), num_warps=4)
+    return slots, weights, ids
