@@ -19,10 +19,12 @@ M_BUCKETS = (1, 2, 4, 8, 16)
 class MoELaunchConfig:
     gate_up_block_n: int = 32
     gate_up_block_k: int = 128
+    gate_up_warps: int = 4
+    gate_up_stages: int = 3
     down_block_n: int = 32
     down_block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
+    down_warps: int = 4
+    down_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):

@@ -319,7 +319,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.gate_up_warps,
+        num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down)
     sd = shared.down if shared is not None else x
     moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n),)](
@@ -328,5 +329,5 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0),
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
     return out

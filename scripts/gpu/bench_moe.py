@@ -1,0 +1,324 @@
+"""Issue 3 on the GPU, in one call: parity of the Triton MoE against the fp32 oracle, then every
+contender timed side by side under CUDA graphs, reported as microseconds and as a fraction of
+the bytes-read floor at the copy bandwidth measured in the same run; optionally a launch-config
+sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
+
+    python scripts/gpu/bench_moe.py [--tune] [--shapes ling-3.0-flash,ling-flash-2.0] [--out DIR]
+
+Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
+differ and the weights stream from HBM, not L2); the figure is the median replay time / 10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from impl import backends  # noqa: E402
+from impl.model.config import get_config  # noqa: E402
+from impl.model.layers import MoEBlock  # noqa: E402
+from impl.moe.configs import MoELaunchConfig, device_name, m_bucket  # noqa: E402
+from impl.moe.gather import moe_gather  # noqa: E402
+from impl.moe.reference import moe_reference  # noqa: E402
+from impl.moe.shared import SharedExpert  # noqa: E402
+from impl.moe.triton_moe import moe_experts  # noqa: E402
+from impl.moe.triton_routing import route_triton  # noqa: E402
+from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
+
+CALLS_PER_GRAPH = 10
+DEV = torch.device("cuda")
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the ceiling of batch-1 decode)."""
+    n = 2 * 2**30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    del a, b
+    return 2 * n / (ms * 1e-3)
+
+
+def graph_us(calls) -> float:
+    """Median time per call of `calls` (a list of CALLS_PER_GRAPH closures) captured in one graph."""
+    for fn in calls:  # compile / warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3 / len(calls)
+
+
+def eager_us(calls) -> float:
+    it = itertools.cycle(calls)
+    ms = triton.testing.do_bench(lambda: next(it)(), warmup=25, rep=200, return_mode="median")
+    return ms * 1e3
+
+
+def build_block(cfg, fmt: str, seed: int) -> MoEBlock:
+    torch.manual_seed(seed)
+    with torch.device(DEV):
+        block = MoEBlock(cfg, backends.get("moe", "triton"))
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.normal_(0, 0.02)
+        block.gate.e_score_correction_bias.normal_(0, 0.01)
+    block.to(torch.bfloat16)
+    block.gate.float()
+    if fmt == "mxfp4":
+        block.experts.quantize("mxfp4")
+    return block.eval()
+
+
+def shared_of(block) -> SharedExpert:
+    s = block.shared_experts
+    return SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def bytes_read(cfg, fmt: str, distinct: float) -> dict:
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    per_expert = 3 * i * h * (0.5 + 1 / 32) if fmt == "mxfp4" else 3 * i * h * 2
+    return {"routed": distinct * per_expert, "shared": 3 * cfg.shared_intermediate_size * h * 2,
+            "router": e * h * 4}
+
+
+def parity(block, cfg, fmt: str, rows: list) -> None:
+    gu, dn = block.experts.weights()
+    sh = shared_of(block)
+    for m in (1, 2, 4, 16):
+        x = torch.randn(m, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+        with torch.no_grad():
+            w_ref, ids_ref = block.gate(x)
+            slots, w, ids = route_triton(x, block.gate.weight, block.gate.e_score_correction_bias, cfg)
+            same_ids = torch.equal(ids.long().sort(-1).values, ids_ref.sort(-1).values)
+            out = moe_experts(x, slots, gu, dn, sh)
+            ref = moe_reference(x.float(), w_ref, ids_ref, gu, dn,
+                                SharedExpert(sh.gate.float(), sh.up.float(), sh.down.float()))
+        err = rel_err(out, ref)
+        rows.append(dict(kind="parity", shape=cfg.name, fmt=fmt, M=m, rel_err=err, routing_ids_equal=same_ids,
+                         finite=bool(torch.isfinite(out).all())))
+        log(f"parity {cfg.name:15s} {fmt:5s} M={m:2d} rel_err={err:.2e} ids_equal={same_ids}")
+
+
+def inputs(cfg, m: int):
+    return [torch.randn(m, cfg.hidden_size, device=DEV, dtype=torch.bfloat16) for _ in range(CALLS_PER_GRAPH)]
+
+
+def distinct_experts(block, xs) -> float:
+    with torch.no_grad():
+        return sum(len(torch.unique(block.gate(x)[1])) for x in xs) / len(xs)
+
+
+def humming_layers(block, cfg):
+    """Humming's MXFP4 gate_up and down layers on the same packed weights (None if unavailable)."""
+    from humming.layer import HummingLayer
+    gu, dn = block.experts.weights()
+    layers = []
+    for w, n, k in ((gu, 2 * cfg.moe_intermediate_size, cfg.hidden_size),
+                    (dn, cfg.hidden_size, cfg.moe_intermediate_size)):
+        layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"},
+                             num_experts=cfg.num_experts, torch_dtype=torch.bfloat16)
+        layer.load_from_tensors({"weight": w.packed, "weight_scale": w.scales})
+        layer = layer.cuda()
+        layer.transform()
+        layers.append(layer)
+    return layers
+
+
+def humming_calls(block, cfg, xs, rows, m):
+    from humming.testing.data import generate_moe_tensors
+    gate_up, down = humming_layers(block, cfg)
+    calls, checks = [], []
+    for x in xs:
+        with torch.no_grad():
+            _, ids = block.gate(x)
+        _, _, sorted_ids, expert_ids, padded = generate_moe_tensors(ids.int(), cfg.num_experts, "indexed",
+                                                                    block_size_config=8)
+        act = torch.randn(m * cfg.top_k, cfg.moe_intermediate_size, device=DEV, dtype=torch.bfloat16)
+
+        def call(x=x, sorted_ids=sorted_ids, expert_ids=expert_ids, padded=padded, act=act):
+            y = gate_up(x, sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded,
+                        top_k=cfg.top_k, compute_config={"gemm_type": "indexed"})
+            z = down(act, sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded,
+                     top_k=1, compute_config={"gemm_type": "indexed"})
+            return y, z
+        calls.append(call)
+        checks.append((x, ids))
+    # Humming's gate_up output for the first input against x W^T on our dequantized weights.
+    x, ids = checks[0]
+    y, _ = calls[0]()
+    gu, _ = block.experts.weights()
+    ref = torch.stack([x[t].float() @ MXFP4Tensor(gu.packed[e], gu.scales[e]).dequantize().T
+                       for t in range(m) for e in ids[t].tolist()])
+    rows.append(dict(kind="parity", shape=cfg.name, fmt="mxfp4", M=m, contender="humming gate_up",
+                     rel_err=rel_err(y.view(m * cfg.top_k, -1), ref)))
+    log(f"parity humming gate_up {cfg.name} M={m}: rel_err={rows[-1]['rel_err']:.2e}")
+    return calls
+
+
+def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
+    xs = inputs(cfg, m)
+    distinct = distinct_experts(block, xs)
+    nbytes = bytes_read(cfg, fmt, distinct)
+    whole = sum(nbytes.values())
+    gu, dn = block.experts.weights()
+    sh = shared_of(block)
+    gate = block.gate
+
+    def ours(x):
+        slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg)
+        return moe_experts(x, slots, gu, dn, sh, tuned_cfg)
+
+    contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs]}
+    if fmt == "bf16":
+        def gathered(x):
+            w, ids = gate(x)
+            return moe_gather(x, w, ids, gu, dn) + F.linear(F.silu(F.linear(x, sh.gate)) * F.linear(x, sh.up), sh.down)
+        compiled = torch.compile(gathered, dynamic=False)
+        contenders["gather+einsum eager"] = [lambda x=x: gathered(x) for x in xs]
+        contenders["gather+einsum torch.compile"] = [lambda x=x: compiled(x) for x in xs]
+    else:
+        try:
+            contenders["humming (2 GEMMs only)"] = humming_calls(block, cfg, xs, rows, m)
+        except Exception as e:  # the peer is optional: report why it did not run
+            log(f"humming unavailable: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    results = {}
+    for name, calls in contenders.items():
+        try:
+            with torch.no_grad():
+                us = graph_us(calls)
+            floor = (nbytes["routed"] if "humming" in name else whole) / bw * 1e6
+            results[name] = us
+            rows.append(dict(kind="time", shape=cfg.name, fmt=fmt, M=m, contender=name, us=us, floor_us=floor,
+                             frac_floor=floor / us, distinct_experts=distinct))
+            log(f"time {cfg.name:15s} {fmt:5s} M={m:2d} {name:32s} {us:9.1f} us  floor {floor:6.1f} us "
+                f"({floor / us:5.1%})")
+        except Exception as e:
+            log(f"time {name} failed: {type(e).__name__}: {e}")
+            traceback.print_exc()
+    try:
+        with torch.no_grad():
+            us = eager_us([lambda x=x: ours(x) for x in xs])
+        rows.append(dict(kind="time", shape=cfg.name, fmt=fmt, M=m, contender="triton (ours), not captured", us=us))
+        log(f"time {cfg.name:15s} {fmt:5s} M={m:2d} {'triton (ours), not captured':32s} {us:9.1f} us")
+    except Exception as e:
+        log(f"uncaptured timing failed: {e}")
+    return results
+
+
+SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k, gate_up_warps=w, gate_up_stages=s)
+                 for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
+SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stages=s)
+              for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
+
+
+def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
+    """Coordinate search: the gate_up kernel's parameters, then the down kernel's."""
+    xs = inputs(cfg, m)
+    gu, dn = block.experts.weights()
+    sh = shared_of(block)
+    gate = block.gate
+    slots = [route_triton(x, gate.weight, gate.e_score_correction_bias, cfg)[0] for x in xs]
+    best = MoELaunchConfig()
+
+    def measure(c):
+        with torch.no_grad():
+            return graph_us([lambda x=x, s=s: moe_experts(x, s, gu, dn, sh, c) for x, s in zip(xs, slots)])
+
+    best_us = measure(best)
+    for sweep in (SWEEP_GATE_UP, SWEEP_DOWN):
+        for params in sweep:
+            cand = MoELaunchConfig(**{**best.__dict__, **params})
+            try:
+                us = measure(cand)
+            except Exception as e:  # e.g. out of shared memory for a large tile
+                log(f"  config {params} failed: {type(e).__name__}")
+                continue
+            if us < best_us:
+                best, best_us = cand, us
+    rows.append(dict(kind="tuned", shape=cfg.name, fmt=fmt, M=m, experts_us=best_us, config=best.__dict__))
+    log(f"tuned {cfg.name} {fmt} M={m}: experts {best_us:.1f} us with {best}")
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="ling-3.0-flash,ling-flash-2.0")
+    ap.add_argument("--formats", default="mxfp4,bf16")
+    ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows: list = [dict(kind="bandwidth", bytes_per_s=bw)]
+    tuned = {}
+    t0 = time.time()
+    for shape in args.shapes.split(","):
+        cfg = get_config(shape)
+        for fmt in args.formats.split(","):
+            block = build_block(cfg, fmt, seed=0)
+            try:
+                parity(block, cfg, fmt, rows)
+            except Exception as e:
+                log(f"parity failed: {type(e).__name__}: {e}")
+                traceback.print_exc()
+            cfg_m = None
+            for m in (int(v) for v in args.ms.split(",")):
+                if args.tune and m == 1:  # the M=1 winner also serves the larger M for now
+                    cfg_m = tune(block, cfg, fmt, m, rows)
+                if cfg_m is not None:
+                    key = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, m_bucket(m),
+                           fmt, device_name(DEV))
+                    tuned[key] = cfg_m
+                time_contenders(block, cfg, fmt, m, bw, rows, cfg_m)
+            del block
+            torch.cuda.empty_cache()
+            log(f"[{time.time() - t0:.0f} s elapsed]")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_moe.json").write_text(json.dumps(rows, indent=1, default=str))
+    log("\n== summary (us per call under CUDA graphs; floor = bytes read / copy bandwidth) ==")
+    for r in rows:
+        if r["kind"] == "time":
+            frac = f"{r['frac_floor']:6.1%}" if "frac_floor" in r else "      "
+            log(f"{r['shape']:15s} {r['fmt']:5s} M={r['M']:2d} {r['contender']:32s} {r['us']:9.1f} us {frac}")
+    for key, c in tuned.items():
+        log(f"TUNED[{key!r}] = {c!r}")
+
+
+if __name__ == "__main__":
+    main()
