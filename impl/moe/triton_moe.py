@@ -23,57 +23,68 @@ from impl import backends
 from impl.moe.configs import MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import MXFP4Tensor
-from impl.triton_env import FP32_MATH, tl, triton
+from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
 E8M0_MIN = 2.0 ** -127  # E8M0 code 0: a subnormal in fp32, not reachable by the bit trick below
 
 
 @triton.jit
-def _decode_e2m1(nib):
-    """uint8 nibbles (E2M1 codes) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives."""
-    exp = (nib >> 1) & 3
-    man = (nib & 1).to(tl.float32)
-    normal = (1.0 + 0.5 * man) * ((exp.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, 0.5 * man, normal)
-    return tl.where((nib >> 3) != 0, -mag, mag)
+def _e2m1_to_bf16(nib):
+    """uint8 E2M1 codes -> bf16, exactly (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives), by assembling
+    the bits: integer work only, no table and no layout shuffles."""
+    code = nib.to(tl.int16)
+    exp = (code >> 1) & 3
+    man = code & 1
+    bits = tl.where(exp == 0, man * (126 << 7), ((exp + 126) << 7) | (man << 6))
+    return (bits | ((code & 8) << 12)).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _decode_e8m0(code):
-    """uint8 E8M0 codes -> fp32 2**(code - 127); 255 is NaN."""
-    c = code.to(tl.int32)
-    scale = (c << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(c == 0, 5.877471754111438e-39, scale)  # 2**-127, an fp32 subnormal
-    return tl.where(c == 255, float("nan"), scale)
+def _e8m0_to_bf16(code):
+    """uint8 E8M0 codes -> bf16 2**(code - 127), exactly; 0 is the subnormal 2**-127, 255 is NaN."""
+    c = code.to(tl.int16)
+    bits = tl.where(c == 0, 0x40, tl.where(c == 255, 0x7FC0, c << 7))
+    return bits.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _load_weight_tile(w_ptr, ws_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
-    """Rows `offs_n`, columns k0..k0+BLOCK_K of a [N, K] weight -> [BLOCK_N, BLOCK_K] (fp32 for
-    MXFP4, the stored dtype otherwise); out-of-range elements are 0."""
+def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+              BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, FP32_MATH: tl.constexpr):
+    """a[offs_m, k0:k0+BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K]^T with fp32 accumulation, for a [N, K]
+    weight stored as bf16/fp16/fp32 or as MXFP4 (packed [N, K/2] + scales [N, K/32]).
+
+    MXFP4 is never interleaved in registers: the low nibbles (even k) meet the even columns of
+    `a` and the high nibbles (odd k) the odd ones, so the product needs no layout shuffle. The
+    products are exact in bf16 (activations are bf16, E2M1 x 2**s is exact), the sums fp32."""
     if MXFP4:
-        offs_kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_kq[None, :],
-                         mask=n_mask[:, None] & (offs_kq[None, :] < K // 2), other=0)
-        # Element 2j is the low nibble of byte j, element 2j+1 the high one.
-        w = tl.join(_decode_e2m1(packed & 0xF), _decode_e2m1(packed >> 4)).reshape(BLOCK_N, BLOCK_K)
-        offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_ks[None, :],
-                        mask=n_mask[:, None] & (offs_ks[None, :] < K // 32), other=127)
-        scale = _decode_e8m0(codes)
-        w = (w.reshape(BLOCK_N, BLOCK_K // 32, 32) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                    mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-    return w
-
-
-@triton.jit
-def _dot_t(a, w, FP32_MATH: tl.constexpr):
-    """a [M, K] @ w[N, K]^T with fp32 accumulation; bf16 operands on the GPU (exact products)."""
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        j_mask = offs_j < K // 2
+        packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :],
+                         mask=n_mask[:, None] & j_mask[None, :], other=0)
+        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (offs_j // 16)[None, :],
+                        mask=n_mask[:, None] & j_mask[None, :], other=127)
+        scale = _e8m0_to_bf16(codes)
+        a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * offs_j[None, :],
+                         mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+        a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * offs_j[None, :] + 1,
+                        mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+        lo = _e2m1_to_bf16(packed & 0xF)
+        hi = _e2m1_to_bf16(packed >> 4)
+        if FP32_MATH:  # the interpreter gets bf16 arithmetic wrong
+            scale = scale.to(tl.float32)
+            lo = lo.to(tl.float32) * scale
+            hi = hi.to(tl.float32) * scale
+            return (tl.dot(a_even.to(tl.float32), tl.trans(lo)) + tl.dot(a_odd.to(tl.float32), tl.trans(hi)))
+        lo = lo * scale
+        hi = hi * scale
+        return (tl.dot(a_even.to(tl.bfloat16), tl.trans(lo)) + tl.dot(a_odd.to(tl.bfloat16), tl.trans(hi)))
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0)
+    a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                other=0.0)
     if FP32_MATH:
         return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
     return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
@@ -84,16 +95,14 @@ def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n
                  stride_wn, stride_sn, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, FP32_MATH: tl.constexpr):
     offs_m = tl.arange(0, M_PAD)
+    m_mask = offs_m < M
     acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        wg = _load_weight_tile(g_ptr, gs_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
-        wu = _load_weight_tile(u_ptr, us_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
-        acc_g += _dot_t(x, wg, FP32_MATH)
-        acc_u += _dot_t(x, wu, FP32_MATH)
+        acc_g += _tile_dot(x_ptr, stride_xm, offs_m, m_mask, k0, K, g_ptr, gs_ptr, offs_n, n_mask,
+                           stride_wn, stride_sn, BLOCK_K, MXFP4, FP32_MATH)
+        acc_u += _tile_dot(x_ptr, stride_xm, offs_m, m_mask, k0, K, u_ptr, us_ptr, offs_n, n_mask,
+                           stride_wn, stride_sn, BLOCK_K, MXFP4, FP32_MATH)
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
@@ -172,40 +181,48 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
 def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
                     slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
                     w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
-                    sd_ptr, stride_sdn,
+                    sd_ptr, stride_sdn, partial_ptr, stride_ps, counter_ptr,
                     out_ptr, stride_om, M, H, I, I_SHARED,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, FP32_MATH: tl.constexpr):
-    """Program (hidden block): out[:, block] = sum_s weight[s] * act[s] Wd[e_s]^T (+ shared)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or the shared
+    expert for the slot after the last. Each writes an fp32 partial; the program that arrives last
+    at a block (an atomic counter) sums the block's partials in slot order and writes the output
+    once in its dtype, then resets the counter for the next call: deterministic, no memset."""
+    hb = tl.program_id(0)
+    slot = tl.program_id(1)
+    arrivals = tl.num_programs(1)
+    offs_n = hb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_m = tl.arange(0, M_PAD)
-    out = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for slot in range(0, num_slots):
+    m_all = offs_m < M_PAD
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if slot < num_slots:
         expert = tl.load(slot_expert_ptr + slot)
         if expert >= 0:
             w_e = w_ptr + expert.to(tl.int64) * stride_we
             ws_e = ws_ptr + expert.to(tl.int64) * stride_se
-            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+            a_ptr = act_ptr + slot * stride_as
             for k0 in range(0, I, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_k[None, :],
-                            mask=offs_k[None, :] < I, other=0.0)
-                w = _load_weight_tile(w_e, ws_e, offs_n, n_mask, k0, I, stride_wn, stride_sn, BLOCK_N, BLOCK_K, MXFP4)
-                acc += _dot_t(a, w, FP32_MATH)
+                acc += _tile_dot(a_ptr, stride_am, offs_m, m_all, k0, I, w_e, ws_e, offs_n, n_mask,
+                                 stride_wn, stride_sn, BLOCK_K, MXFP4, FP32_MATH)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tl.load(slot_tokens_ptr + slot) >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
-            out += tl.where(chose[:, None], acc * weight[:, None], 0.0)
-    if HAS_SHARED:
+            acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
+    elif HAS_SHARED:
         for k0 in range(0, I_SHARED, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(shared_act_ptr + offs_m[:, None] * stride_sam + offs_k[None, :],
-                        mask=offs_k[None, :] < I_SHARED, other=0.0)
-            w = _load_weight_tile(sd_ptr, sd_ptr, offs_n, n_mask, k0, I_SHARED, stride_sdn, 0, BLOCK_N, BLOCK_K, False)
-            out += _dot_t(a, w, FP32_MATH)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < M) & n_mask[None, :])
+            acc += _tile_dot(shared_act_ptr, stride_sam, offs_m, m_all, k0, I_SHARED, sd_ptr, sd_ptr, offs_n,
+                             n_mask, stride_sdn, 0, BLOCK_K, False, FP32_MATH)
+    tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
+    if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel") == arrivals - 1:
+        total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for s in range(0, arrivals):
+            total += tl.load(partial_ptr + s * stride_ps + offs_m[:, None] * H + offs_n[None, :],
+                             mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & n_mask[None, :])
+        tl.store(counter_ptr + hb, 0)
 
 
 def _weight_args(w):
@@ -220,7 +237,14 @@ def check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared) -> tuple[int
     """Shapes, dtypes, devices and layout the kernels rely on; returns (E, H, I)."""
     from impl.moe.reference import check_moe_inputs, logical_weight
     gu, dn = logical_weight(w_gate_up), logical_weight(w_down)
+    # The kernels take CUDA tensors (CPU ones under the interpreter); meta or other devices
+    # would otherwise fail deep inside (reading the ids back, or at launch) with unrelated errors.
+    devices = ("cuda", "cpu") if INTERPRET else ("cuda",)
+    if x.device.type not in devices:
+        raise ValueError(f"the Triton MoE needs {' or '.join(devices)} tensors, got x on {x.device}")
     check_moe_inputs(x, weights, ids, gu, dn, check_ids=not _capturing(x))
+    if ids.shape[1] == 0:  # no (token, expert) pair: the kernels would leave the output unwritten
+        raise ValueError(f"the Triton MoE needs top_k >= 1, got routing ids of shape {tuple(ids.shape)}")
     experts, two_i, hidden = gu.shape
     for name, w in (("gate_up", w_gate_up), ("down", w_down)):
         t = w.packed if isinstance(w, MXFP4Tensor) else w
@@ -240,6 +264,18 @@ def check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared) -> tuple[int
         if any(not t.is_contiguous() or t.device != x.device for t in (shared.gate, shared.up, shared.down)):
             raise ValueError("shared expert weights must be contiguous and on the device of x")
     return experts, hidden, two_i // 2
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the down kernel, zero between calls (the last arrival resets its own);
+    one persistent buffer per device, so CUDA graphs capture a fixed address."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -272,8 +308,8 @@ def slots_from_routing(weights: torch.Tensor, ids: torch.Tensor, experts: int) -
     m, top_k = ids.shape
     slots = Slots.empty(m, top_k, experts, ids.device)
     moe_slots_kernel[(1,)](ids.contiguous(), weights.float().contiguous(), slots.expert, slots.weight, slots.tokens,
-                           m * top_k, top_k, slots.num_slots, P_PAD=triton.next_power_of_2(m * top_k),
-                           S_PAD=triton.next_power_of_2(slots.num_slots), M_PAD=M_PAD, num_warps=4)
+                           m * top_k, top_k, slots.num_slots, P_PAD=max(1, triton.next_power_of_2(m * top_k)),
+                           S_PAD=max(1, triton.next_power_of_2(slots.num_slots)), M_PAD=M_PAD, num_warps=4)
     return slots
 
 
@@ -323,10 +359,12 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down)
     sd = shared.down if shared is not None else x
-    moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n),)](
+    grid_b = (triton.cdiv(hidden, cfg.down_block_n), num_slots + (shared is not None))
+    partial = torch.empty(grid_b[1], M_PAD, hidden, dtype=torch.float32, device=dev)
+    moe_down_kernel[grid_b](
         act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
         slot_expert, slot_weight, slot_tokens, num_slots,
-        dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0),
+        dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.down_warps, num_stages=cfg.down_stages)

@@ -14,28 +14,26 @@ from __future__ import annotations
 import torch
 
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
-from impl.triton_env import FP32_MATH, tl, triton
+from impl.triton_env import tl, triton
 
 ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
 
 @triton.jit
 def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H,
-                         M_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         FP32_MATH: tl.constexpr):
+                         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """logits[:, block] = x Wr[block]^T as fp32 multiply-adds (a GEMV per token: no tensor-core
+    padding to 16 rows, and no tf32 rounding)."""
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_m = tl.arange(0, M_PAD)
-    acc = tl.zeros((M_PAD, BLOCK_E), dtype=tl.float32)
+    offs_m = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < H), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
                     mask=(offs_e[:, None] < E) & (offs_k[None, :] < H), other=0.0).to(tl.float32)
-        if FP32_MATH:
-            acc += tl.dot(x, tl.trans(w))
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=(offs_m[:, None] < M) & (offs_e[None, :] < E))
 
 
@@ -52,9 +50,11 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
                        slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
                        M, E, TOP_K, num_slots, routed_scaling,
                        ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
-    offs_m = tl.arange(0, M_PAD)
+    """One program; tiles of ROWS = next_power_of_2(M) tokens (1 at decode), so a decode step
+    does 1/16 of the work of a padded verify step."""
+    offs_m = tl.arange(0, ROWS)
     offs_e = tl.arange(0, E_PAD)
     offs_k = tl.arange(0, K_PAD)
     live = (offs_m[:, None] < M) & (offs_e[None, :] < E)
@@ -72,30 +72,30 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
         choice = tl.where(live, choice, float("-inf"))
         if N_GROUP > 1:
             PER_GROUP: tl.constexpr = E_PAD // N_GROUP
-            grouped = tl.reshape(choice, (M_PAD, N_GROUP, PER_GROUP))
+            grouped = tl.reshape(choice, (ROWS, N_GROUP, PER_GROUP))
             offs_in = tl.arange(0, PER_GROUP)
             top1 = tl.max(grouped, axis=2)
             first = tl.min(tl.where(grouped == top1[:, :, None], offs_in[None, None, :], PER_GROUP), axis=2)
             top2 = tl.max(tl.where(offs_in[None, None, :] == first[:, :, None], float("-inf"), grouped), axis=2)
             group_score = top1 + top2 if PER_GROUP > 1 else top1
             offs_g = tl.arange(0, N_GROUP)
-            keep = tl.zeros((M_PAD, N_GROUP), dtype=tl.int1)
+            keep = tl.zeros((ROWS, N_GROUP), dtype=tl.int1)
             for _ in tl.static_range(TOPK_GROUP):
                 _, g = _argmax_rows(group_score, offs_g, N_GROUP)
-                hit = offs_g[None, :] == g[:, None]
-                keep = keep | hit
-                group_score = tl.where(hit, float("-inf"), group_score)
-            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (M_PAD, N_GROUP, PER_GROUP)), (M_PAD, E_PAD))
+                g_hit = offs_g[None, :] == g[:, None]
+                keep = keep | g_hit
+                group_score = tl.where(g_hit, float("-inf"), group_score)
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (ROWS, N_GROUP, PER_GROUP)), (ROWS, E_PAD))
             choice = tl.where(keep_e, choice, float("-inf"))
-    ids = tl.zeros((M_PAD, K_PAD), dtype=tl.int32)
-    weights = tl.zeros((M_PAD, K_PAD), dtype=tl.float32)
+    ids = tl.zeros((ROWS, K_PAD), dtype=tl.int32)
+    weights = tl.zeros((ROWS, K_PAD), dtype=tl.float32)
     for j in range(0, TOP_K):
         _, idx = _argmax_rows(choice, offs_e, E_PAD)
-        hit = offs_e[None, :] == idx[:, None]
-        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        e_hit = offs_e[None, :] == idx[:, None]
+        w = tl.sum(tl.where(e_hit, scores, 0.0), axis=1)
         ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
         weights = tl.where(offs_k[None, :] == j, w[:, None], weights)
-        choice = tl.where(hit, float("-inf"), choice)
+        choice = tl.where(e_hit, float("-inf"), choice)
     in_k = offs_k[None, :] < TOP_K
     if RENORMALIZE:
         weights = weights / (tl.sum(tl.where(in_k, weights, 0.0), axis=1)[:, None] + 1e-20)
@@ -103,7 +103,7 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
     valid = (offs_m[:, None] < M) & in_k
     tl.store(ids_ptr + offs_m[:, None] * TOP_K + offs_k[None, :], ids, mask=valid)
     tl.store(weights_ptr + offs_m[:, None] * TOP_K + offs_k[None, :], weights, mask=valid)
-    P: tl.constexpr = M_PAD * K_PAD
+    P: tl.constexpr = ROWS * K_PAD
     write_slots(tl.reshape(ids, (P,)), tl.reshape(weights, (P,)), tl.reshape(valid, (P,)),
                 tl.arange(0, P) // K_PAD, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
                 P, S_PAD, M_PAD)
@@ -118,7 +118,7 @@ def fused_routing_supported(router_config) -> bool:
 
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
-                 block_e: int = 32, block_k: int = 128) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+                 block_e: int | None = None, block_k: int = 128) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
     (weights fp32 [M, k], ids int32 [M, k]) they were built from."""
     m, hidden = x.shape
@@ -134,9 +134,13 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     top_k = config.top_k
     dev = x.device
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
+    rows = triton.next_power_of_2(m)
+    # Keep the [rows, block_e, block_k] product at 8K elements: many small programs stream the
+    # router weight from more SMs at once.
+    block_e = block_e or max(1, 8192 // (rows * block_k))
     router_logits_kernel[(triton.cdiv(experts, block_e),)](
         x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden,
-        M_PAD=M_PAD, BLOCK_E=block_e, BLOCK_K=block_k, FP32_MATH=FP32_MATH, num_warps=4)
+        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     slots = Slots.empty(m, top_k, experts, dev)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
@@ -149,6 +153,6 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
         m, experts, top_k, slots.num_slots, float(config.routed_scaling_factor if sigmoid else 1.0),
         ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=bias is not None,
         N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
-        M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
+        ROWS=rows, M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
         S_PAD=triton.next_power_of_2(slots.num_slots), num_warps=4)
     return slots, weights, ids
