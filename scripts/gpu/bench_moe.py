@@ -26,16 +26,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from impl import backends  # noqa: E402
 from impl.model.config import get_config  # noqa: E402
-from impl.model.layers import MoEBlock  # noqa: E402
 from impl.moe.configs import MoELaunchConfig, device_name, m_bucket  # noqa: E402
 from impl.moe.gather import moe_gather  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
+from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
 from impl.moe.shared import SharedExpert  # noqa: E402
 from impl.moe.triton_moe import moe_experts  # noqa: E402
 from impl.moe.triton_routing import route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
+from pytest_moeperf.timing import capture_graph  # noqa: E402
 
 CALLS_PER_GRAPH = 10
 DEV = torch.device("cuda")
@@ -58,19 +58,7 @@ def copy_bandwidth() -> float:
 
 def graph_us(calls) -> float:
     """Median time per call of `calls` (a list of CALLS_PER_GRAPH closures) captured in one graph."""
-    for fn in calls:  # compile / warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
+    graph = capture_graph(calls)
     ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     return ms * 1e3 / len(calls)
 
@@ -81,36 +69,13 @@ def eager_us(calls) -> float:
     return ms * 1e3
 
 
-def build_block(cfg, fmt: str, seed: int) -> MoEBlock:
-    torch.manual_seed(seed)
-    with torch.device(DEV):
-        block = MoEBlock(cfg, backends.get("moe", "triton"))
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            p.normal_(0, 0.02)
-        block.gate.e_score_correction_bias.normal_(0, 0.01)
-    block.to(torch.bfloat16)
-    block.gate.float()
-    if fmt == "mxfp4":
-        block.experts.quantize("mxfp4")
-    return block.eval()
-
-
-def shared_of(block) -> SharedExpert:
-    s = block.shared_experts
-    return SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+def build_block(cfg, fmt: str, seed: int):
+    return random_moe_block(cfg, fmt, DEV, "triton", seed)
 
 
 def rel_err(out, ref) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm())
-
-
-def bytes_read(cfg, fmt: str, distinct: float) -> dict:
-    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    per_expert = 3 * i * h * (0.5 + 1 / 32) if fmt == "mxfp4" else 3 * i * h * 2
-    return {"routed": distinct * per_expert, "shared": 3 * cfg.shared_intermediate_size * h * 2,
-            "router": e * h * 4}
 
 
 def parity(block, cfg, fmt: str, rows: list) -> None:
@@ -190,7 +155,7 @@ def humming_calls(block, cfg, xs, rows, m):
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
     xs = inputs(cfg, m)
     distinct = distinct_experts(block, xs)
-    nbytes = bytes_read(cfg, fmt, distinct)
+    nbytes = bytes_per_token(cfg, fmt, distinct)
     whole = sum(nbytes.values())
     gu, dn = block.experts.weights()
     sh = shared_of(block)
@@ -200,7 +165,9 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
         slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg)
         return moe_experts(x, slots, gu, dn, sh, tuned_cfg)
 
-    contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs]}
+    contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs],
+                  "triton (ours), routing only": [
+                      lambda x=x: route_triton(x, gate.weight, gate.e_score_correction_bias, cfg) for x in xs]}
     if fmt == "bf16":
         def gathered(x):
             w, ids = gate(x)
@@ -219,7 +186,8 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
         try:
             with torch.no_grad():
                 us = graph_us(calls)
-            floor = (nbytes["routed"] if "humming" in name else whole) / bw * 1e6
+            part = {"humming": nbytes["routed"], "routing": nbytes["router"]}
+            floor = next((v for k, v in part.items() if k in name), whole) / bw * 1e6
             results[name] = us
             rows.append(dict(kind="time", shape=cfg.name, fmt=fmt, M=m, contender=name, us=us, floor_us=floor,
                              frac_floor=floor / us, distinct_experts=distinct))
@@ -241,7 +209,7 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k, gate_up_warps=w, gate_up_stages=s)
                  for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stages=s)
-              for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
+              for n, k, w, s in itertools.product((16, 32, 64, 128), (128, 256), (4,), (3, 4))]
 
 
 def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
