@@ -1,14 +1,18 @@
 """Launch configurations of the Triton MoE, as data keyed by problem shape and device.
 
 Keys are (experts, hidden, intermediate, top_k, M bucket, weight format, device name); the
-values come from `scripts/gpu/tune_moe.py` run on that device and are committed here. A shape
-nobody tuned gets `fallback()`: blocks that keep every program's tile at a few KB of weights
-and enough programs to cover the GPU at M = 1.
+values live in `tuned_configs.json` beside this file, written by
+`scripts/gpu/bench_moe.py --tune --write-configs` on that device and committed. A shape nobody
+tuned gets the defaults of `MoELaunchConfig` (32 x 128 tiles, 4 warps, 3 stages), which ran
+correctly everywhere they were tried.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,11 +45,32 @@ def m_bucket(m: int) -> int:
     return next(b for b in M_BUCKETS if m <= b)
 
 
-# (experts, hidden, intermediate, top_k, m_bucket, format, device name) -> config. Filled by tuning.
-TUNED: dict[tuple, MoELaunchConfig] = {}
+TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
+KEY_FIELDS = ("experts", "hidden", "intermediate", "top_k", "m_bucket", "format", "device")
+
+
+def load_tuned(path: Path = TUNED_PATH) -> dict[tuple, MoELaunchConfig]:
+    """{key tuple: config} from the JSON list of {"key": {...}, "config": {...}} entries."""
+    if not path.exists():
+        return {}
+    try:
+        entries = json.loads(path.read_text())
+        return {tuple(e["key"][f] for f in KEY_FIELDS): MoELaunchConfig(**e["config"]) for e in entries}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: malformed tuned MoE configs ({e})") from None
+
+
+def save_tuned(tuned: dict[tuple, MoELaunchConfig], path: Path = TUNED_PATH) -> None:
+    merged = {**load_tuned(path), **tuned}
+    entries = [{"key": dict(zip(KEY_FIELDS, k)), "config": dataclasses.asdict(c)} for k, c in sorted(merged.items())]
+    path.write_text(json.dumps(entries, indent=1) + "\n")
+
+
+TUNED: dict[tuple, MoELaunchConfig] = load_tuned()
 
 
 def fallback(hidden: int, intermediate: int) -> MoELaunchConfig:
+    """For shapes nobody tuned: the defaults (every shape of the fuzz suite runs with them)."""
     return MoELaunchConfig()
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from impl.model.config import get_config  # noqa: E402
-from impl.moe.configs import MoELaunchConfig, device_name, m_bucket  # noqa: E402
+from impl.moe.configs import TUNED_PATH, MoELaunchConfig, device_name, m_bucket, save_tuned  # noqa: E402
 from impl.moe.gather import moe_gather  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
@@ -248,6 +248,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--write-configs", action="store_true",
+                    help="merge the tuned configs into impl/moe/tuned_configs.json")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
@@ -270,9 +272,10 @@ def main() -> None:
                 if args.tune and m == 1:  # the M=1 winner also serves the larger M for now
                     cfg_m = tune(block, cfg, fmt, m, rows)
                 if cfg_m is not None:
-                    key = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, m_bucket(m),
-                           fmt, device_name(DEV))
-                    tuned[key] = cfg_m
+                    for bucket in {m_bucket(m)} | ({2} if m == 1 else set()):
+                        key = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, bucket,
+                               fmt, device_name(DEV))
+                        tuned[key] = cfg_m
                 time_contenders(block, cfg, fmt, m, bw, rows, cfg_m)
             del block
             torch.cuda.empty_cache()
@@ -286,6 +289,9 @@ def main() -> None:
             log(f"{r['shape']:15s} {r['fmt']:5s} M={r['M']:2d} {r['contender']:32s} {r['us']:9.1f} us {frac}")
     for key, c in tuned.items():
         log(f"TUNED[{key!r}] = {c!r}")
+    if tuned and args.write_configs:
+        save_tuned(tuned)
+        log(f"wrote {len(tuned)} tuned config(s) into {TUNED_PATH}")
 
 
 if __name__ == "__main__":
