@@ -72,7 +72,9 @@ def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_
         lo = _e2m1_to_bf16(packed & 0xF)
         hi = _e2m1_to_bf16(packed >> 4)
         if FP32_MATH:  # the interpreter gets bf16 arithmetic wrong
-            scale = scale.to(tl.float32)
+            # Widen by the bits: the interpreter's bf16 -> fp32 conversion flushes subnormals,
+            # and E8M0 code 0 is the bf16 subnormal 2**-127.
+            scale = (scale.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
             lo = lo.to(tl.float32) * scale
             hi = hi.to(tl.float32) * scale
             return (tl.dot(a_even.to(tl.float32), tl.trans(lo)) + tl.dot(a_odd.to(tl.float32), tl.trans(hi)))
@@ -215,7 +217,8 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
             acc += _tile_dot(shared_act_ptr, stride_sam, offs_m, m_all, k0, I_SHARED, sd_ptr, sd_ptr, offs_n,
                              n_mask, stride_sdn, 0, BLOCK_K, False, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
-    if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel") == arrivals - 1:
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
         total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         for s in range(0, arrivals):
             total += tl.load(partial_ptr + s * stride_ps + offs_m[:, None] * H + offs_n[None, :],

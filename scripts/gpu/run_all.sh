@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Every GPU measurement of issues 3 and 4 in one call, then the --moe-bench gate frozen for this
+# GPU. Run from the repository root on the H200 (carry .whl with the humming-kernels wheel):
+#     bash scripts/gpu/run_all.sh
+# Results land in $OUT: logs, bench JSON, tuned MoE configs, and baselines/ to commit.
+set -u
+OUT=${OUT:-/tmp/moeperf-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" HUMMING_COMPILER=nvrtc PYTHONUNBUFFERED=1
+timeout "${MOE_SECONDS:-330}" python3 scripts/gpu/bench_moe.py --tune --write-configs --ms 1,4 --out "$OUT" \
+  > "$OUT/moe.log" 2>&1; echo "bench_moe rc=$?"
+cp impl/moe/tuned_configs.json "$OUT/" 2>/dev/null
+timeout "${HEAD_SECONDS:-100}" python3 scripts/gpu/bench_head.py --quick > "$OUT/head.log" 2>&1; echo "bench_head rc=$?"
+timeout "${GATE_SECONDS:-130}" python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-bench \
+  --moe-device cuda --moe-freeze --moe-baselines "$OUT/baselines" suites/test_moe_bench.py \
+  $(ls suites/test_head_bench.py 2>/dev/null) > "$OUT/gate.log" 2>&1; echo "gate rc=$?"
+grep -A60 "== summary" "$OUT/moe.log" | grep -v "^TUNED"; tail -30 "$OUT/head.log"; tail -20 "$OUT/gate.log"
