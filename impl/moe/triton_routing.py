@@ -118,7 +118,7 @@ def fused_routing_supported(router_config) -> bool:
 
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
-                 block_e: int | None = None, block_k: int = 128) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+                 block_e: int = 4, block_k: int | None = None) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
     (weights fp32 [M, k], ids int32 [M, k]) they were built from."""
     m, hidden = x.shape
@@ -135,9 +135,10 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     dev = x.device
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
     rows = triton.next_power_of_2(m)
-    # Keep the [rows, block_e, block_k] product at 8K elements: many small programs stream the
-    # router weight from more SMs at once.
-    block_e = block_e or max(1, 8192 // (rows * block_k))
+    # Few experts per program, so that E / block_e programs (128 at E = 512) stream the router
+    # weight from many SMs at once (8 programs of 64 experts took 55 us on the H200, run 2 in
+    # notes/moe-h200.md); block_k keeps the [rows, block_e, block_k] product at 4K elements.
+    block_k = block_k or max(32, min(1024, 4096 // (rows * block_e)))
     router_logits_kernel[(triton.cdiv(experts, block_e),)](
         x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden,
         ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
