@@ -29,12 +29,16 @@ class MoELaunchConfig:
     down_block_k: int = 128
     down_warps: int = 4
     down_stages: int = 3
+    # Up to this many tokens, products are register multiply-adds instead of tensor-core dots.
+    gemv_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):
             v = getattr(self, name)
             if v < 32 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 32 (one MXFP4 scale block), got {v}")
+        if self.gemv_max_tokens not in (0, 1, 2, 4):
+            raise ValueError(f"gemv_max_tokens must be 0, 1, 2 or 4, got {self.gemv_max_tokens}")
         for name in ("gate_up_block_n", "down_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

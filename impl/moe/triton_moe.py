@@ -93,18 +93,71 @@ def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_
 
 
 @triton.jit
+def _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+               ROWS: tl.constexpr):
+    """The same product as `_tile_dot` for the first ROWS (<= 4) tokens, as fp32 multiply-adds
+    in registers: no tensor-core operand layout to convert the decoded weights into. MXFP4 tiles
+    are loaded as [BLOCK_N, groups, 16 bytes], so each 32-element scale multiplies a partial sum
+    once instead of every element."""
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if MXFP4:
+        G: tl.constexpr = BLOCK_K // 32
+        offs_g = k0 // 32 + tl.arange(0, G)
+        offs_t = tl.arange(0, 16)
+        offs_j = offs_g[:, None] * 16 + offs_t[None, :]  # [G, 16] byte columns
+        j_mask = offs_j < K // 2
+        packed = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_j[None, :, :],
+                         mask=n_mask[:, None, None] & j_mask[None, :, :], other=0)
+        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                        mask=n_mask[:, None] & (offs_g[None, :] < K // 32), other=127)
+        scale = (_e8m0_to_bf16(codes).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        lo = _e2m1_to_bf16(packed & 0xF).to(tl.float32)
+        hi = _e2m1_to_bf16(packed >> 4).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            a_mask = j_mask & (tl.zeros_like(offs_j) + r < M)
+            a_even = tl.load(a_ptr + r * stride_am + 2 * offs_j, mask=a_mask, other=0.0).to(tl.float32)
+            a_odd = tl.load(a_ptr + r * stride_am + 2 * offs_j + 1, mask=a_mask, other=0.0).to(tl.float32)
+            part = tl.sum(lo * a_even[None, :, :] + hi * a_odd[None, :, :], axis=2)  # [BLOCK_N, G]
+            row = tl.sum(part * scale, axis=1)
+            acc += tl.where(offs_m[:, None] == r, row[None, :], 0.0)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            a = tl.load(a_ptr + r * stride_am + offs_k, mask=k_mask & (tl.zeros_like(offs_k) + r < M),
+                        other=0.0).to(tl.float32)
+            row = tl.sum(w * a[None, :], axis=1)
+            acc += tl.where(offs_m[:, None] == r, row[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+                  GEMV_ROWS: tl.constexpr, FP32_MATH: tl.constexpr):
+    """`_tile_gemv` for GEMV_ROWS > 0 (a few tokens), `_tile_dot` (tensor cores) otherwise."""
+    if GEMV_ROWS > 0:
+        return _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
+                          stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS)
+    return _tile_dot(a_ptr, stride_am, offs_m, offs_m < M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
+                     stride_sn, BLOCK_K, MXFP4, FP32_MATH)
+
+
+@triton.jit
 def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, FP32_MATH: tl.constexpr):
+                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, FP32_MATH: tl.constexpr):
     offs_m = tl.arange(0, M_PAD)
-    m_mask = offs_m < M
     acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc_g += _tile_dot(x_ptr, stride_xm, offs_m, m_mask, k0, K, g_ptr, gs_ptr, offs_n, n_mask,
-                           stride_wn, stride_sn, BLOCK_K, MXFP4, FP32_MATH)
-        acc_u += _tile_dot(x_ptr, stride_xm, offs_m, m_mask, k0, K, u_ptr, us_ptr, offs_n, n_mask,
-                           stride_wn, stride_sn, BLOCK_K, MXFP4, FP32_MATH)
+        acc_g += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, g_ptr, gs_ptr, offs_n, n_mask,
+                               stride_wn, stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
+        acc_u += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, u_ptr, us_ptr, offs_n, n_mask,
+                               stride_wn, stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
@@ -152,7 +205,8 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
                        sg_ptr, su_ptr, stride_shn,
                        act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, FP32_MATH: tl.constexpr):
+                       MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
+                       FP32_MATH: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The program after the last routed slot computes the shared expert instead."""
     slot = tl.program_id(0)
@@ -167,14 +221,14 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
                 act = _swiglu_tile(x_ptr, stride_xm, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
-                                   M_PAD, BLOCK_N, BLOCK_K, MXFP4, FP32_MATH)
+                                   M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
                 tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                          act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
         if tl.program_id(1) * BLOCK_N < I_SHARED:
             n_mask = offs_n < I_SHARED
             act = _swiglu_tile(x_ptr, stride_xm, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
-                               stride_shn, 0, M_PAD, BLOCK_N, BLOCK_K, False, FP32_MATH)
+                               stride_shn, 0, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, FP32_MATH)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_n[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
@@ -186,7 +240,8 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
                     sd_ptr, stride_sdn, partial_ptr, stride_ps, counter_ptr,
                     out_ptr, stride_om, M, H, I, I_SHARED,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, FP32_MATH: tl.constexpr):
+                    MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
+                    FP32_MATH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or the shared
     expert for the slot after the last. Each writes an fp32 partial; the program that arrives last
     at a block (an atomic counter) sums the block's partials in slot order and writes the output
@@ -197,7 +252,6 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
     offs_n = hb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_m = tl.arange(0, M_PAD)
-    m_all = offs_m < M_PAD
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     if slot < num_slots:
         expert = tl.load(slot_expert_ptr + slot)
@@ -206,16 +260,16 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
             ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
             for k0 in range(0, I, BLOCK_K):
-                acc += _tile_dot(a_ptr, stride_am, offs_m, m_all, k0, I, w_e, ws_e, offs_n, n_mask,
-                                 stride_wn, stride_sn, BLOCK_K, MXFP4, FP32_MATH)
+                acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, I, w_e, ws_e, offs_n, n_mask,
+                                     stride_wn, stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tl.load(slot_tokens_ptr + slot) >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
         for k0 in range(0, I_SHARED, BLOCK_K):
-            acc += _tile_dot(shared_act_ptr, stride_sam, offs_m, m_all, k0, I_SHARED, sd_ptr, sd_ptr, offs_n,
-                             n_mask, stride_sdn, 0, BLOCK_K, False, FP32_MATH)
+            acc += _tile_product(shared_act_ptr, stride_sam, offs_m, M, k0, I_SHARED, sd_ptr, sd_ptr, offs_n,
+                                 n_mask, stride_sdn, 0, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -342,6 +396,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     backends.note("moe", "triton", "moe_gate_up_kernel+moe_down_kernel", format=fmt,
                   tokens=m, shared=shared is not None, config=cfg)
     i_shared = shared.gate.shape[0] if shared is not None else 0
+    # A few tokens: register multiply-adds; more: tensor cores (tokens padded to M_PAD rows).
+    gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
@@ -358,7 +414,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.gate_up_warps,
+        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, FP32_MATH=FP32_MATH, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down)
     sd = shared.down if shared is not None else x
@@ -370,5 +426,6 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, FP32_MATH=FP32_MATH, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, FP32_MATH=FP32_MATH, num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages)
     return out

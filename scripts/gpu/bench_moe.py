@@ -206,6 +206,7 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
     return results
 
 
+SWEEP_PATH = [dict(gemv_max_tokens=4)]  # register multiply-adds instead of tensor cores for <= 4 tokens
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k, gate_up_warps=w, gate_up_stages=s)
                  for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stages=s)
@@ -213,7 +214,8 @@ SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stages=s)
 
 
 def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
-    """Coordinate search: the gate_up kernel's parameters, then the down kernel's."""
+    """Coordinate search: the product path (tensor cores or registers), then the gate_up kernel's
+    tiles, then the down kernel's."""
     xs = inputs(cfg, m)
     gu, dn = block.experts.weights()
     sh = shared_of(block)
@@ -226,7 +228,7 @@ def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
             return graph_us([lambda x=x, s=s: moe_experts(x, s, gu, dn, sh, c) for x, s in zip(xs, slots)])
 
     best_us = measure(best)
-    for sweep in (SWEEP_GATE_UP, SWEEP_DOWN):
+    for sweep in (SWEEP_PATH, SWEEP_GATE_UP, SWEEP_DOWN):
         for params in sweep:
             cand = MoELaunchConfig(**{**best.__dict__, **params})
             try:
