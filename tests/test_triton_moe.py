@@ -1,0 +1,369 @@
+"""Unit tests of the fused Triton MoE (impl.moe.triton_moe): fixed shapes against the oracle, the
+slot grouping on crafted routings, chunking beyond M_PAD tokens, launch configurations, and the
+errors bad inputs get.
+
+Runs on the GPU when there is one (the kernels need CUDA tensors there), else on the CPU. On a CPU
+the kernels run in Triton's interpreter with fp32 math (FP32_MATH), so the oracle on the same
+(exactly dequantized) weights agrees to fp32 rounding: per token row, norm-wise relative error
+<= 1e-5 (seen: ~3e-7). On a GPU the activations go through bf16: 1e-2 (suites/test_moe_parity.py
+has the derivation of both).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from impl import backends
+from impl.moe import configs
+from impl.moe.configs import MoELaunchConfig, fallback, lookup, m_bucket
+from impl.moe.reference import moe_reference
+from impl.moe.shared import SharedExpert
+from impl.moe.triton_moe import M_PAD, moe_triton, slots_from_routing
+from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+RTOL = 1e-2 if DEVICE.type == "cuda" else 1e-5
+
+
+def on_device(obj):
+    """Tensors (plain, MXFP4, shared expert) built on the CPU moved to DEVICE; meta ones stay."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(DEVICE) if obj.device.type == "cpu" else obj
+    if isinstance(obj, MXFP4Tensor):
+        return MXFP4Tensor(on_device(obj.packed), on_device(obj.scales))
+    if isinstance(obj, SharedExpert):
+        return SharedExpert(on_device(obj.gate), on_device(obj.up), on_device(obj.down))
+    return obj
+
+
+def run_both(x, weights, ids, w_gate_up, w_down, shared=None, **kwargs):
+    """(moe_triton's output, the oracle's in fp32) on DEVICE."""
+    args = [on_device(a) for a in (x, weights, ids, w_gate_up, w_down, shared)]
+    out = moe_triton(*args, **kwargs)
+    return out, moe_reference(args[0].float(), *args[1:])
+
+
+def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float = RTOL) -> None:
+    assert out.shape == ref.shape
+    rel = (out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
+    assert (rel <= tol).all(), f"relative error per row {rel.tolist()} exceeds {tol}"
+
+
+def make_weights(experts, hidden, inter, fmt="fp32", seed=0):
+    """Routed weights [E, 2I, H] and [E, H, I] with a factor 2**U(-2, 2) per block of 32 along K
+    (so that MXFP4 blocks of a row get different scales)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(shape):
+        w = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        blocks = torch.exp2(torch.rand(*shape[:-1], shape[-1] // 32, 1, generator=g) * 4 - 2)
+        return w * blocks.expand(*shape[:-1], shape[-1] // 32, 32).reshape(shape)
+
+    gu, dn = weight((experts, 2 * inter, hidden)), weight((experts, hidden, inter))
+    if fmt == "mxfp4":
+        return quantize_mxfp4(gu), quantize_mxfp4(dn)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    return gu.to(dtype), dn.to(dtype)
+
+
+def make_shared(hidden, inter, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return SharedExpert((torch.randn(inter, hidden, generator=g) / math.sqrt(hidden)).to(dtype),
+                        (torch.randn(inter, hidden, generator=g) / math.sqrt(hidden)).to(dtype),
+                        (torch.randn(hidden, inter, generator=g) / math.sqrt(inter)).to(dtype))
+
+
+def random_routing(tokens, top_k, experts, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    return torch.rand(tokens, top_k, generator=g) + 0.1, ids
+
+
+# --- fixed shapes against the oracle -------------------------------------------------------
+
+FIXED = [
+    # (experts, top_k, tokens, hidden, inter, shared_inter, weight format)
+    pytest.param(1, 1, 1, 32, 32, None, "bf16", id="smallest"),
+    pytest.param(8, 3, 5, 96, 160, 32, "mxfp4", id="mxfp4-h96-i160-shared32"),
+    pytest.param(16, 2, 4, 256, 64, 64, "fp16", id="fp16-h256-two-k-blocks"),
+    pytest.param(6, 6, 3, 64, 32, 96, "fp32", id="fp32-every-expert"),
+]
+
+
+@pytest.mark.parametrize("experts,top_k,tokens,hidden,inter,shared_inter,fmt", FIXED)
+def test_fixed_shapes_match_reference(experts, top_k, tokens, hidden, inter, shared_inter, fmt):
+    w_gate_up, w_down = make_weights(experts, hidden, inter, fmt)
+    shared = make_shared(hidden, shared_inter) if shared_inter else None
+    weights, ids = random_routing(tokens, top_k, experts)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(3))
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down, shared)
+    assert out.dtype == x.dtype
+    assert_rows_close(out, ref)
+    assert prov.backends("moe") == {"triton"}
+    assert {e.config["format"] for e in prov.events if "format" in e.config} == {
+        "mxfp4" if fmt == "mxfp4" else "bf16"}
+
+
+def test_bf16_activations_round_only_the_output():
+    """bf16 x: on a CPU fp32 math inside and one rounding of the output to bf16 (2**-9 relative)."""
+    w_gate_up, w_down = make_weights(8, 64, 64, "bf16")
+    weights, ids = random_routing(4, 2, 8)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(64, 32, torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert_rows_close(out.float(), ref, tol=max(RTOL, 2**-8))
+
+
+# --- slot grouping ---------------------------------------------------------------------------
+
+def expected_slots(weights, ids, experts):
+    """What the slot kernel must produce: experts in order of first appearance (pairs taken token
+    by token), each slot's per-token weight sums and token bit mask; unused slots -1 / 0 / 0."""
+    m, k = ids.shape
+    n = min(m * k, experts)
+    order: list[int] = []
+    weight = torch.zeros(n, M_PAD)
+    tokens = [0] * n
+    for t in range(m):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e not in order:
+                order.append(e)
+            s = order.index(e)
+            weight[s, t] += float(weights[t, j])
+            tokens[s] |= 1 << t
+    return order + [-1] * (n - len(order)), weight, tokens
+
+
+SLOT_CASES = {
+    # name: (ids, experts)
+    "all-tokens-one-expert": (torch.full((16, 1), 3), 4),
+    "all-distinct": (torch.arange(16).view(4, 4), 16),
+    "same-set-every-token": (torch.tensor([[5, 1, 7]] * 6), 8),
+    "duplicates-within-a-token": (torch.tensor([[2, 2], [2, 5], [5, 5]]), 6),
+    "more-pairs-than-experts": (torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]] * 4), 4),
+    "one-token": (torch.tensor([[6, 0, 3]]), 7),
+}
+
+
+@pytest.mark.parametrize("name", list(SLOT_CASES))
+def test_slot_grouping_on_crafted_ids(name):
+    ids, experts = SLOT_CASES[name]
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) + 0.1
+    slots = slots_from_routing(on_device(weights), on_device(ids), experts)
+    expert, weight, tokens = expected_slots(weights, ids, experts)
+    assert slots.expert.tolist() == expert
+    assert slots.tokens.tolist() == tokens
+    torch.testing.assert_close(slots.weight.cpu(), weight, rtol=1e-6, atol=0)
+    # ... and the whole MoE on that routing (duplicates within a token sum, as in the oracle).
+    w_gate_up, w_down = make_weights(experts, 32, 64, "fp32")
+    x = torch.randn(ids.shape[0], 32, generator=torch.Generator().manual_seed(6))
+    assert_rows_close(*run_both(x, weights, ids, w_gate_up, w_down))
+
+
+def test_slot_grouping_int32_ids_and_noncontiguous_routing():
+    ids = torch.tensor([[1, 4, 2], [4, 0, 1]], dtype=torch.int32).t().contiguous().t()  # [2, 3], column-major
+    weights = torch.rand(3, 2).t()
+    assert not ids.is_contiguous() and not weights.is_contiguous()
+    slots = slots_from_routing(on_device(weights), on_device(ids), 5)
+    expert, weight, tokens = expected_slots(weights, ids, 5)
+    assert slots.expert.tolist() == expert and slots.tokens.tolist() == tokens
+    torch.testing.assert_close(slots.weight.cpu(), weight, rtol=1e-6, atol=0)
+
+
+# --- more tokens than one chunk ----------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens", [17, 40])
+def test_more_than_m_pad_tokens_run_in_chunks(tokens):
+    w_gate_up, w_down = make_weights(4, 32, 32, "bf16")
+    weights, ids = random_routing(tokens, 2, 4)
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(7))
+    shared = make_shared(32, 32)
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down, shared)
+    assert_rows_close(out, ref)
+    # The expert kernels ran once per chunk of at most M_PAD tokens.
+    chunks = [e.config["tokens"] for e in prov.events if "config" in e.config]
+    assert chunks == [min(M_PAD, tokens - i) for i in range(0, tokens, M_PAD)]
+
+
+def test_empty_batch_gives_an_empty_output():
+    w_gate_up, w_down = make_weights(4, 32, 32)
+    out, _ = run_both(torch.randn(0, 32), torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.long), w_gate_up, w_down)
+    assert out.shape == (0, 32)
+
+
+def test_rows_of_x_may_be_strided():
+    w_gate_up, w_down = make_weights(4, 64, 32)
+    weights, ids = random_routing(3, 2, 4)
+    x = torch.randn(6, 64, device=DEVICE)[::2]  # stride(0) = 128: rows apart, hidden contiguous
+    assert not x.is_contiguous()
+    assert_rows_close(*run_both(x, weights, ids, w_gate_up, w_down))
+
+
+# --- launch configurations ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("gate_up_block_k", 16), ("gate_up_block_k", 48), ("down_block_k", 96), ("down_block_k", 0),
+    ("gate_up_block_n", 8), ("gate_up_block_n", 24), ("down_block_n", 48),
+])
+def test_launch_config_rejects_blocks_that_are_not_powers_of_two_or_too_small(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a power of two"):
+        MoELaunchConfig(**{field: value})
+
+
+def test_m_buckets():
+    assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_lookup_falls_back_for_untuned_shapes_and_uses_tuned_ones(monkeypatch):
+    monkeypatch.setattr(configs, "TUNED", {})
+    assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) == fallback(64, 32)
+    tuned = MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=64, down_block_k=64)
+    monkeypatch.setitem(configs.TUNED, (8, 64, 32, 2, 4, "bf16", configs.device_name(DEVICE)), tuned)
+    assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) is tuned  # M=3 falls in the M=4 bucket
+    assert lookup(8, 64, 32, 2, 5, "bf16", DEVICE) == fallback(64, 32)  # another bucket
+    assert lookup(8, 64, 32, 2, 3, "mxfp4", DEVICE) == fallback(64, 32)  # another format
+    # moe_triton picks the tuned configuration up, records it, and computes the same result.
+    w_gate_up, w_down = make_weights(8, 64, 32, "bf16")
+    weights, ids = random_routing(3, 2, 8)
+    x = torch.randn(3, 64)
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down)
+    assert [e.config["config"] for e in prov.events if "config" in e.config] == [tuned]
+    assert_rows_close(out, ref)
+
+
+@pytest.mark.parametrize("cfg", [
+    MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=16, down_block_k=32),
+    MoELaunchConfig(gate_up_block_n=64, gate_up_block_k=256, down_block_n=128, down_block_k=64),
+], ids=["small-blocks", "large-blocks"])
+def test_explicit_launch_configs_give_the_same_result(cfg):
+    """Blocks smaller and larger than H = 96 and I = 160 (masked tails, several K steps, one
+    program covering everything): MXFP4 scale indexing must follow the block size."""
+    w_gate_up, w_down = make_weights(4, 96, 160, "mxfp4")
+    weights, ids = random_routing(2, 1, 4)
+    x = torch.randn(2, 96)
+    shared = make_shared(96, 32)
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down, shared, config=cfg)
+    assert [e.config["config"] for e in prov.events if "config" in e.config] == [cfg]
+    assert_rows_close(out, ref)
+
+
+# --- bad input gives a clear error -----------------------------------------------------------
+
+E, H, I, T, K = 4, 64, 32, 3, 2
+
+
+def good():
+    """Valid inputs: x, weights, ids, w_gate_up, w_down, shared."""
+    w_gate_up, w_down = make_weights(E, H, I, "bf16")
+    weights, ids = random_routing(T, K, E)
+    return dict(x=torch.randn(T, H), weights=weights, ids=ids, w_gate_up=w_gate_up, w_down=w_down,
+                shared=make_shared(H, 32))
+
+
+def mxfp4_pair():
+    return make_weights(E, H, I, "mxfp4")
+
+
+def noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a transposed layout (same shape, not contiguous)."""
+    out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not out.is_contiguous()
+    return out
+
+
+def on_meta(shared: SharedExpert) -> SharedExpert:
+    return SharedExpert(shared.gate.to("meta"), shared.up.to("meta"), shared.down.to("meta"))
+
+
+BAD = {
+    # name: (change to the good inputs, exception, message pattern)
+    "x-1d": (lambda a: {"x": a["x"][0]}, ValueError, r"x must be \[tokens, hidden\]"),
+    "x-3d": (lambda a: {"x": a["x"][None]}, ValueError, r"x must be \[tokens, hidden\]"),
+    "gate_up-wrong-hidden": (lambda a: {"w_gate_up": a["w_gate_up"][..., :32].contiguous()}, ValueError,
+                             r"gate_up weight .* does not fit hidden size 64"),
+    "down-wrong-shape": (lambda a: {"w_down": a["w_down"][:, :32].contiguous()}, ValueError,
+                         r"down weight must be \(4, 64, 32\)"),
+    "down-fewer-experts": (lambda a: {"w_down": a["w_down"][:3].contiguous()}, ValueError, r"down weight must be"),
+    "ids-weights-shapes-differ": (lambda a: {"weights": a["weights"][:, :1]}, ValueError,
+                                  r"routing ids .* and weights .* must both be"),
+    "ids-other-token-count": (lambda a: {"ids": a["ids"][:2], "weights": a["weights"][:2]}, ValueError,
+                              r"must both be \[3, top_k\]"),
+    "top-k-zero": (lambda a: {"ids": a["ids"][:, :0], "weights": a["weights"][:, :0]}, ValueError, r"top_k >= 1"),
+    "x-int": (lambda a: {"x": a["x"].int()}, TypeError, r"x must be floating point"),
+    "weights-int": (lambda a: {"weights": a["weights"].int()}, TypeError, r"routing weights must be floating"),
+    "ids-float": (lambda a: {"ids": a["ids"].float()}, TypeError, r"routing ids must be int32 or int64"),
+    "ids-int16": (lambda a: {"ids": a["ids"].short()}, TypeError, r"routing ids must be int32 or int64"),
+    "gate_up-int8": (lambda a: {"w_gate_up": a["w_gate_up"].to(torch.int8)}, TypeError,
+                     r"gate_up weight must be floating point"),
+    "weights-fp64": (lambda a: {"w_gate_up": a["w_gate_up"].double(), "w_down": a["w_down"].double()}, TypeError,
+                     r"gate_up weight must be bf16, fp16, fp32 or MXFP4"),
+    "all-on-meta": (lambda a: {k: v.to("meta") for k, v in a.items() if k != "shared"} | {"shared": None},
+                    ValueError, r"needs .*tensors, got x on meta"),
+    "x-on-meta": (lambda a: {"x": a["x"].to("meta")}, ValueError, r"got x on meta"),
+    "ids-on-meta": (lambda a: {"ids": a["ids"].to("meta")}, ValueError, r"different devices: \[.*'meta'\]"),
+    "down-on-meta": (lambda a: {"w_down": a["w_down"].to("meta")}, ValueError, r"different devices"),
+    "mxfp4-on-meta": (lambda a: dict(zip(("w_gate_up", "w_down"), (w.to("meta") for w in mxfp4_pair()))),
+                      ValueError, r"different devices"),
+    "shared-on-meta": (lambda a: {"shared": on_meta(a["shared"])}, ValueError,
+                       r"shared expert weights must be contiguous and on the device of x"),
+    "gate_up-noncontiguous": (lambda a: {"w_gate_up": noncontiguous(a["w_gate_up"])}, ValueError,
+                              r"gate_up weight must be contiguous"),
+    "down-noncontiguous": (lambda a: {"w_down": noncontiguous(a["w_down"])}, ValueError,
+                           r"down weight must be contiguous"),
+    "mxfp4-packed-noncontiguous": (
+        lambda a: (lambda gu, dn: {"w_gate_up": MXFP4Tensor(noncontiguous(gu.packed), gu.scales), "w_down": dn})(
+            *mxfp4_pair()), ValueError, r"gate_up weight must be contiguous"),
+    "mxfp4-scales-noncontiguous": (
+        lambda a: (lambda gu, dn: {"w_gate_up": MXFP4Tensor(gu.packed, noncontiguous(gu.scales)), "w_down": dn})(
+            *mxfp4_pair()), ValueError, r"gate_up weight must be contiguous"),
+    "x-noncontiguous-hidden": (lambda a: {"x": noncontiguous(a["x"])}, ValueError,
+                               r"x must be contiguous along the hidden dimension"),
+    "shared-noncontiguous": (lambda a: {"shared": SharedExpert(noncontiguous(a["shared"].gate), a["shared"].up,
+                                                               a["shared"].down)},
+                             ValueError, r"shared expert weights must be contiguous"),
+    "ids-negative": (lambda a: {"ids": a["ids"] - a["ids"].max() - 1}, ValueError,
+                     r"expert ids must be in \[0, 4\), got range \[-\d+, -1\]"),
+    "ids-too-large": (lambda a: {"ids": a["ids"] + E}, ValueError, r"expert ids must be in \[0, 4\), got range"),
+    "ids-equal-to-E": (lambda a: {"ids": torch.full_like(a["ids"], E)}, ValueError, r"got range \[4, 4\]"),
+    "hidden-not-multiple-of-32": (
+        lambda a: {"x": torch.randn(T, 48), "w_gate_up": torch.randn(E, 2 * I, 48), "w_down": torch.randn(E, 48, I),
+                   "shared": None}, ValueError, r"multiples of 32, got H=48, I=32"),
+    "inter-not-multiple-of-32": (
+        lambda a: {"w_gate_up": torch.randn(E, 2 * 48, H), "w_down": torch.randn(E, H, 48)}, ValueError,
+        r"multiples of 32, got H=64, I=48"),
+    "gate_up-mxfp4-down-bf16": (lambda a: {"w_gate_up": mxfp4_pair()[0]}, TypeError,
+                                r"both be MXFP4 or both be plain tensors"),
+    "gate_up-bf16-down-mxfp4": (lambda a: {"w_down": mxfp4_pair()[1]}, TypeError,
+                                r"both be MXFP4 or both be plain tensors"),
+    "shared-gate-wrong-hidden": (lambda a: {"shared": SharedExpert(torch.randn(32, H + 32), a["shared"].up,
+                                                                   a["shared"].down)},
+                                 ValueError, r"shared expert must be \[Is, 64\], \[Is, 64\], \[64, Is\]"),
+    "shared-down-transposed": (lambda a: {"shared": SharedExpert(a["shared"].gate, a["shared"].up,
+                                                                 a["shared"].down.t().contiguous())},
+                               ValueError, r"shared expert must be"),
+    "shared-up-other-width": (lambda a: {"shared": SharedExpert(a["shared"].gate, torch.randn(64, H),
+                                                                a["shared"].down)},
+                              ValueError, r"shared expert must be"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_gives_a_clear_error(name):
+    change, exc, pattern = BAD[name]
+    args = {k: on_device(v) for k, v in good().items()}
+    args.update({k: on_device(v) for k, v in change(args).items()})
+    with pytest.raises(exc, match=pattern):
+        moe_triton(**args)
+
+
+def test_the_good_inputs_of_the_error_cases_run():
+    """The baseline the error cases change one thing of: valid as is."""
+    assert_rows_close(*run_both(**good()))
