@@ -11,6 +11,8 @@ from impl.model.causal_lm import MoECausalLM
 from impl.model.config import PRESETS, ModelConfig, get_config
 from impl.model.layers import Router
 
+HEADS = ("bf16", "fp8")
+
 
 def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -37,9 +39,24 @@ def resolve_device(spec: str | torch.device) -> torch.device:
 
 def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, moe_backend: str = "gather",
-                seed: int = 0) -> MoECausalLM:
+                seed: int = 0, head: str = "bf16", head_backend: str | None = None,
+                head_granularity: str = "row") -> MoECausalLM:
     """`spec` is a preset name (random weights from `seed`), a ModelConfig, or a folder holding a
-    transformers-format checkpoint (config.json + safetensors)."""
+    transformers-format checkpoint (config.json + safetensors).
+
+    `head="fp8"` quantizes the LM head to e4m3 once the weights are in (`MoECausalLM.quantize_head`:
+    scales per row, or per tensor with `head_granularity="tensor"`), run by the FP8 head backend
+    `head_backend` (default "triton"); `head="bf16"` keeps the unquantized head."""
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
+    if head == "bf16" and head_backend not in (None, "bf16"):
+        raise ValueError(f"head_backend={head_backend!r} needs head='fp8' (the bf16 head has one backend)")
+    if head == "fp8":
+        from impl.head import resolve_fp8_backend
+        from impl.quant.fp8 import GRANULARITIES
+        resolve_fp8_backend(head_backend or "triton")
+        if head_granularity not in GRANULARITIES:
+            raise ValueError(f"unknown head_granularity {head_granularity!r}; allowed: {GRANULARITIES}")
     device = resolve_device(device)
     if isinstance(spec, ModelConfig):
         config, folder = spec, None
@@ -67,4 +84,6 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
     else:
         from impl.model.loading import load_weights
         load_weights(model, folder)
+    if head == "fp8":
+        model.quantize_head(granularity=head_granularity, backend=head_backend or "triton")
     return model.eval()

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from impl import backends
+from impl.head import BF16Head, FP8Head
 from impl.model.config import ModelConfig
 from impl.model.layers import DecoderLayer, KVCache, RMSNorm, rope_tables
 
@@ -19,7 +20,8 @@ class MoECausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # An nn.Linear that runs the "bf16" head backend (provenance); `quantize_head` swaps in FP8.
+        self.lm_head = BF16Head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(config, config.max_seq_len)
@@ -39,6 +41,23 @@ class MoECausalLM(nn.Module):
         for layer in self.layers:
             if hasattr(layer.mlp, "backend"):
                 layer.mlp.backend = backend
+
+    @property
+    def head_kind(self) -> str:
+        """'fp8' when the LM head is an FP8Head, else 'bf16' (the unquantized head, whatever its dtype)."""
+        return "fp8" if isinstance(self.lm_head, FP8Head) else "bf16"
+
+    def quantize_head(self, granularity: str = "row", backend: str = "triton",
+                      out_dtype: torch.dtype | None = None) -> FP8Head:
+        """Replace the LM head by an FP8Head quantized from it (e4m3 data + fp32 scales per row or
+        per tensor, owned by the module); logits keep the hidden states' dtype unless `out_dtype`.
+        Returns the new head: share that module (never its tensors) with anything that needs it."""
+        if isinstance(self.lm_head, FP8Head):
+            raise ValueError(f"the LM head is already FP8 ({self.lm_head.extra_repr()}); "
+                             "build the model again to quantize it differently")
+        self.lm_head = FP8Head.from_linear(self.lm_head, granularity=granularity, backend=backend,
+                                           out_dtype=out_dtype)
+        return self.lm_head
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> "MoECausalLM":
