@@ -43,6 +43,13 @@ def moe_backend(moe_session):
 
 
 @pytest.fixture(scope="session")
+def moe_checked_backend(moe_backend_name):
+    """Each MoE backend a correctness suite checks (parametrized: see `backends_under_test`)."""
+    from impl import backends
+    return backends.get("moe", moe_backend_name)
+
+
+@pytest.fixture(scope="session")
 def moe_baseline(moe_session):
     """This device's frozen figures (`BaselineStore`): `.metrics`, `.path`, `.freeze(...)`."""
     return moe_session.store

@@ -8,7 +8,7 @@ import pytest
 
 from pytest_moeperf.device import parse_device
 from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
-    moe_backend, moe_baseline, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
+    moe_backend, moe_baseline, moe_checked_backend, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
 from pytest_moeperf.session import MoePerfSession, Options
 from pytest_moeperf.timing import parse_samples
 
@@ -150,6 +150,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reason = _gpu_skip_reason(session, item)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # A test asking for `moe_backend_name` runs once per backend under test.
+    if "moe_backend_name" in metafunc.fixturenames:
+        session = metafunc.config.stash[SESSION_KEY]
+        metafunc.parametrize("moe_backend_name", session.backends_under_test(), scope="session")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -54,6 +54,15 @@ class MoePerfSession:
             return self.options.backend
         return "triton" if self.device.is_cuda else "gather"
 
+    def backends_under_test(self) -> list[str]:
+        """The MoE backends a correctness suite checks: the one under test and, when it was left
+        to `auto` on a CPU, `triton` as well (in Triton's interpreter), so that a CPU-only CI
+        checks the kernel source the GPU runs."""
+        names = [self.moe_backend]
+        if self.options.backend == "auto" and "triton" not in names:
+            names.append("triton")
+        return names
+
     @property
     def run_config(self) -> dict:
         """What every gated figure of this run depends on besides the device."""

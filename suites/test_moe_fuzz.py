@@ -64,26 +64,10 @@ def fuzz_settings(fraction: float):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-# --- backends under test (as in test_moe_parity.py) -------------------------------------------
-
-def backend_names(config) -> list[str]:
-    """The `--moe-backend` under test; with `auto`, `triton` as well."""
-    from pytest_moeperf.fixtures import get_session
-    session = get_session(config)
-    names = [session.moe_backend]
-    if session.options.backend == "auto" and "triton" not in names:
-        names.append("triton")
-    return names
-
-
-def pytest_generate_tests(metafunc):
-    if "backend_name" in metafunc.fixturenames:
-        metafunc.parametrize("backend_name", backend_names(metafunc.config), scope="session")
-
-
 @pytest.fixture(scope="session")
-def backend(backend_name, moe_backend):
-    return moe_backend if backend_name == moe_backend.name else backends.get("moe", backend_name)
+def backend(moe_checked_backend):
+    """Each backend under test (the plugin parametrizes it: `--moe-backend`, plus `triton` on a CPU)."""
+    return moe_checked_backend
 
 
 # --- cases ----------------------------------------------------------------------------------

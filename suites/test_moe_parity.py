@@ -81,24 +81,10 @@ SHAPES = (
 )
 
 
-def backend_names(config) -> list[str]:
-    """The `--moe-backend` under test; with `auto`, `triton` as well (see the module docstring)."""
-    from pytest_moeperf.fixtures import get_session
-    session = get_session(config)
-    names = [session.moe_backend]
-    if session.options.backend == "auto" and "triton" not in names:
-        names.append("triton")
-    return names
-
-
-def pytest_generate_tests(metafunc):
-    if "backend_name" in metafunc.fixturenames:
-        metafunc.parametrize("backend_name", backend_names(metafunc.config), scope="session")
-
-
 @pytest.fixture(scope="session")
-def backend(backend_name, moe_backend):
-    return moe_backend if backend_name == moe_backend.name else backends.get("moe", backend_name)
+def backend(moe_checked_backend):
+    """Each backend under test (the plugin parametrizes it: `--moe-backend`, plus `triton` on a CPU)."""
+    return moe_checked_backend
 
 
 def _block_magnitudes(shape: tuple[int, ...], g: torch.Generator, device) -> torch.Tensor:
