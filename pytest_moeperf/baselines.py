@@ -11,6 +11,7 @@ keeping every other entry and every metric that was not re-measured.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -137,7 +138,14 @@ class BaselineStore:
         return [e["fingerprint"] for e in self._file.entries if e["fingerprint"] != self.fingerprint]
 
     def freeze(self, metrics: dict[str, FrozenMetric]) -> Path:
-        """Record `metrics` for this fingerprint; re-reads the file first so concurrent edits survive."""
+        """Record `metrics` for this fingerprint. The read-modify-write runs under an exclusive
+        lock and re-reads the file, so concurrent freezes (xdist workers) all survive."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(f".{self.path.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._freeze_locked(metrics)
+
+    def _freeze_locked(self, metrics: dict[str, FrozenMetric]) -> Path:
         current = load_file(self.path) if self.path.exists() else BaselineFile(self.path, [])
         entry = current.entry_for(self.fingerprint)
         if entry is None:

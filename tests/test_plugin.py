@@ -194,7 +194,33 @@ def test_freeze_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         store.freeze({"b::m": _frozen(value=2.0)})
     assert store.path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["dev.json"]  # no temporary file left behind
+    # No temporary file left behind (the lock file is the only other entry).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".dev.json.lock", "dev.json"]
+
+
+FREEZES_PER_WORKER = 40
+
+
+def _freeze_many(folder: str, worker: int, start) -> None:
+    store = BaselineStore(folder, {"kind": "cpu", "name": "x"}, "dev")
+    start.wait()  # both workers begin together, so their read-modify-writes overlap
+    for i in range(FREEZES_PER_WORKER):
+        store.freeze({f"w{worker}::m{i}": _frozen(value=1.0 + i)})
+
+
+def test_concurrent_freezes_all_survive(tmp_path):
+    """Two processes (like xdist workers) freezing at once: the lock keeps every metric."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=_freeze_many, args=(str(tmp_path), w, start)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    (entry,) = load_file(tmp_path / "dev.json").entries
+    assert set(entry["metrics"]) == {f"w{w}::m{i}" for w in range(2) for i in range(FREEZES_PER_WORKER)}
 
 
 def test_a_figure_frozen_under_another_configuration_is_not_compared(run, suite):
