@@ -32,7 +32,8 @@ def moe_model(moe_session):
 
     from impl.model import build_model
     return build_model(moe_session.options.model, moe_session.device.torch_device,
-                       getattr(torch, moe_session.dtype_name), moe_backend=moe_session.moe_backend)
+                       getattr(torch, moe_session.dtype_name), moe_backend=moe_session.moe_backend,
+                       head=moe_session.options.head)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from pytest_moeperf.timing import parse_samples
 
 SESSION_KEY = pytest.StashKey[MoePerfSession]()
 
-DEFAULTS = {"moe_device": "auto", "moe_model": "tiny", "moe_backend": "auto", "moe_baselines": "baselines",
-            "moe_samples": "10"}
+DEFAULTS = {"moe_device": "auto", "moe_model": "tiny", "moe_backend": "auto", "moe_head": "bf16",
+            "moe_baselines": "baselines", "moe_samples": "10"}
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
     "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
@@ -39,6 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="MODEL")
     add("--moe-backend", "moe_backend", "MoE implementation under test, a registered `moe` backend "
         "(default: auto = triton on CUDA, gather on CPU)", metavar="NAME")
+    add("--moe-head", "moe_head", "LM head of the model under test: bf16, or fp8 (quantized online at load, "
+        "Triton FP8 GEMV) (default: bf16)", metavar="HEAD")
     add("--moe-baselines", "moe_baselines", "folder of frozen baselines, relative to rootdir "
         "(default: baselines)", metavar="DIR")
     add("--moe-freeze", "moe_freeze", "write or refresh this device's frozen figures (needs --moe-bench)",
@@ -74,6 +76,13 @@ def parse_backend(value: str) -> str:
     return value
 
 
+def parse_head(value: str) -> str:
+    from impl.model.build import HEADS
+    if value not in HEADS:
+        raise ValueError(f"--moe-head must be one of {', '.join(HEADS)}, got {value!r}")
+    return value
+
+
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     baselines = Path(_option(config, "moe_baselines"))
@@ -83,6 +92,7 @@ def parse_options(config: pytest.Config) -> Options:
         device=parse_device(_option(config, "moe_device")),
         model=parse_model(_option(config, "moe_model"), root),
         backend=parse_backend(_option(config, "moe_backend")),
+        head=parse_head(_option(config, "moe_head")),
         baselines=baselines if baselines.is_absolute() else root / baselines,
         freeze=bool(_option(config, "moe_freeze")),
         report=None if not report else Path(report),

@@ -18,6 +18,7 @@ class Options:
     device: str
     model: str
     backend: str
+    head: str
     baselines: Path
     freeze: bool
     report: Path | None
@@ -67,7 +68,10 @@ class MoePerfSession:
     @property
     def run_config(self) -> dict:
         """What every gated figure of this run depends on besides the device."""
-        return {"model": self.options.model, "dtype": self.dtype_name, "moe_backend": self.moe_backend}
+        config = {"model": self.options.model, "dtype": self.dtype_name, "moe_backend": self.moe_backend}
+        if self.options.head != "bf16":  # figures frozen before the option existed stay comparable
+            config["head"] = self.options.head
+        return config
 
     def header(self) -> dict:
         return {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,

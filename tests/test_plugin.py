@@ -236,6 +236,8 @@ def test_a_figure_frozen_under_another_configuration_is_not_compared(run, suite)
     (["--moe-device", "tpu"], "--moe-device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
     (["--moe-model", "no-such-model"], "--moe-model 'no-such-model' is neither a preset"),
     (["--moe-samples", "2"], "--moe-samples must be at least 3"),
+    (["--moe-head", "int4"], "--moe-head must be one of bf16, fp8, got 'int4'"),
+    (["--moe-backend", "nope"], "--moe-backend: unknown moe backend 'nope'; available:"),
 ])
 def test_bad_options_are_usage_errors(run, args, message):
     result = run(*args)
