@@ -19,8 +19,11 @@ timeout "${MOE_SECONDS:-330}" python3 scripts/gpu/bench_moe.py --tune --write-co
   > "$OUT/moe.log" 2>&1; echo "bench_moe rc=$?"
 cp impl/moe/tuned_configs.json "$OUT/" 2>/dev/null
 timeout "${HEAD_SECONDS:-100}" python3 scripts/gpu/bench_head.py --quick > "$OUT/head.log" 2>&1; echo "bench_head rc=$?"
+# The gate compares against the committed figures; FREEZE=1 records new ones (into a copy that
+# keeps every other device's entries; commit $OUT/baselines/*.json after review).
+cp -r baselines "$OUT/"
 timeout "${GATE_SECONDS:-130}" python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-bench \
-  --moe-device cuda --moe-freeze --moe-baselines "$OUT/baselines" suites/test_moe_bench.py \
+  --moe-device cuda ${FREEZE:+--moe-freeze} --moe-baselines "$OUT/baselines" suites/test_moe_bench.py \
   $(ls suites/test_head_bench.py 2>/dev/null) > "$OUT/gate.log" 2>&1; echo "gate rc=$?"
 tail -5 "$OUT/checks.log"; grep -A60 "== summary" "$OUT/moe.log" | grep -v "^TUNED"; tail -30 "$OUT/head.log"
 tail -20 "$OUT/gate.log"
