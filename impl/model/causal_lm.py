@@ -10,6 +10,7 @@ from impl import backends
 from impl.head import BF16Head, FP8Head
 from impl.model.config import ModelConfig
 from impl.model.layers import DecoderLayer, KVCache, RMSNorm, rope_tables
+from impl.model.mtp import MTPLayer
 
 
 class MoECausalLM(nn.Module):
@@ -24,6 +25,9 @@ class MoECausalLM(nn.Module):
         self.lm_head = BF16Head(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # NEXTN layers (the speculative draft), stored after the decoder layers in checkpoints.
+        self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j, backend, self.embed_tokens, self.lm_head)
+                                 for j in range(config.num_mtp_layers))
         cos, sin = rope_tables(config, config.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -38,7 +42,7 @@ class MoECausalLM(nn.Module):
 
     def set_moe_backend(self, name: str) -> None:
         backend = backends.get("moe", name)
-        for layer in self.layers:
+        for layer in [*self.layers, *(m.block for m in self.mtp)]:
             if hasattr(layer.mlp, "backend"):
                 layer.mlp.backend = backend
 
@@ -57,6 +61,8 @@ class MoECausalLM(nn.Module):
                              "build the model again to quantize it differently")
         self.lm_head = FP8Head.from_linear(self.lm_head, granularity=granularity, backend=backend,
                                            out_dtype=out_dtype)
+        for mtp in self.mtp:
+            mtp.share(self.embed_tokens, self.lm_head)
         return self.lm_head
 
     @torch.no_grad()
@@ -79,7 +85,7 @@ class MoECausalLM(nn.Module):
             return
         c = self.config
         p = self.embed_tokens.weight
-        for layer in self.layers:
+        for layer in [*self.layers, *(m.block for m in self.mtp)]:
             layer.self_attn.kv_cache = KVCache(max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim,
                                                p.dtype, p.device)
         self.causal_mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=p.device))
@@ -100,19 +106,30 @@ class MoECausalLM(nn.Module):
         elif input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
 
-    def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-norm hidden states [B, T, H]; with caches, `input_pos` are the absolute positions."""
-        self._check_inputs(input_ids, input_pos)
+    def positions(self, t: int, input_pos: torch.Tensor | None):
+        """(cos, sin, mask) for `t` tokens at `input_pos` (with caches) or at 0..t-1 (without)."""
         if self.cache_seq_len:
-            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-            mask = self.causal_mask[input_pos]
-        else:
-            t = input_ids.shape[1]
-            cos, sin, mask = self.rope_cos[:t], self.rope_sin[:t], None
+            return self.rope_cos[input_pos], self.rope_sin[input_pos], self.causal_mask[input_pos]
+        return self.rope_cos[:t], self.rope_sin[:t], None
+
+    def last_hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H], before the final norm (what MTP layers take)."""
+        self._check_inputs(input_ids, input_pos)
+        cos, sin, mask = self.positions(input_ids.shape[1], input_pos)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, mask)
-        return self.norm(x)
+        return x
+
+    def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H]; with caches, `input_pos` are the absolute positions."""
+        return self.norm(self.last_hidden_states(input_ids, input_pos))
+
+    def forward_with_hidden(self, input_ids: torch.Tensor,
+                            input_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, pre-norm last hidden states): one pass feeding both the sampler and the draft."""
+        last = self.last_hidden_states(input_ids, input_pos)
+        return self.lm_head(self.norm(last)), last
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, input_pos))

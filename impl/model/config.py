@@ -87,7 +87,7 @@ class ModelConfig:
         return layer not in self.dense_layers
 
     def num_parameters(self) -> int:
-        """Parameter count (norms included, MTP layers excluded), without building the model."""
+        """Parameter count (norms and MTP layers included), without building the model."""
         h, d, v = self.hidden_size, self.head_dim, self.vocab_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias + h * self.attention_out_bias
@@ -97,6 +97,9 @@ class ModelConfig:
                + 3 * h * self.shared_intermediate_size)
         n_dense = len(self.dense_layers)
         layers = self.num_layers * attn + n_dense * dense + (self.num_layers - n_dense) * moe
+        # An MTP layer: enorm, hnorm, eh_proj (2H -> H), one MoE decoder layer, its own final norm;
+        # it shares the embedding and the head.
+        layers += self.num_mtp_layers * (3 * h + 2 * h * h + attn + moe)
         return layers + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     def replace(self, **overrides) -> "ModelConfig":
@@ -110,7 +113,7 @@ PRESETS: dict[str, dict] = {
         intermediate_size=256, num_experts=8, top_k=2, moe_intermediate_size=128,
         num_shared_experts=1, router="sigmoid_grouped", n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=1.0, rope_theta=10000.0, qk_norm=False,
-        max_seq_len=384, num_mtp_layers=0,
+        max_seq_len=384, num_mtp_layers=1,
     ),
     # MoE and head shapes from inclusionAI/Ling-flash-2.0; attention is its GQA 32/4 x 128.
     "ling-flash-2.0": dict(

@@ -3,7 +3,10 @@
 Supported: Qwen3-MoE (`qwen3_moe`) and GLM-4.5-MoE (`glm4_moe`). Experts may be stored one
 tensor per expert (as transformers' `save_pretrained` and the hub checkpoints do) or fused as
 [E, 2I, H] / [E, H, I]; both land in the model's fused layout. MTP (NEXTN) layers, stored as
-extra decoder layers past `num_hidden_layers`, are left to the speculative decoder.
+extra decoder layers `num_hidden_layers + j` (DeepSeek-V3 / GLM-4.5 layout: `enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm`, a decoder block, and copies of the shared embedding and head),
+load into `model.mtp[j]`; a layer past num_hidden_layers without `eh_proj` is not an MTP layer
+and is skipped, and a model whose checkpoint holds no MTP layer drops its (untrained) ones.
 """
 
 from __future__ import annotations
@@ -106,19 +109,47 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_LAYER = re.compile(r"^layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+# NEXTN tensors that are copies of the target's own modules: the model shares those instead.
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+_MTP_OWN = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "final_norm."}
 
 
-def _to_model_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename to the model's parameter names and fuse per-expert tensors."""
+def mtp_layers_in(tensors: dict[str, torch.Tensor], config: ModelConfig) -> int:
+    """How many consecutive NEXTN layers (with an `eh_proj`) follow the decoder layers."""
+    n = 0
+    while f"model.layers.{config.num_layers + n}.eh_proj.weight" in tensors:
+        n += 1
+    return n
+
+
+def _mtp_name(index: int, rest: str) -> str | None:
+    """Our name for tensor `rest` of NEXTN layer `index`, or None for a shared copy."""
+    if rest in _MTP_SHARED:
+        return None
+    for theirs, ours in _MTP_OWN.items():
+        if rest.startswith(theirs):
+            return f"mtp.{index}.{ours}{rest.removeprefix(theirs)}"
+    return f"mtp.{index}.block.{rest}"
+
+
+def _to_model_names(tensors: dict[str, torch.Tensor], config: ModelConfig,
+                    num_mtp: int = 0) -> dict[str, torch.Tensor]:
+    """Rename to the model's parameter names and fuse per-expert tensors; the first `num_mtp`
+    layers past the decoder layers go to `mtp.{j}`, any others are skipped."""
     out: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for key, t in tensors.items():
         name = key.removeprefix("model.")
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= config.num_layers:
-            continue  # an MTP layer: not part of the target model
+            j = int(layer.group(1)) - config.num_layers
+            if j >= num_mtp:
+                continue  # not an MTP layer the model holds
+            name = _mtp_name(j, layer.group(2))
+            if name is None:
+                continue
         m = _EXPERT.match(name)
         if m:
             per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
@@ -140,7 +171,13 @@ def _to_model_names(tensors: dict[str, torch.Tensor], config: ModelConfig) -> di
 def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
     """Copy a checkpoint's tensors into `model` (strict: every parameter, no leftovers)."""
     folder = Path(folder)
-    state = _to_model_names(_read_tensors(folder), model.config)
+    tensors = _read_tensors(folder)
+    stored = mtp_layers_in(tensors, model.config)
+    if stored < len(model.mtp):
+        # Untrained NEXTN layers would draft noise; without them speculation refuses clearly.
+        model.mtp = model.mtp[:stored]
+        model.config = model.config.replace(num_mtp_layers=stored)
+    state = _to_model_names(tensors, model.config, len(model.mtp))
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)

@@ -1,0 +1,1 @@
+"""Synthetic data sets for training and evaluating the tiny checkpoint."""

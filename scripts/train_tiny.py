@@ -1,0 +1,142 @@
+"""Train the `tiny` MoE preset with its MTP layer on generated GSM8K-style arithmetic problems,
+on CPU within a wall-clock budget, and write a glm4_moe checkpoint (config.json + safetensors).
+
+    python scripts/train_tiny.py --minutes 28 --out checkpoints/tiny-gsm
+
+Recipe (see ../shared/DESIGN.md section 6): byte-level tokens; rows of 320 bytes packed from
+consecutive problems; loss = CE of the next token + 0.3 x CE of the MTP layer's token after
+next, both only on answer bytes; AdamW with warm-up and a cosine decay timed to the budget
+(the schedule follows the clock, not a step count, so a slower machine still ends annealed);
+routing balanced by nudging the routers' correction bias (DeepSeek-V3's auxiliary-loss-free
+balancing) instead of an auxiliary loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from impl.data.arith import problems  # noqa: E402
+from impl.model import MoECausalLM, get_config  # noqa: E402
+from impl.model.layers import Router  # noqa: E402
+from impl.model.saving import save_checkpoint  # noqa: E402
+
+MTP_WEIGHT = 0.3
+BIAS_STEP = 1e-3  # correction-bias update per step, towards equal expert load
+
+
+def batches(batch: int, row_len: int, seed: int):
+    """(ids [B, L+1], answer mask [B, L+1]) from consecutive training problems, packed."""
+    stream = problems("train", seed)
+    buf_ids: list[int] = []
+    buf_mask: list[bool] = []
+    need = batch * (row_len + 1)
+    while True:
+        while len(buf_ids) < need:
+            p = next(stream)
+            prompt, rest = p.prompt, p.text[len(p.prompt):]
+            buf_ids += list(p.text.encode("ascii"))
+            buf_mask += [False] * len(prompt) + [True] * len(rest)
+        ids = torch.tensor(buf_ids[:need]).view(batch, row_len + 1)
+        mask = torch.tensor(buf_mask[:need]).view(batch, row_len + 1)
+        del buf_ids[:need], buf_mask[:need]
+        yield ids, mask
+
+
+def losses(model: MoECausalLM, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = ids[:, :-1]
+    last = model.last_hidden_states(inputs)
+    logits = model.lm_head(model.norm(last))
+    main = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    main = (main * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
+    mtp = model.mtp[0]
+    t = inputs.shape[1] - 1
+    cos, sin, _ = model.positions(t, None)
+    # Position i: target hidden h_i and token i+1 predict token i+2.
+    h = mtp.hidden(last[:, :-1], inputs[:, 1:], cos, sin, None, None)
+    mtp_logits = mtp.logits(h)
+    target, m = ids[:, 2:], mask[:, 2:]
+    extra = F.cross_entropy(mtp_logits.flatten(0, 1), target.flatten(), reduction="none")
+    extra = (extra * m.flatten()).sum() / m.sum()
+    return main, extra
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=28.0, help="wall-clock training budget")
+    ap.add_argument("--out", default="checkpoints/tiny-gsm")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--row-len", type=int, default=320)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=60, help="warm-up steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-every", type=float, default=5.0, help="minutes between interim checkpoints")
+    args = ap.parse_args()
+    if args.minutes <= 0:
+        raise SystemExit("--minutes must be positive")
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    config = get_config("tiny")
+    if args.row_len + 1 > config.max_seq_len:
+        raise SystemExit(f"--row-len {args.row_len} exceeds the preset's max_seq_len {config.max_seq_len}")
+    # The reference MoE backend loops over experts: differentiable, and no [T, k, 2I, H] gather.
+    model = MoECausalLM(config, moe_backend="reference").init_weights(torch.Generator().manual_seed(args.seed))
+    model.train()
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", flush=True)
+
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    loads: dict[Router, torch.Tensor] = {}
+    for r in routers:
+        r.register_forward_hook(lambda mod, _inp, out: loads.__setitem__(
+            mod, torch.bincount(out[1].flatten(), minlength=config.num_experts)))
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "gate.weight" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "gate.weight" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95))
+    budget = args.minutes * 60
+    start = last_save = time.monotonic()
+    step, ema = 0, None
+    for ids, mask in batches(args.batch, args.row_len, args.seed):
+        elapsed = time.monotonic() - start
+        if elapsed >= budget:
+            break
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        main_loss, mtp_loss = losses(model, ids, mask)
+        loss = main_loss + MTP_WEIGHT * mtp_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for r, load in loads.items():
+                r.e_score_correction_bias += BIAS_STEP * torch.sign(load.float().mean() - load.float())
+        step += 1
+        pair = (main_loss.item(), mtp_loss.item())
+        ema = pair if ema is None else tuple(0.95 * a + 0.05 * b for a, b in zip(ema, pair))
+        if step % 20 == 0:
+            print(f"step {step} t={elapsed / 60:.1f}min lr={lr:.2e} loss={ema[0]:.4f} mtp={ema[1]:.4f}", flush=True)
+        if time.monotonic() - last_save > args.save_every * 60:
+            save_checkpoint(model, args.out, metadata=dict(steps=step, minutes=f"{elapsed / 60:.1f}"))
+            last_save = time.monotonic()
+    elapsed = time.monotonic() - start
+    path = save_checkpoint(model, args.out, metadata=dict(steps=step, minutes=f"{elapsed / 60:.1f}",
+                                                          loss=f"{ema[0]:.4f}", mtp_loss=f"{ema[1]:.4f}"))
+    print(f"done: {step} steps in {elapsed / 60:.1f} min, loss {ema[0]:.4f}, mtp {ema[1]:.4f}; "
+          f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
