@@ -153,6 +153,10 @@ def _gpu_skip_reason(session: MoePerfSession, item: pytest.Item) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     session = config.stash[SESSION_KEY]
+    if session.options.bench:
+        # Timed suites first, in a fresh process: what correctness suites leave behind (heap
+        # fragmentation, caches, hypothesis' objects) slowed a CPU MoE layer by up to 35%.
+        items.sort(key=lambda item: item.get_closest_marker("moe_bench") is None)
     for item in items:
         if item.get_closest_marker("moe_bench") and not session.options.bench:
             item.add_marker(pytest.mark.skip(reason=BENCH_SKIP_REASON))
