@@ -195,5 +195,5 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         return
     terminalreporter.write_sep("=", "moeperf gate")
     terminalreporter.write_line(report.table(session.results))
-    for line in getattr(session, "finish_lines", []):
+    for line in session.finish_lines:
         terminalreporter.write_line(line)

@@ -30,6 +30,7 @@ class MoePerfSession:
         self.options = options
         self.results: list = []
         self.to_freeze: dict = {}
+        self.finish_lines: list[str] = []  # what finish() wrote, for the terminal summary
 
     @property
     def freeze(self) -> bool:

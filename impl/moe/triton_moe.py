@@ -26,7 +26,6 @@ from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
-E8M0_MIN = 2.0 ** -127  # E8M0 code 0: a subnormal in fp32, not reachable by the bit trick below
 
 
 @triton.jit
