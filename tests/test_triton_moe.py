@@ -21,8 +21,9 @@ from impl.moe import configs
 from impl.moe.configs import MoELaunchConfig, fallback, lookup, m_bucket
 from impl.moe.reference import moe_reference
 from impl.moe.shared import SharedExpert
-from impl.moe.triton_moe import M_PAD, moe_triton, slots_from_routing
-from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
+from impl.moe.triton_moe import M_PAD, TWO_POW_126, _e2m1_word_to_fp32, _e8m0_to_fp32, moe_triton, slots_from_routing
+from impl.quant.mxfp4 import MXFP4Tensor, decode_e2m1, decode_e8m0, quantize_mxfp4, unpack_nibbles
+from impl.triton_env import tl, triton
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 RTOL = 1e-2 if DEVICE.type == "cuda" else 1e-5
@@ -367,3 +368,104 @@ def test_bad_input_gives_a_clear_error(name):
 def test_the_good_inputs_of_the_error_cases_run():
     """The baseline the error cases change one thing of: valid as is."""
     assert_rows_close(*run_both(**good()))
+
+
+# --- MXFP4 product variants (MoELaunchConfig.mxfp4_product / gemv_decode) --------------------
+
+# name: (config, the product recorded for M <= 4, for M = 16). Blocks of 32 x 64 leave masked
+# tails at H = 96 and I = 160 and take several K steps; 64 x 256 covers all of K in one step.
+MXFP4_VARIANTS = {
+    "dot-bits": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64), "dot-bits", "dot-bits"),
+    "dot-scaled": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, mxfp4_product="scaled"),
+                   "dot-scaled", "dot-scaled"),
+    "gemv-bits16": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4),
+                    "gemv-bits16", "dot-bits"),
+    "gemv-word32": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="word32",
+                                    mxfp4_product="scaled"), "gemv-word32", "dot-scaled"),
+    "gemv-word32-large-blocks": (MoELaunchConfig(gate_up_block_n=64, gate_up_block_k=256, down_block_n=64,
+                                                 down_block_k=256, gemv_max_tokens=4, gemv_decode="word32"),
+                                 "gemv-word32", "dot-bits"),
+    "gemv-word32-one-scale-block": (MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=16,
+                                                    down_block_k=32, gemv_max_tokens=2, gemv_decode="word32"),
+                                    "gemv-word32", "dot-bits"),
+}
+
+
+VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gemv-word32") for m in (1, 2, 4, 16)]
+                 + [("gemv-word32", 3), ("gemv-word32-large-blocks", 1), ("gemv-word32-large-blocks", 4),
+                    ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)])
+
+
+@pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
+def test_mxfp4_variants_match_reference(variant, tokens):
+    """Each MXFP4 decode against the oracle at the stated tolerance, for M in {1, 2, 4, 16} (and 3:
+    a GEMV of 4 rows with one row masked), with a shared expert; provenance names the product
+    that ran (tensor cores beyond gemv_max_tokens)."""
+    cfg, small, large = MXFP4_VARIANTS[variant]
+    w_gate_up, w_down = make_weights(6, 96, 160, "mxfp4", seed=tokens)
+    weights, ids = random_routing(tokens, 2, 6, seed=tokens + 1)
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens + 2))
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 32), config=cfg)
+    assert_rows_close(out, ref)
+    expected = small if tokens <= cfg.gemv_max_tokens else large
+    assert [e.config["product"] for e in prov.events if "product" in e.config] == [expected]
+
+
+@pytest.mark.parametrize("variant", ["dot-scaled", "gemv-word32"])
+def test_mxfp4_variants_on_bf16_weights_change_nothing(variant):
+    """The MXFP4 choices do not apply to plain weights: same result, the plain product recorded."""
+    cfg = MXFP4_VARIANTS[variant][0]
+    w_gate_up, w_down = make_weights(4, 64, 64, "bf16")
+    weights, ids = random_routing(2, 2, 4)
+    x = torch.randn(2, 64)
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(64, 32), config=cfg)
+    assert_rows_close(out, ref)
+    assert [e.config["product"] for e in prov.events if "product" in e.config] == [
+        "gemv-plain" if cfg.gemv_max_tokens >= 2 else "dot-plain"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mxfp4_product", "dot_scaled"), ("mxfp4_product", ""), ("gemv_decode", "word16"), ("gemv_decode", None),
+])
+def test_launch_config_rejects_unknown_mxfp4_products(field, value):
+    with pytest.raises(ValueError, match=rf"{field} must be one of \(.*\), got {value!r}"):
+        MoELaunchConfig(**{field: value})
+
+
+def test_tuned_configs_without_the_new_fields_load_with_the_defaults(tmp_path):
+    """Entries written before mxfp4_product / gemv_decode existed keep meaning what they meant."""
+    path = tmp_path / "tuned.json"
+    path.write_text('[{"key": {"experts": 8, "hidden": 64, "intermediate": 32, "top_k": 2, "m_bucket": 1, '
+                    '"format": "mxfp4", "device": "cpu"}, "config": {"gemv_max_tokens": 4}}]')
+    (cfg,) = configs.load_tuned(path).values()
+    assert (cfg.mxfp4_product, cfg.gemv_decode, cfg.gemv_max_tokens) == ("bits", "bits16", 4)
+
+
+@triton.jit
+def word32_decode_kernel(word_ptr, out_ptr, code_ptr, scale_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    words = tl.load(word_ptr + offs)
+    for i in tl.static_range(8):
+        tl.store(out_ptr + offs * 8 + i, _e2m1_word_to_fp32(words, i) * TWO_POW_126)
+    offs_c = tl.arange(0, 256)
+    tl.store(scale_ptr + offs_c, _e8m0_to_fp32(tl.load(code_ptr + offs_c)))
+
+
+def test_word32_decode_every_code_and_scale():
+    """`_e2m1_word_to_fp32` * 2**126 for every code at every position of a word (all 2**8 byte
+    values at each byte of the word, so every nibble pair), and `_e8m0_to_fp32` for every code,
+    against impl.quant's decode: bit for bit (NaN for E8M0 255)."""
+    b = torch.arange(256, dtype=torch.uint8)
+    packed = torch.stack([b, b.flip(0), b * 7, b * 13 + 5], dim=1).contiguous()  # [256, 4] bytes (uint8 wraps)
+    packed = torch.cat([packed, packed.roll(1, dims=1)]).contiguous()  # each byte value at each position
+    words = packed.view(torch.int32).reshape(-1).to(DEVICE)
+    out = torch.empty(words.numel() * 8, dtype=torch.float32, device=DEVICE)
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    scales = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    word32_decode_kernel[(1,)](words, out, codes, scales, N=words.numel())
+    expected = decode_e2m1(unpack_nibbles(packed.reshape(-1)))
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))  # -0.0 included
+    ref = decode_e8m0(codes.cpu())
+    assert torch.equal(scales.cpu()[:255], ref[:255]) and scales[255].isnan()

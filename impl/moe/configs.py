@@ -17,6 +17,14 @@ from pathlib import Path
 import torch
 
 M_BUCKETS = (1, 2, 4, 8, 16)
+# How MXFP4 weights meet the activations on the tensor-core path (more tokens than gemv_max_tokens):
+# "bits" decodes E2M1 by integer ops in registers and calls tl.dot; "scaled" hands the packed codes
+# and E8M0 scales to tl.dot_scaled, whose upcast is Triton's own lowering for the target.
+MXFP4_PRODUCTS = ("bits", "scaled")
+# How MXFP4 weights are decoded on the register path (at most gemv_max_tokens tokens): "bits16"
+# builds bf16 per byte nibble by int16 ops; "word32" loads 32-bit words (8 codes each), builds the
+# fp32 bits of each code by a shift and a mask, and scales once per word instead of per code.
+GEMV_DECODES = ("bits16", "word32")
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,8 @@ class MoELaunchConfig:
     down_stages: int = 3
     # Up to this many tokens, products are register multiply-adds instead of tensor-core dots.
     gemv_max_tokens: int = 0
+    mxfp4_product: str = "bits"  # one of MXFP4_PRODUCTS
+    gemv_decode: str = "bits16"  # one of GEMV_DECODES
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):
@@ -39,6 +49,10 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 32 (one MXFP4 scale block), got {v}")
         if self.gemv_max_tokens not in (0, 1, 2, 4):
             raise ValueError(f"gemv_max_tokens must be 0, 1, 2 or 4, got {self.gemv_max_tokens}")
+        if self.mxfp4_product not in MXFP4_PRODUCTS:
+            raise ValueError(f"mxfp4_product must be one of {MXFP4_PRODUCTS}, got {self.mxfp4_product!r}")
+        if self.gemv_decode not in GEMV_DECODES:
+            raise ValueError(f"gemv_decode must be one of {GEMV_DECODES}, got {self.gemv_decode!r}")
         for name in ("gate_up_block_n", "down_block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

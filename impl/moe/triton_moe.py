@@ -10,7 +10,12 @@ combine and an optional shared expert, in three launches with no host synchroniz
    expert, written once in the output dtype (deterministic: no atomics on the output).
 
 Tokens are padded to M_PAD = 16 rows so the products run on tensor cores; at decode sizes the
-wasted arithmetic is free, the weight bytes are what cost.
+wasted arithmetic is free, the weight bytes are what cost. Up to `gemv_max_tokens` tokens the
+products are register multiply-adds instead. MXFP4 has two decodes on each path, chosen by the
+launch configuration (tuned per shape, format and M bucket): on the tensor-core path our integer
+decode + tl.dot ("bits") or tl.dot_scaled ("scaled"); on the register path a bf16 decode per
+byte ("bits16") or an fp32 decode per 32-bit word of 8 codes ("word32"). Provenance records
+which one ran as `product`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
+TWO_POW_126 = tl.constexpr(2.0 ** 126)  # undoes the 2**-126 of `_e2m1_word_to_fp32`, exactly
 
 
 @triton.jit
@@ -48,15 +54,47 @@ def _e8m0_to_bf16(code):
 
 
 @triton.jit
+def _tile_dot_scaled(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                     BLOCK_K: tl.constexpr, FP32_MATH: tl.constexpr):
+    """The MXFP4 product of `_tile_dot` through tl.dot_scaled: the packed codes go in as they are
+    stored ([BLOCK_K/2, BLOCK_N] bytes, packed along K, low nibble = even k, which is dot_scaled's
+    convention too) with the E8M0 scales as [BLOCK_N, BLOCK_K/32], so the upcast to the tensor
+    cores' operand is Triton's own lowering for the target instead of our integer decode."""
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    packed = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_j[:, None],
+                     mask=(offs_j < K // 2)[:, None] & n_mask[None, :], other=0)
+    codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                    mask=n_mask[:, None] & (offs_g < K // 32)[None, :], other=127)
+    a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    if FP32_MATH:
+        # The interpreter widens a bf16 lhs through fp16 (losing values outside fp16's range), so
+        # there dot_scaled decodes the tile against an identity (1.0 and 0.0 are exact in every
+        # format) and fp32 activations meet the decoded W^T in an fp32 dot: the same packing and
+        # scale layout as on the GPU, computed exactly.
+        offs_r = tl.arange(0, BLOCK_K)
+        eye = tl.where(offs_r[:, None] == offs_r[None, :], 1.0, 0.0).to(tl.bfloat16)
+        w_t = tl.dot_scaled(eye, None, "bf16", packed, codes, "e2m1")  # [BLOCK_K, BLOCK_N] fp32
+        return tl.dot(a.to(tl.float32), w_t)
+    return tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", packed, codes, "e2m1")
+
+
+@triton.jit
 def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-              BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, FP32_MATH: tl.constexpr):
+              BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """a[offs_m, k0:k0+BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K]^T with fp32 accumulation, for a [N, K]
-    weight stored as bf16/fp16/fp32 or as MXFP4 (packed [N, K/2] + scales [N, K/32]).
+    weight stored as bf16/fp16/fp32 or as MXFP4 (packed [N, K/2] + scales [N, K/32]); MXFP4 goes
+    through tl.dot_scaled when SCALED (`_tile_dot_scaled`).
 
     MXFP4 is never interleaved in registers: the low nibbles (even k) meet the even columns of
     `a` and the high nibbles (odd k) the odd ones, so the product needs no layout shuffle. The
     products are exact in bf16 (activations are bf16, E2M1 x 2**s is exact), the sums fp32."""
     if MXFP4:
+        if SCALED:
+            return _tile_dot_scaled(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_mask,
+                                    stride_wn, stride_sn, BLOCK_K, FP32_MATH)
         offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         j_mask = offs_j < K // 2
         packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :],
@@ -134,29 +172,142 @@ def _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask
 
 
 @triton.jit
+def _e8m0_to_fp32(code):
+    """uint8 E8M0 codes -> fp32 2**(code - 127) by the bits; 0 is the fp32 subnormal 2**-127, 255 NaN."""
+    c = code.to(tl.int32)
+    bits = tl.where(c == 0, 0x00400000, tl.where(c == 255, 0x7FC00000, c << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_word_to_fp32(word, I: tl.constexpr):
+    """Code I (bits 4I..4I+3, i.e. k = 8 w + I) of int32 words -> fp32 E2M1 value * 2**-126:
+    the code's exponent and mantissa bits land on fp32's lowest exponent bits and top mantissa
+    bit, its sign on bit 31, so exponent 0 (+-0.5) is the fp32 subnormal and the others are
+    normal numbers, all exact; a shift and a mask each, no compare or select."""
+    if 4 * I <= 22:
+        mag = (word << (22 - 4 * I)) & 0x01C00000
+    else:
+        mag = (word >> (4 * I - 22)) & 0x01C00000
+    sign = (word << (28 - 4 * I)) & -2147483648
+    return (mag | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """a[:ROWS] @ W[offs_n]^T over all of K for MXFP4 W given as int32 words (w_ptr, stride_wn in
+    words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
+    k = 8 w + i). Per code: one shift-and-mask pair, one multiply by 2**126 (exact: it turns the
+    subnormal back into the E2M1 value) and one multiply-add per token; the E8M0 scale multiplies
+    each 32-block's partial sum once, and the sums stay in the shape [BLOCK_N, BLOCK_K/32] until
+    after the K loop, so the cross-thread reduction happens once per output, not per K step."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, G)
+    offs_w = tl.arange(0, 4)
+    acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        blk = k0 // 32 + offs_g  # [G] scale blocks
+        offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] word columns
+        # K is a multiple of 32: whole blocks are in or out, so the masks are constant along a
+        # block's 4 words (which keeps the word load one 16-byte vector).
+        blk_mask = blk < K // 32
+        word_mask = blk_mask[:, None] & (offs_w < 4)[None, :]
+        words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_word[None, :, :],
+                        mask=n_mask[:, None, None] & blk_mask[None, :, None], other=0)
+        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + blk[None, :],
+                        mask=n_mask[:, None] & blk_mask[None, :], other=127)
+        scale = _e8m0_to_fp32(codes)  # [BLOCK_N, G]
+        part0 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+        part1 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+        part2 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+        part3 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+        rows = tl.zeros_like(offs_word)  # [G, 4] zeros: a row number compared with M, as a mask
+        for i in tl.static_range(8):
+            w = _e2m1_word_to_fp32(words, i) * TWO_POW_126
+            a_offs = offs_word * 8 + i  # [G, 4]
+            a0 = tl.load(a_ptr + a_offs, mask=word_mask, other=0.0).to(tl.float32)
+            part0 += w * a0[None, :, :]
+            if ROWS > 1:
+                a1 = tl.load(a_ptr + stride_am + a_offs, mask=word_mask & (rows + 1 < M), other=0.0).to(tl.float32)
+                part1 += w * a1[None, :, :]
+            if ROWS > 2:
+                a2 = tl.load(a_ptr + 2 * stride_am + a_offs, mask=word_mask & (rows + 2 < M),
+                             other=0.0).to(tl.float32)
+                a3 = tl.load(a_ptr + 3 * stride_am + a_offs, mask=word_mask & (rows + 3 < M),
+                             other=0.0).to(tl.float32)
+                part2 += w * a2[None, :, :]
+                part3 += w * a3[None, :, :]
+        # A thread holds a block's 4 words (one 16-byte load), so the sum over them is in-thread.
+        acc0 += tl.sum(part0, axis=2) * scale
+        if ROWS > 1:
+            acc1 += tl.sum(part1, axis=2) * scale
+        if ROWS > 2:
+            acc2 += tl.sum(part2, axis=2) * scale
+            acc3 += tl.sum(part3, axis=2) * scale
+    offs_m = tl.arange(0, M_PAD)
+    out = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if ROWS > 1:
+        out += tl.where(offs_m[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+    if ROWS > 2:
+        out += tl.where(offs_m[:, None] == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+    return out
+
+
+@triton.jit
 def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-                  GEMV_ROWS: tl.constexpr, FP32_MATH: tl.constexpr):
+                  GEMV_ROWS: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """`_tile_gemv` for GEMV_ROWS > 0 (a few tokens), `_tile_dot` (tensor cores) otherwise."""
     if GEMV_ROWS > 0:
         return _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
                           stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS)
     return _tile_dot(a_ptr, stride_am, offs_m, offs_m < M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
-                     stride_sn, BLOCK_K, MXFP4, FP32_MATH)
+                     stride_sn, BLOCK_K, MXFP4, SCALED, FP32_MATH)
+
+
+@triton.jit
+def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+            M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+    """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_word32` when WORD32 (MXFP4 W
+    given as int32 words, at most GEMV_ROWS tokens), else a K loop of `_tile_product`."""
+    if WORD32:
+        tl.static_assert(MXFP4)
+        tl.static_assert(GEMV_ROWS > 0)
+        return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                            M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS)
+    offs_m = tl.arange(0, M_PAD)
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
+                             stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
+    return acc
 
 
 @triton.jit
 def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, FP32_MATH: tl.constexpr):
-    offs_m = tl.arange(0, M_PAD)
-    acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc_g += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, g_ptr, gs_ptr, offs_n, n_mask,
-                               stride_wn, stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
-        acc_u += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, u_ptr, us_ptr, offs_n, n_mask,
-                               stride_wn, stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
+                 BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
+                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+    if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
+        acc_g = _matmul(x_ptr, stride_xm, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+        acc_u = _matmul(x_ptr, stride_xm, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+    else:
+        offs_m = tl.arange(0, M_PAD)
+        acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc_g += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn,
+                                   stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
+            acc_u += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
+                                   stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
@@ -205,9 +356,10 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
                        act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
-                       FP32_MATH: tl.constexpr):
+                       WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
-    The program after the last routed slot computes the shared expert instead."""
+    The program after the last routed slot computes the shared expert instead. WORD32 and
+    SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4."""
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -220,14 +372,14 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
                 act = _swiglu_tile(x_ptr, stride_xm, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
-                                   M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
+                                   M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
                 tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                          act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
         if tl.program_id(1) * BLOCK_N < I_SHARED:
             n_mask = offs_n < I_SHARED
             act = _swiglu_tile(x_ptr, stride_xm, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
-                               stride_shn, 0, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, FP32_MATH)
+                               stride_shn, 0, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_n[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
@@ -240,7 +392,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
                     out_ptr, stride_om, M, H, I, I_SHARED,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
-                    FP32_MATH: tl.constexpr):
+                    WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or the shared
     expert for the slot after the last. Each writes an fp32 partial; the program that arrives last
     at a block (an atomic counter) sums the block's partials in slot order and writes the output
@@ -258,17 +410,15 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
             w_e = w_ptr + expert.to(tl.int64) * stride_we
             ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
-            for k0 in range(0, I, BLOCK_K):
-                acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, I, w_e, ws_e, offs_n, n_mask,
-                                     stride_wn, stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH)
+            acc = _matmul(a_ptr, stride_am, M, I, w_e, ws_e, offs_n, n_mask, stride_wn, stride_sn,
+                          M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tl.load(slot_tokens_ptr + slot) >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
-        for k0 in range(0, I_SHARED, BLOCK_K):
-            acc += _tile_product(shared_act_ptr, stride_sam, offs_m, M, k0, I_SHARED, sd_ptr, sd_ptr, offs_n,
-                                 n_mask, stride_sdn, 0, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, FP32_MATH)
+        acc = _matmul(shared_act_ptr, stride_sam, M, I_SHARED, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0,
+                      M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -281,10 +431,13 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
         tl.store(counter_ptr + hb, 0)
 
 
-def _weight_args(w):
-    """(weight pointer, scale pointer, strides) for a routed weight [E, N, K] of either format."""
+def _weight_args(w, words: bool = False):
+    """(weight pointer, scale pointer, strides) for a routed weight [E, N, K] of either format;
+    with `words`, MXFP4 codes as int32 words ([E, N, K/8], strides in words) for `_gemv_word32`."""
     if isinstance(w, MXFP4Tensor):
         q, s = w.packed, w.scales
+        if words:  # K is a multiple of 32, so a row is 16 * (K / 32) bytes: whole, aligned words
+            q = q.view(torch.int32)
         return q, s, q.stride(0), q.stride(1), s.stride(0), s.stride(1)
     return w, w, w.stride(0), w.stride(1), 0, 0
 
@@ -392,11 +545,15 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     m, top_k, num_slots = slots.num_tokens, slots.top_k, slots.num_slots
     fmt = "mxfp4" if mxfp4 else "bf16"
     cfg = config or lookup(experts, hidden, inter, top_k, m, fmt, x.device)
-    backends.note("moe", "triton", "moe_gate_up_kernel+moe_down_kernel", format=fmt,
-                  tokens=m, shared=shared is not None, config=cfg)
     i_shared = shared.gate.shape[0] if shared is not None else 0
     # A few tokens: register multiply-adds; more: tensor cores (tokens padded to M_PAD rows).
     gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
+    word32 = mxfp4 and gemv_rows > 0 and cfg.gemv_decode == "word32"
+    scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
+    product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
+               else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
+    backends.note("moe", "triton", "moe_gate_up_kernel+moe_down_kernel", format=fmt,
+                  tokens=m, shared=shared is not None, config=cfg, product=product)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
@@ -404,7 +561,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     out = torch.empty(m, hidden, dtype=x.dtype, device=dev)
     slot_expert, slot_weight, slot_tokens = slots.expert, slots.weight, slots.tokens
 
-    gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up)
+    gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up, word32)
     sg = shared.gate if shared is not None else x
     su = shared.up if shared is not None else x
     grid_a = (num_slots + (shared is not None), triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
@@ -413,9 +570,10 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, FP32_MATH=FP32_MATH, num_warps=cfg.gate_up_warps,
+        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
+        num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
-    dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down)
+    dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
     sd = shared.down if shared is not None else x
     grid_b = (triton.cdiv(hidden, cfg.down_block_n), num_slots + (shared is not None))
     partial = torch.empty(grid_b[1], M_PAD, hidden, dtype=torch.float32, device=dev)
@@ -425,6 +583,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, FP32_MATH=FP32_MATH, num_warps=cfg.down_warps,
+        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
+        num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out

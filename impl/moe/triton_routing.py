@@ -1,4 +1,5 @@
-"""Fused routing for decode in two launches, so that a whole MoE layer is four kernels:
+"""Fused routing for decode in two launches (or one: `fused=True`), so that a whole MoE layer
+is four kernels (or three):
 
 1. `router_logits_kernel` (expert blocks): logits = x Wr^T in fp32 (exact fp32 products, not
    tf32: a top-k choice flips on tiny differences);
@@ -54,11 +55,46 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """One program; tiles of ROWS = next_power_of_2(M) tokens (1 at decode), so a decode step
     does 1/16 of the work of a padded verify step."""
+    _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                    M, E, TOP_K, num_slots, routed_scaling, ROUTER, RENORMALIZE, HAS_BIAS, N_GROUP, TOPK_GROUP,
+                    ROWS, M_PAD, E_PAD, K_PAD, S_PAD, "")
+
+
+@triton.jit
+def router_fused_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, counter_ptr, bias_ptr, ids_ptr, weights_ptr,
+                        slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                        M, E, H, TOP_K, num_slots, routed_scaling,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
+                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+    """Both routing steps in one launch: each program computes its experts' logits as
+    `router_logits_kernel`; the program that arrives last (an atomic counter, as the MoE's down
+    kernel does) reads all logits back past L1 and does `router_topk_kernel`'s work, then resets
+    the counter for the next call. Saves a launch per layer."""
+    router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, ROWS, BLOCK_E, BLOCK_K)
+    tl.debug_barrier()  # every thread's logits are written before the release below
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr,
+                        slot_tokens_ptr, M, E, TOP_K, num_slots, routed_scaling, ROUTER, RENORMALIZE, HAS_BIAS,
+                        N_GROUP, TOPK_GROUP, ROWS, M_PAD, E_PAD, K_PAD, S_PAD, ".cg")
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
+def _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
+                    M, E, TOP_K, num_slots, routed_scaling,
+                    ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
+                    M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                    CACHE: tl.constexpr):
+    """Scores, group-limited top-k, weights and slots from the logits [M, E] (one program)."""
     offs_m = tl.arange(0, ROWS)
     offs_e = tl.arange(0, E_PAD)
     offs_k = tl.arange(0, K_PAD)
     live = (offs_m[:, None] < M) & (offs_e[None, :] < E)
-    logits = tl.load(logits_ptr + offs_m[:, None] * E + offs_e[None, :], mask=live, other=float("-inf"))
+    logits = tl.load(logits_ptr + offs_m[:, None] * E + offs_e[None, :], mask=live, other=float("-inf"),
+                     cache_modifier=CACHE)
     if ROUTER == 0:  # softmax over the experts
         row_max = tl.where(offs_m < M, tl.max(logits, axis=1), 0.0)  # padded rows are all -inf
         z = tl.exp(logits - row_max[:, None])
@@ -118,9 +154,13 @@ def fused_routing_supported(router_config) -> bool:
 
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
-                 block_e: int = 4, block_k: int | None = None) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+                 block_e: int = 4, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
+                 logits_warps: int = 4) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
-    (weights fp32 [M, k], ids int32 [M, k]) they were built from."""
+    (weights fp32 [M, k], ids int32 [M, k]) they were built from. `fused`: one launch
+    (`router_fused_kernel`) instead of two; `topk_warps`: warps of the one-program top-k kernel
+    (fewer warps, fewer block-wide barriers in its k rounds of reductions); `logits_warps`: of
+    the logits kernel (and of the fused one, top-k included)."""
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:
@@ -131,6 +171,8 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     if not fused_routing_supported(config):
         raise ValueError(f"fused routing needs power-of-two groups and experts per group, got "
                          f"{config.num_experts} experts in {config.n_group} groups")
+    if topk_warps not in (1, 2, 4, 8) or logits_warps not in (1, 2, 4, 8):
+        raise ValueError(f"topk_warps and logits_warps must be 1, 2, 4 or 8, got {topk_warps}, {logits_warps}")
     top_k = config.top_k
     dev = x.device
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
@@ -139,9 +181,6 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     # weight from many SMs at once (8 programs of 64 experts took 55 us on the H200, run 2 in
     # notes/moe-h200.md); block_k keeps the [rows, block_e, block_k] product at 4K elements.
     block_k = block_k or max(32, min(1024, 4096 // (rows * block_e)))
-    router_logits_kernel[(triton.cdiv(experts, block_e),)](
-        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden,
-        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     slots = Slots.empty(m, top_k, experts, dev)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
@@ -149,11 +188,34 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     e_pad = triton.next_power_of_2(experts)
     if sigmoid and config.n_group > 1 and e_pad != experts:
         raise ValueError(f"grouped routing needs a power-of-two expert count, got {experts}")
-    router_topk_kernel[(1,)](
-        logits, bias if bias is not None else logits, ids, weights, slots.expert, slots.weight, slots.tokens,
-        m, experts, top_k, slots.num_slots, float(config.routed_scaling_factor if sigmoid else 1.0),
-        ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=bias is not None,
-        N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
-        ROWS=rows, M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
-        S_PAD=triton.next_power_of_2(slots.num_slots), num_warps=4)
+    topk_args = (bias if bias is not None else logits, ids, weights, slots.expert, slots.weight, slots.tokens)
+    topk_meta = dict(ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=bias is not None,
+                     N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
+                     ROWS=rows, M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
+                     S_PAD=triton.next_power_of_2(slots.num_slots))
+    scaling = float(config.routed_scaling_factor if sigmoid else 1.0)
+    grid = (triton.cdiv(experts, block_e),)
+    if fused:
+        router_fused_kernel[grid](
+            x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
+            m, experts, hidden, top_k, slots.num_slots, scaling, BLOCK_E=block_e, BLOCK_K=block_k, **topk_meta,
+            num_warps=logits_warps)
+        return slots, weights, ids
+    router_logits_kernel[grid](
+        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden,
+        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=logits_warps)
+    router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
+                             num_warps=topk_warps)
     return slots, weights, ids
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The fused kernel's arrival counter: zero between calls (the last arrival resets it), one
+    persistent int32 per device so that CUDA graphs capture a fixed address."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return buf

@@ -12,6 +12,7 @@ differ and the weights stream from HBM, not L2); the figure is the median replay
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -35,7 +36,7 @@ from impl.moe.shared import SharedExpert  # noqa: E402
 from impl.moe.triton_moe import moe_experts  # noqa: E402
 from impl.moe.triton_routing import route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
-from pytest_moeperf.timing import capture_graph  # noqa: E402
+from impl.graphs import capture_graph  # noqa: E402
 
 CALLS_PER_GRAPH = 10
 DEV = torch.device("cuda")
@@ -56,10 +57,10 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms * 1e-3)
 
 
-def graph_us(calls) -> float:
+def graph_us(calls, warmup: int = 25, rep: int = 200) -> float:
     """Median time per call of `calls` (a list of CALLS_PER_GRAPH closures) captured in one graph."""
     graph = capture_graph(calls)
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
     return ms * 1e3 / len(calls)
 
 
@@ -152,7 +153,12 @@ def humming_calls(block, cfg, xs, rows, m):
     return calls
 
 
-def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
+# route_triton's launch variants, timed beside the default (two kernels, 4 warps each).
+ROUTING_VARIANTS = {"fused": dict(fused=True), "top-k 1 warp": dict(topk_warps=1),
+                    "fused, 2 warps": dict(fused=True, logits_warps=2)}
+
+
+def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):
     xs = inputs(cfg, m)
     distinct = distinct_experts(block, xs)
     nbytes = bytes_per_token(cfg, fmt, distinct)
@@ -168,6 +174,17 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
     contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs],
                   "triton (ours), routing only": [
                       lambda x=x: route_triton(x, gate.weight, gate.e_score_correction_bias, cfg) for x in xs]}
+    if routing_variants:
+        for name, kw in ROUTING_VARIANTS.items():
+            with torch.no_grad():
+                _, w0, ids0 = route_triton(xs[0], gate.weight, gate.e_score_correction_bias, cfg)
+                _, w1, ids1 = route_triton(xs[0], gate.weight, gate.e_score_correction_bias, cfg, **kw)
+            same = torch.equal(ids0, ids1) and torch.allclose(w0, w1, rtol=1e-5, atol=0)
+            log(f"routing variant {name}: same ids and weights as the default: {same}")
+            if same:
+                contenders[f"triton (ours), routing {name}"] = [
+                    lambda x=x, kw=kw: route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, **kw)
+                    for x in xs]
     if fmt == "bf16":
         def gathered(x):
             w, ids = gate(x)
@@ -206,41 +223,84 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None):
     return results
 
 
-SWEEP_PATH = [dict(gemv_max_tokens=4)]  # register multiply-adds instead of tensor cores for <= 4 tokens
-SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k, gate_up_warps=w, gate_up_stages=s)
-                 for n, k, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
-SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k, down_warps=w, down_stages=s)
-              for n, k, w, s in itertools.product((16, 32, 64, 128), (128, 256), (4,), (3, 4))]
+# Product paths: tensor cores with our MXFP4 decode ("bits") or tl.dot_scaled ("scaled"), and for
+# M <= 4 register multiply-adds with the bf16-per-byte ("bits16") or fp32-per-word ("word32") decode.
+PATHS_DOT = {"dot-bits": dict(gemv_max_tokens=0, mxfp4_product="bits"),
+             "dot-scaled": dict(gemv_max_tokens=0, mxfp4_product="scaled")}
+PATHS_GEMV = {"gemv-bits16": dict(gemv_max_tokens=4, gemv_decode="bits16"),
+              "gemv-word32": dict(gemv_max_tokens=4, gemv_decode="word32")}
+# Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
+# before the tiles of the winning path are swept.
+TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
+                dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128)]
+SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k) for n, k in itertools.product((16, 32, 64), (128, 256, 512))]
+SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256))]
+SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
+TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
+
+
+def paths_for(fmt: str, m: int) -> dict:
+    """The product paths worth timing at M tokens: the register path only up to 4 tokens, and the
+    MXFP4 decode choices only for MXFP4 weights."""
+    dot = PATHS_DOT if fmt == "mxfp4" else {"dot": PATHS_DOT["dot-bits"]}
+    gemv = (PATHS_GEMV if fmt == "mxfp4" else {"gemv": PATHS_GEMV["gemv-bits16"]}) if m <= 4 else {}
+    return {**dot, **gemv}
 
 
 def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
-    """Coordinate search: the product path (tensor cores or registers), then the gate_up kernel's
-    tiles, then the down kernel's."""
+    """Coordinate search for M tokens: each product path (see `paths_for`) with each tile preset,
+    then, for the winner, the gate_up kernel's tiles, the down kernel's, and (MXFP4) the warps.
+    Candidates that fail to compile or disagree with the default config's output are skipped.
+    Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call."""
     xs = inputs(cfg, m)
     gu, dn = block.experts.weights()
     sh = shared_of(block)
     gate = block.gate
     slots = [route_triton(x, gate.weight, gate.e_score_correction_bias, cfg)[0] for x in xs]
-    best = MoELaunchConfig()
+    with torch.no_grad():
+        expected = moe_experts(xs[0], slots[0], gu, dn, sh, MoELaunchConfig()).float()
+    best, best_us = None, float("inf")
 
     def measure(c):
         with torch.no_grad():
-            return graph_us([lambda x=x, s=s: moe_experts(x, s, gu, dn, sh, c) for x, s in zip(xs, slots)])
+            err = rel_err(moe_experts(xs[0], slots[0], gu, dn, sh, c), expected)
+            if not err <= TUNE_REL_ERR:
+                raise ValueError(f"output differs from the default config's by {err:.2e}")
+            return graph_us([lambda x=x, s=s: moe_experts(x, s, gu, dn, sh, c) for x, s in zip(xs, slots)],
+                            warmup=10, rep=80)
 
-    best_us = measure(best)
-    for sweep in (SWEEP_PATH, SWEEP_GATE_UP, SWEEP_DOWN):
+    def consider(c, label):
+        nonlocal best, best_us
+        try:
+            us = measure(c)
+        except Exception as e:  # e.g. out of shared memory for a large tile, or unsupported on this GPU
+            log(f"  {label} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            return
+        log(f"  {label}: {us:.1f} us")
+        rows.append(dict(kind="tune-step", shape=cfg.name, fmt=fmt, M=m, label=label, experts_us=us))
+        if us < best_us:
+            best, best_us = c, us
+
+    for name, path in paths_for(fmt, m).items():
+        for i, tiles in enumerate(TILE_PRESETS):
+            consider(MoELaunchConfig(**{**path, **tiles}), f"path {name} tiles {i}")
+    if best is None:
+        raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
+    sweeps = (SWEEP_GATE_UP, SWEEP_DOWN) + ((SWEEP_WARPS,) if fmt == "mxfp4" else ())
+    for sweep in sweeps:
         for params in sweep:
-            cand = MoELaunchConfig(**{**best.__dict__, **params})
-            try:
-                us = measure(cand)
-            except Exception as e:  # e.g. out of shared memory for a large tile
-                log(f"  config {params} failed: {type(e).__name__}")
-                continue
-            if us < best_us:
-                best, best_us = cand, us
+            cand = dataclasses.replace(best, **params)
+            if cand != best:
+                consider(cand, str(params))
     rows.append(dict(kind="tuned", shape=cfg.name, fmt=fmt, M=m, experts_us=best_us, config=best.__dict__))
     log(f"tuned {cfg.name} {fmt} M={m}: experts {best_us:.1f} us with {best}")
     return best
+
+
+def tuned_buckets(m: int, ms: list[int]) -> set[int]:
+    """M buckets a winner at M tokens is registered for: its own, and for M=1 also bucket 2 unless
+    M=2 was tuned itself (the M=4 winner serves bucket 4 only: 8 and 16 only when measured)."""
+    return {m_bucket(m)} | ({2} if m == 1 and not any(m_bucket(v) == 2 for v in ms) else set())
 
 
 def main() -> None:
@@ -262,23 +322,29 @@ def main() -> None:
     t0 = time.time()
     for shape in args.shapes.split(","):
         cfg = get_config(shape)
-        for fmt in args.formats.split(","):
+        formats = args.formats.split(",")
+        for fmt in formats:
             block = build_block(cfg, fmt, seed=0)
             try:
                 parity(block, cfg, fmt, rows)
             except Exception as e:
                 log(f"parity failed: {type(e).__name__}: {e}")
                 traceback.print_exc()
-            cfg_m = None
-            for m in (int(v) for v in args.ms.split(",")):
-                if args.tune and m == 1:  # the M=1 winner also serves the larger M for now
-                    cfg_m = tune(block, cfg, fmt, m, rows)
+            ms = [int(v) for v in args.ms.split(",")]
+            for m in ms:
+                cfg_m = None
+                if args.tune:  # each M gets its own winner (a verify step is not a decode step)
+                    try:
+                        cfg_m = tune(block, cfg, fmt, m, rows)
+                    except Exception as e:
+                        log(f"tuning {cfg.name} {fmt} M={m} failed: {type(e).__name__}: {e}")
+                        traceback.print_exc()
                 if cfg_m is not None:
-                    for bucket in {m_bucket(m)} | ({2} if m == 1 else set()):
+                    for bucket in tuned_buckets(m, ms):
                         key = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, bucket,
                                fmt, device_name(DEV))
                         tuned[key] = cfg_m
-                time_contenders(block, cfg, fmt, m, bw, rows, cfg_m)
+                time_contenders(block, cfg, fmt, m, bw, rows, cfg_m, routing_variants=fmt == formats[0])
             del block
             torch.cuda.empty_cache()
             log(f"[{time.time() - t0:.0f} s elapsed]")
