@@ -71,15 +71,24 @@ class GenerationResult:
         return steps / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+@dataclass
+class DecodeState:
+    """Device state of a batch of generations: a decode step reads and writes it in place, so the
+    step can be replayed from a CUDA graph."""
+
+    tokens: torch.Tensor  # [B, capacity]
+    pos: torch.Tensor  # [1] int64: position of the last committed token, the next step's input
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-             generator: torch.Generator | None = None) -> GenerationResult:
-    """Prefill `prompt` ([T] or [B, T] token ids), then decode `max_new_tokens` tokens."""
+def check_prompt(model, prompt: torch.Tensor, max_new_tokens: int, reserve: int = 0,
+                 reserve_name: str = "k") -> torch.Tensor:
+    """`prompt` as [B, T] after checking it fits the model (vocab) and its cache, with `reserve`
+    positions (named `reserve_name` in the error) written past the last token."""
     if prompt.dim() == 1:
         prompt = prompt.unsqueeze(0)
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -89,27 +98,53 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Samplin
     vocab = model.config.vocab_size
     if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got [{int(prompt.min())}, {int(prompt.max())}]")
+    t = prompt.shape[1]
+    if t + max_new_tokens + reserve > model.config.max_seq_len:
+        extra = f" + {reserve_name} ({reserve})" if reserve else ""
+        raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}){extra} = {t + max_new_tokens + reserve} "
+                         f"exceeds the cache length {model.config.max_seq_len}")
+    return prompt
+
+
+@torch.inference_mode()
+def prefill(model, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+            generator: torch.Generator | None = None, state: DecodeState | None = None) -> DecodeState:
+    """Run the prompt through the model and pick the first new token; `state`, if given and large
+    enough, is reused in place (a captured decode step keeps reading the same buffers)."""
+    prompt = check_prompt(model, prompt, max_new_tokens)
     batch, t = prompt.shape
-    total = t + max_new_tokens
-    if total > model.config.max_seq_len:
-        raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the cache "
-                         f"length {model.config.max_seq_len}")
     device = model.embed_tokens.weight.device
     model.setup_caches(batch, model.config.max_seq_len)
-    tokens = torch.empty(batch, total, dtype=torch.long, device=device)
-    tokens[:, :t] = prompt.to(device)
+    if state is None or state.tokens.shape != (batch, t + max_new_tokens):
+        state = DecodeState(torch.empty(batch, t + max_new_tokens, dtype=torch.long, device=device),
+                            torch.zeros(1, dtype=torch.long, device=device))
+    state.tokens[:, :t] = prompt.to(device)
+    logits = model(state.tokens[:, :t], torch.arange(t, device=device))
+    state.tokens[:, t] = sample(logits[:, -1], sampling, generator)
+    state.pos.fill_(t)
+    return state
 
+
+def decode_step(model, state: DecodeState, sampling: SamplingConfig = SamplingConfig(),
+                generator: torch.Generator | None = None) -> None:
+    """One token for every row: no host sync, static shapes."""
+    logits = model(state.tokens.index_select(1, state.pos), state.pos)
+    state.tokens.index_copy_(1, state.pos + 1, sample(logits[:, -1], sampling, generator)[:, None])
+    state.pos += 1
+
+
+@torch.inference_mode()
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+             generator: torch.Generator | None = None) -> GenerationResult:
+    """Prefill `prompt` ([T] or [B, T] token ids), then decode `max_new_tokens` tokens."""
+    device = model.embed_tokens.weight.device
     _sync(device)
     start = time.perf_counter()
-    logits = model(tokens[:, :t], torch.arange(t, device=device))
-    tokens[:, t] = sample(logits[:, -1], sampling, generator)
+    state = prefill(model, prompt, max_new_tokens, sampling, generator)
     _sync(device)
     prefill_s = time.perf_counter() - start
-
-    input_pos = torch.tensor([t], device=device)
-    for i in range(t, total - 1):
-        logits = model(tokens[:, i:i + 1], input_pos)
-        tokens[:, i + 1] = sample(logits[:, -1], sampling, generator)
-        input_pos += 1
+    for _ in range(max_new_tokens - 1):
+        decode_step(model, state, sampling, generator)
     _sync(device)
-    return GenerationResult(tokens, t, prefill_s, time.perf_counter() - start - prefill_s)
+    t = state.tokens.shape[1] - max_new_tokens
+    return GenerationResult(state.tokens, t, prefill_s, time.perf_counter() - start - prefill_s)

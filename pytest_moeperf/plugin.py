@@ -14,7 +14,7 @@ from pytest_moeperf.timing import parse_samples
 
 SESSION_KEY = pytest.StashKey[MoePerfSession]()
 
-DEFAULTS = {"moe_device": "auto", "moe_model": "tiny", "moe_backend": "auto", "moe_head": "bf16",
+DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
             "moe_baselines": "baselines", "moe_samples": "10"}
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
@@ -35,8 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--moe-bench", "moe_bench", "run the performance suites (marked moe_bench)", action="store_true")
     add("--moe-device", "moe_device", "device under test: auto, cpu, cuda or cuda:N (default: auto)",
         metavar="DEVICE")
-    add("--moe-model", "moe_model", "model under test: a preset name or a checkpoint folder (default: tiny)",
-        metavar="MODEL")
+    add("--moe-model", "moe_model", "model under test: an embedded checkpoint, a preset name (random weights) "
+        "or a checkpoint folder (default: tiny-gsm, the trained tiny model)", metavar="MODEL")
     add("--moe-backend", "moe_backend", "MoE implementation under test, a registered `moe` backend "
         "(default: auto = triton on CUDA, gather on CPU)", metavar="NAME")
     add("--moe-head", "moe_head", "LM head of the model under test: bf16, or fp8 (quantized online at load, "
@@ -56,13 +56,15 @@ def _option(config: pytest.Config, name: str):
 
 
 def parse_model(value: str, rootpath: Path) -> str:
+    from impl.model.build import EMBEDDED
     from impl.model.config import PRESETS
-    if value in PRESETS:
+    if value in PRESETS or value in EMBEDDED:
         return value
     path = Path(value) if Path(value).is_absolute() else rootpath / value
     if path.is_dir():
         return str(path)
-    raise ValueError(f"--moe-model {value!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
+    raise ValueError(f"--moe-model {value!r} is neither a preset ({', '.join(sorted(PRESETS))}), an embedded "
+                     f"checkpoint ({', '.join(sorted(EMBEDDED))}) nor a folder")
 
 
 def parse_backend(value: str) -> str:

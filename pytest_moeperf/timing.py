@@ -37,26 +37,6 @@ class CudaEventClock:
         return self._origin.elapsed_time(ev) / 1e3
 
 
-def capture_graph(calls: list[Callable[[], object]]):
-    """One CUDA graph replaying `calls` in order (warmed up first on a side stream, as capture
-    requires). Replaying it times launch-bound work without the host's launch gaps."""
-    import torch
-    for fn in calls:
-        fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def clock_for(device) -> Callable[[], float]:
     return CudaEventClock(device) if getattr(device, "type", "cpu") == "cuda" else time.perf_counter
 
@@ -105,16 +85,25 @@ class Sampler:
             self._time(fn, inner)
         return [self._time(fn, inner) for _ in range(rounds)]
 
-    def interleaved(self, fns: dict[str, Callable[[], object]], inner: int = 1,
-                    rounds: int | None = None) -> dict[str, list[float]]:
+    def interleaved(self, fns: dict[str, Callable[[], object]], inner: int = 1, rounds: int | None = None,
+                    setup: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
+        """Samples of each of `fns`, taken in turn; `setup[name]`, if given, runs untimed before
+        each sample of `name` (e.g. to restore the state a decode run starts from)."""
         rounds = rounds or self.rounds
+        setup = setup or {}
+
+        def one(name: str) -> float:
+            if name in setup:
+                setup[name]()
+            return self._time(fns[name], inner)
+
         for _ in range(self.warmup):
-            for fn in fns.values():
-                self._time(fn, inner)
+            for name in fns:
+                one(name)
         out: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(rounds):
-            for name, fn in fns.items():
-                out[name].append(self._time(fn, inner))
+            for name in fns:
+                out[name].append(one(name))
         return out
 
     def _time(self, fn, inner: int) -> float:

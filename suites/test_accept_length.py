@@ -30,6 +30,7 @@ PROMPTS = 24
 MAX_NEW_TOKENS = 64
 MIN_ACCEPT_LENGTH = 2.0
 TOLERANCE = 0.05
+GATE_CONFIG = {"k": K, "prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS}
 HEAD_SHARING_HINT = ("check head sharing: the draft must hold the target's head module itself "
                      "(draft.head is target.lm_head), not a copy, not its weight tensor, and not FP8 data "
                      "without its scales")
@@ -44,7 +45,8 @@ def _prompts(model) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def spec_run(moe_model) -> tuple[SpecStats, list[float]]:
+def spec_run(moe_model) -> tuple[SpecStats, list[SpecStats]]:
+    """Counters over all prompts, and per prompt."""
     if not len(getattr(moe_model, "mtp", ())):
         pytest.skip(f"model {moe_model.config.name!r} has no MTP layer")
     decoder = SpeculativeDecoder(moe_model, K)
@@ -53,7 +55,7 @@ def spec_run(moe_model) -> tuple[SpecStats, list[float]]:
     for prompt in _prompts(moe_model):
         res = decoder.generate(prompt.to(device), MAX_NEW_TOKENS)
         stats.merge(res.stats)
-        per_prompt.append(res.stats.mean_accept_length)
+        per_prompt.append(res.stats)
     return stats, per_prompt
 
 
@@ -86,6 +88,18 @@ def test_accept_length_floor(moe_model, spec_run):
 
 @pytest.mark.moe_bench
 def test_accept_length_gated(moe_model, spec_run, moe_gate):
-    stats, per_prompt = spec_run
-    moe_gate.check(f"mtp_accept_length_k{K}", per_prompt, unit="tokens/step", direction="higher",
-                   tolerance=TOLERANCE, config={"k": K, "prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS})
+    _, per_prompt = spec_run
+    moe_gate.check(f"mtp_accept_length_k{K}", [s.mean_accept_length for s in per_prompt], unit="tokens/step",
+                   direction="higher", tolerance=TOLERANCE, config=GATE_CONFIG)
+
+
+@pytest.mark.moe_bench
+@pytest.mark.parametrize("position", range(K))
+def test_acceptance_per_position_gated(moe_model, spec_run, moe_gate, position):
+    """P(draft `position` accepted) per prompt; later positions are rarer events, so their
+    per-prompt fractions are noisier, but the samples are deterministic on a given device."""
+    if moe_model.config.name in PRESETS:
+        pytest.skip("random-weight preset: its draft is almost never accepted, so there is no rate to gate")
+    _, per_prompt = spec_run
+    moe_gate.check(f"mtp_acceptance_k{K}_pos{position + 1}", [s.per_position[position] for s in per_prompt],
+                   unit="fraction", direction="higher", tolerance=TOLERANCE, config=GATE_CONFIG)

@@ -14,7 +14,7 @@ import torch
 
 from impl.model.config import get_config
 from impl.moe.random_layer import bytes_per_token, random_moe_block
-from pytest_moeperf.timing import capture_graph
+from impl.graphs import capture_graph
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
 

@@ -225,10 +225,10 @@ def test_concurrent_freezes_all_survive(tmp_path):
 
 def test_a_figure_frozen_under_another_configuration_is_not_compared(run, suite):
     run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
-    # The frozen figure was taken with --moe-model tiny (the default); ling-3.0-flash differs.
+    # The frozen figure was taken with --moe-model tiny-gsm (the default); ling-3.0-flash differs.
     result = run("--moe-bench", "--moe-model", "ling-3.0-flash", factor=2.0)
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*another configuration (model: 'tiny' -> 'ling-3.0-flash')*"])
+    result.stdout.fnmatch_lines(["*another configuration (model: 'tiny-gsm' -> 'ling-3.0-flash')*"])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -12,6 +12,8 @@ from impl.model.config import PRESETS, ModelConfig, get_config
 from impl.model.layers import Router
 
 HEADS = ("bf16", "fp8")
+# Trained checkpoints committed with the repository, by name (scripts/train_tiny.py made tiny-gsm).
+EMBEDDED = {"tiny-gsm": Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-gsm"}
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -41,8 +43,9 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, moe_backend: str = "gather",
                 seed: int = 0, head: str = "bf16", head_backend: str | None = None,
                 head_granularity: str = "row") -> MoECausalLM:
-    """`spec` is a preset name (random weights from `seed`), a ModelConfig, or a folder holding a
-    transformers-format checkpoint (config.json + safetensors).
+    """`spec` is a preset name (random weights from `seed`), a ModelConfig, the name of an embedded
+    checkpoint (`EMBEDDED`), or a folder holding a transformers-format checkpoint (config.json +
+    safetensors).
 
     `head="fp8"` quantizes the LM head to e4m3 once the weights are in (`MoECausalLM.quantize_head`:
     scales per row, or per tensor with `head_granularity="tensor"`), run by the FP8 head backend
@@ -62,12 +65,16 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
         config, folder = spec, None
     elif spec in PRESETS:
         config, folder = get_config(spec), None
-    elif Path(spec).is_dir():
+    elif spec in EMBEDDED or Path(spec).is_dir():
         from impl.model.loading import read_config
-        folder = Path(spec)
+        folder = EMBEDDED.get(spec, Path(spec))
+        if not folder.is_dir():
+            raise ValueError(f"embedded checkpoint {spec!r} is missing: expected {folder} (install the package "
+                             "from its repository checkout, e.g. pip install -e .)")
         config = read_config(folder)
     else:
-        raise ValueError(f"--moe-model {spec!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint folder")
+        raise ValueError(f"--moe-model {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded checkpoint "
+                         f"({sorted(EMBEDDED)}) nor a checkpoint folder")
     need = config.num_parameters() * torch.finfo(dtype).bits // 8
     free = _free_bytes(device)
     if need > free:

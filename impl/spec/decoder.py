@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from impl import backends
-from impl.generate import SamplingConfig, filtered_probs
+from impl.generate import SamplingConfig, check_prompt, filtered_probs
 from impl.spec.sampling import MAX_K, greedy_verify, rejection_verify
 
 
@@ -141,6 +141,34 @@ class SpecResult:
         return self.tokens[:, self.prompt_len:]
 
 
+@dataclass
+class Span:
+    """What draft step 1 reads: target hidden states [1, t, H] at positions `pos` [t], the committed
+    tokens after them `ids` [1, t], and which position's output continues the chain (`index` [1])."""
+
+    hidden: torch.Tensor
+    ids: torch.Tensor
+    pos: torch.Tensor
+    index: torch.Tensor
+
+    def copy_(self, other: "Span") -> None:
+        for a, b in ((self.hidden, other.hidden), (self.ids, other.ids), (self.pos, other.pos),
+                     (self.index, other.index)):
+            a.copy_(b)
+
+
+@dataclass
+class SpecState:
+    """One generation's device state; `SpeculativeDecoder.step` updates it in place, without
+    reading anything back to the host, so a step can be replayed from a CUDA graph."""
+
+    tokens: torch.Tensor  # [1, capacity]: committed tokens; positions >= n are scratch
+    n: torch.Tensor  # [1] int64: tokens committed (prompt included)
+    span: Span
+    accepted: torch.Tensor  # [1]: drafts accepted by the last verify step
+    prompt_len: int
+
+
 class SpeculativeDecoder:
     """Greedy or sampled speculative decoding of `target` with draft `draft` (default: its first
     MTP layer). `require_shared_head=False` exists only for negative controls that demonstrate
@@ -162,9 +190,7 @@ class SpeculativeDecoder:
         if require_shared_head:
             check_head_sharing(target, draft)
         self.target, self.draft, self.k, self.sampling = target, draft, k, sampling
-
-    def _positions(self, t: int, start: torch.Tensor) -> torch.Tensor:
-        return start + torch.arange(t, device=start.device)
+        self.draft_prov = self.verify_prov = backends.Provenance()
 
     def _draft_span(self, hidden: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor):
         """MTP over positions `pos` -> (logits [1, t, V], output hidden [1, t, H])."""
@@ -180,72 +206,94 @@ class SpeculativeDecoder:
         return torch.multinomial(q, 1, generator=generator).squeeze(1), q
 
     @torch.inference_mode()
+    def start(self, prompt: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
+              state: SpecState | None = None) -> SpecState:
+        """Prefill `prompt` ([T] or [1, T]) and pick the first new token. `state`, if given, is
+        reused in place (a captured step keeps reading the same buffers)."""
+        target, k = self.target, self.k
+        prompt = check_prompt(target, prompt, max_new_tokens, reserve=k)  # the last verify writes k ahead
+        if prompt.shape[0] != 1:
+            raise ValueError(f"speculative decoding runs batch 1, got a prompt of shape {tuple(prompt.shape)}")
+        t = prompt.shape[1]
+        device = target.embed_tokens.weight.device
+        target.setup_caches(1, target.config.max_seq_len)
+        capacity = t + max_new_tokens + k + 1
+        if state is None or state.tokens.shape[1] < capacity:
+            state = SpecState(torch.zeros(1, capacity, dtype=torch.long, device=device),
+                              torch.zeros(1, dtype=torch.long, device=device), None,
+                              torch.zeros(1, dtype=torch.long, device=device), t)
+        state.tokens[:, :t] = prompt.to(device)
+        state.prompt_len = t
+        logits, hidden = target.forward_with_hidden(state.tokens[:, :t], torch.arange(t, device=device))
+        state.tokens[:, t] = self._pick(logits[:, -1], generator)[0]
+        state.n.fill_(t + 1)
+        # Draft step 1 of the first verify step spans the whole prompt.
+        state.span = Span(hidden, state.tokens[:, 1:t + 1].clone(), torch.arange(t, device=device),
+                          torch.tensor([t - 1], device=device))
+        return state
+
+    def draft_tokens(self, state: SpecState, generator: torch.Generator | None = None):
+        """Draft k tokens from the state's span: (draft [1, k], their distributions or Nones)."""
+        k, n, span = self.k, state.n, state.span
+        with backends.record_provenance() as self.draft_prov:
+            d_logits, d_hidden = self._draft_span(span.hidden, span.ids, span.pos)
+            g = d_hidden.index_select(1, span.index)
+            tok, q = self._pick(d_logits.index_select(1, span.index)[:, 0], generator)
+            drafts, qs = [tok], [q]
+            for j in range(1, k):
+                d_logits, g = self._draft_span(g, tok[:, None], n + (j - 2))
+                tok, q = self._pick(d_logits[:, 0], generator)
+                drafts.append(tok)
+                qs.append(q)
+        return torch.stack(drafts, dim=1), qs
+
+    def verify_pass(self, state: SpecState, draft: torch.Tensor):
+        """The target over [last committed token, drafts] at positions n-1 .. n+k-1:
+        (positions [k+1], logits [1, k+1, V], pre-norm hidden states [1, k+1, H])."""
+        n = state.n
+        with backends.record_provenance() as self.verify_prov:
+            pos = n - 1 + torch.arange(self.k + 1, device=n.device)
+            ids = torch.cat((state.tokens.index_select(1, n - 1), draft), dim=1)
+            logits, hidden = self.target.forward_with_hidden(ids, pos)
+        return pos, logits, hidden
+
+    def step(self, state: SpecState, generator: torch.Generator | None = None) -> None:
+        """Draft k tokens, verify them in one target pass, commit the accepted prefix and the next
+        token, and leave the verified span for the next step: all on the device, no host sync."""
+        n = state.n
+        draft, qs = self.draft_tokens(state, generator)
+        pos, v_logits, v_hidden = self.verify_pass(state, draft)
+        if self.sampling.greedy:
+            accepted, nxt = greedy_verify(draft, v_logits)
+        else:
+            accepted, nxt = rejection_verify(draft, torch.stack(qs, dim=1),
+                                             filtered_probs(v_logits, self.sampling), generator)
+        # Committed: drafts[:m] then nxt at m; what lies past m is overwritten by later steps.
+        committed = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
+        state.tokens.index_copy_(1, pos + 1, committed)
+        state.accepted.copy_(accepted)
+        n += accepted + 1
+        # The next draft step 1 spans the verified positions with the committed tokens after them.
+        state.span = Span(v_hidden, committed, pos, accepted)
+
+    @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
                  stop: Callable[[torch.Tensor], bool] | None = None) -> SpecResult:
         """Prefill `prompt` ([T] or [1, T]), then decode up to `max_new_tokens` tokens; `stop`, if
         given, is called on the new tokens after each step and ends generation when True (the
-        tokens committed by that step are kept)."""
-        target, k = self.target, self.k
-        if prompt.dim() == 1:
-            prompt = prompt.unsqueeze(0)
-        if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
-            raise ValueError(f"prompt must be a non-empty [T] or [1, T] tensor (batch 1), got {tuple(prompt.shape)}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        vocab, cache = target.config.vocab_size, target.config.max_seq_len
-        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        t = prompt.shape[1]
-        # The last verify step may write k positions past the final committed token.
-        if t + max_new_tokens + k > cache:
-            raise ValueError(f"prompt ({t}) + max_new_tokens ({max_new_tokens}) + k ({k}) = "
-                             f"{t + max_new_tokens + k} exceeds the cache length {cache}")
-        device = target.embed_tokens.weight.device
-        target.setup_caches(1, cache)
+        tokens committed by that step are kept). Reads the accepted count back once per step."""
+        begin = time.perf_counter()
+        state = self.start(prompt, max_new_tokens, generator)
+        t = state.prompt_len
         total = t + max_new_tokens
-        tokens = torch.zeros(1, total + k + 1, dtype=torch.long, device=device)
-        tokens[:, :t] = prompt.to(device)
-        stats = SpecStats(k)
-        start = time.perf_counter()
-
-        logits, hidden = target.forward_with_hidden(tokens[:, :t], torch.arange(t, device=device))
-        tokens[:, t] = self._pick(logits[:, -1], generator)[0]
+        stats = SpecStats(self.k)
         n = t + 1
-        # Draft step 1 inputs: target hidden states at span_pos and the tokens after them.
-        span_hidden, span_ids, span_pos = hidden, tokens[:, 1:t + 1], torch.arange(t, device=device)
-        span_index = torch.tensor([t - 1], device=device)
         while n < total:
-            with backends.record_provenance() as draft_prov:
-                d_logits, d_hidden = self._draft_span(span_hidden, span_ids, span_pos)
-                g = d_hidden.index_select(1, span_index)
-                tok, q = self._pick(d_logits.index_select(1, span_index)[:, 0], generator)
-                drafts, qs = [tok], [q]
-                for j in range(1, k):
-                    d_logits, g = self._draft_span(g, tok[:, None], torch.tensor([n - 2 + j], device=device))
-                    tok, q = self._pick(d_logits[:, 0], generator)
-                    drafts.append(tok)
-                    qs.append(q)
-            draft = torch.stack(drafts, dim=1)  # [1, k]
-            with backends.record_provenance() as verify_prov:
-                verify_ids = torch.cat((tokens[:, n - 1:n], draft), dim=1)
-                verify_pos = torch.arange(n - 1, n + k, device=device)
-                v_logits, v_hidden = target.forward_with_hidden(verify_ids, verify_pos)
-            if self.sampling.greedy:
-                accepted, nxt = greedy_verify(draft, v_logits)
-            else:
-                accepted, nxt = rejection_verify(draft, torch.stack(qs, dim=1),
-                                                 filtered_probs(v_logits, self.sampling), generator)
-            m = int(accepted)  # the one host sync per step
-            tokens[:, n:n + m] = draft[:, :m]
-            tokens[:, n + m] = nxt
-            stats.record(m, draft_prov, verify_prov)
-            # Next draft step 1 spans the verified positions with the committed tokens after them.
-            span_hidden, span_pos = v_hidden, verify_pos
-            span_ids = torch.cat((draft, nxt[:, None]), dim=1)
-            span_ids[:, m] = nxt
-            span_index = torch.tensor([m], device=device)
+            self.step(state, generator)
+            m = int(state.accepted)  # the one host sync per step
+            stats.record(m, self.draft_prov, self.verify_prov)
             n += m + 1
-            if stop is not None and stop(tokens[0, t:min(n, total)]):
+            if stop is not None and stop(state.tokens[0, t:min(n, total)]):
                 break
         n = min(n, total)
-        return SpecResult(tokens[:, :n].clone(), t, stats, time.perf_counter() - start)
+        return SpecResult(state.tokens[:, :n].clone(), t, stats, time.perf_counter() - begin)
