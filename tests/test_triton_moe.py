@@ -469,3 +469,19 @@ def test_word32_decode_every_code_and_scale():
     assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))  # -0.0 included
     ref = decode_e8m0(codes.cpu())
     assert torch.equal(scales.cpu()[:255], ref[:255]) and scales[255].isnan()
+
+
+@pytest.mark.parametrize("ids", [
+    [[0, 1], [0, 2], [3, 4], [5, 0]],  # expert 0 chosen by three tokens, the others by one each
+    [[0, 1], [2, 3], [4, 5], [6, 7]],  # every expert by one token (a typical verify step)
+    [[6, 2], [2, 6], [6, 2]],  # every expert by every token
+], ids=["mixed", "all-single", "all-shared"])
+def test_word32_rows_of_single_token_experts(ids):
+    """word32 computes only the row of an expert chosen by exactly one token (its `tokens` mask
+    has one bit): both that branch and the all-rows branch against the oracle."""
+    cfg = MXFP4_VARIANTS["gemv-word32"][0]
+    ids = torch.tensor(ids)
+    w_gate_up, w_down = make_weights(8, 64, 96, "mxfp4", seed=11)
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(12)) + 0.1
+    x = torch.randn(ids.shape[0], 64, generator=torch.Generator().manual_seed(13))
+    assert_rows_close(*run_both(x, weights, ids, w_gate_up, w_down, config=cfg))

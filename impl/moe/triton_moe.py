@@ -194,14 +194,15 @@ def _e2m1_word_to_fp32(word, I: tl.constexpr):
 
 
 @triton.jit
-def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for MXFP4 W given as int32 words (w_ptr, stride_wn in
     words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
     k = 8 w + i). Per code: one shift-and-mask pair, one multiply by 2**126 (exact: it turns the
     subnormal back into the E2M1 value) and one multiply-add per token; the E8M0 scale multiplies
     each 32-block's partial sum once, and the sums stay in the shape [BLOCK_N, BLOCK_K/32] until
-    after the K loop, so the cross-thread reduction happens once per output, not per K step."""
+    after the K loop, so the cross-thread reduction happens once per output, not per K step.
+    Row r of `a` lands in row first_row + r of the [M_PAD, BLOCK_N] result."""
     G: tl.constexpr = BLOCK_K // 32
     offs_g = tl.arange(0, G)
     offs_w = tl.arange(0, 4)
@@ -249,12 +250,12 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
             acc2 += tl.sum(part2, axis=2) * scale
             acc3 += tl.sum(part3, axis=2) * scale
     offs_m = tl.arange(0, M_PAD)
-    out = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    out = tl.where(offs_m[:, None] == first_row, tl.sum(acc0, axis=1)[None, :], 0.0)
     if ROWS > 1:
-        out += tl.where(offs_m[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 1, tl.sum(acc1, axis=1)[None, :], 0.0)
     if ROWS > 2:
-        out += tl.where(offs_m[:, None] == 2, tl.sum(acc2, axis=1)[None, :], 0.0)
-        out += tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 3, tl.sum(acc3, axis=1)[None, :], 0.0)
     return out
 
 
@@ -271,15 +272,29 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 
 
 @triton.jit
-def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
             M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
             GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_word32` when WORD32 (MXFP4 W
-    given as int32 words, at most GEMV_ROWS tokens), else a K loop of `_tile_product`."""
+    given as int32 words, at most GEMV_ROWS tokens), else a K loop of `_tile_product`.
+
+    `tokens` is the bit mask of the rows that chose this expert (-1: all rows). With WORD32 and
+    exactly one such row (most experts of a verify step, where each is chosen by one token) only
+    that row is computed: a quarter of the multiply-adds and activation loads at 4 rows. The
+    other rows are 0 (what a row that did not choose the expert contributes anyway)."""
     if WORD32:
         tl.static_assert(MXFP4)
         tl.static_assert(GEMV_ROWS > 0)
-        return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+        if GEMV_ROWS > 1:
+            if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
+                t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
+                acc = _gemv_word32(a_ptr + t * stride_am, stride_am, 1, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
+                                   stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1)
+            else:
+                acc = _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
+                                   M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS)
+            return acc
+        return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
                             M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS)
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -291,13 +306,13 @@ def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, st
 
 @triton.jit
 def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
-                 stride_wn, stride_sn, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
                  SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
-        acc_g = _matmul(x_ptr, stride_xm, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn,
+        acc_g = _matmul(x_ptr, stride_xm, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
                         M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
-        acc_u = _matmul(x_ptr, stride_xm, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn,
+        acc_u = _matmul(x_ptr, stride_xm, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
                         M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
     else:
         offs_m = tl.arange(0, M_PAD)
@@ -350,7 +365,7 @@ def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slo
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
-                       slot_expert_ptr, num_slots,
+                       slot_expert_ptr, slot_tokens_ptr, num_slots,
                        w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
                        sg_ptr, su_ptr, stride_shn,
                        act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
@@ -372,14 +387,14 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
                 act = _swiglu_tile(x_ptr, stride_xm, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
-                                   M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                                   tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
                 tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                          act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
         if tl.program_id(1) * BLOCK_N < I_SHARED:
             n_mask = offs_n < I_SHARED
             act = _swiglu_tile(x_ptr, stride_xm, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
-                               stride_shn, 0, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
+                               stride_shn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_n[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
@@ -410,14 +425,15 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
             w_e = w_ptr + expert.to(tl.int64) * stride_we
             ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
-            acc = _matmul(a_ptr, stride_am, M, I, w_e, ws_e, offs_n, n_mask, stride_wn, stride_sn,
+            tokens = tl.load(slot_tokens_ptr + slot)
+            acc = _matmul(a_ptr, stride_am, M, I, w_e, ws_e, offs_n, n_mask, stride_wn, stride_sn, tokens,
                           M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
-            chose = ((tl.load(slot_tokens_ptr + slot) >> offs_m) & 1) != 0
+            chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
-        acc = _matmul(shared_act_ptr, stride_sam, M, I_SHARED, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0,
+        acc = _matmul(shared_act_ptr, stride_sam, M, I_SHARED, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1,
                       M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
@@ -566,7 +582,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     su = shared.up if shared is not None else x
     grid_a = (num_slots + (shared is not None), triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
-        x, x.stride(0), m, hidden, inter, i_shared, slot_expert, num_slots,
+        x, x.stride(0), m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
