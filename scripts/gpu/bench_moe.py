@@ -3,7 +3,14 @@ contender timed side by side under CUDA graphs, reported as microseconds and as 
 the bytes-read floor at the copy bandwidth measured in the same run; optionally a launch-config
 sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
-    python scripts/gpu/bench_moe.py [--tune] [--shapes ling-3.0-flash,ling-flash-2.0] [--out DIR]
+    python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
+        [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
+
+Tuning (`tune`) is per (shape, format, M): first the product path (tensor cores with our MXFP4
+decode or tl.dot_scaled; for M <= 4 also register GEMVs with the bf16 or 32-bit-word decode),
+each with two tile presets, then the winner's gate_up tiles, down tiles and (MXFP4) warps,
+within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
+default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
 differ and the weights stream from HBM, not L2); the figure is the median replay time / 10.
@@ -247,11 +254,13 @@ def paths_for(fmt: str, m: int) -> dict:
     return {**dot, **gemv}
 
 
-def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
+def tune(block, cfg, fmt, m, rows, deadline: float = float("inf")) -> MoELaunchConfig:
     """Coordinate search for M tokens: each product path (see `paths_for`) with each tile preset,
     then, for the winner, the gate_up kernel's tiles, the down kernel's, and (MXFP4) the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
-    Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call."""
+    Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
+    Past `deadline` (time.time()) the remaining tile candidates are skipped (the path stage always
+    runs whole) and the best so far wins."""
     xs = inputs(cfg, m)
     gu, dn = block.experts.weights()
     sh = shared_of(block)
@@ -269,8 +278,13 @@ def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
             return graph_us([lambda x=x, s=s: moe_experts(x, s, gu, dn, sh, c) for x, s in zip(xs, slots)],
                             warmup=10, rep=80)
 
-    def consider(c, label):
+    skipped = []
+
+    def consider(c, label, always=False):
         nonlocal best, best_us
+        if not always and time.time() > deadline:
+            skipped.append(label)
+            return
         try:
             us = measure(c)
         except Exception as e:  # e.g. out of shared memory for a large tile, or unsupported on this GPU
@@ -283,7 +297,7 @@ def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
 
     for name, path in paths_for(fmt, m).items():
         for i, tiles in enumerate(TILE_PRESETS):
-            consider(MoELaunchConfig(**{**path, **tiles}), f"path {name} tiles {i}")
+            consider(MoELaunchConfig(**{**path, **tiles}), f"path {name} tiles {i}", always=True)
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     sweeps = (SWEEP_GATE_UP, SWEEP_DOWN) + ((SWEEP_WARPS,) if fmt == "mxfp4" else ())
@@ -292,7 +306,10 @@ def tune(block, cfg, fmt, m, rows) -> MoELaunchConfig:
             cand = dataclasses.replace(best, **params)
             if cand != best:
                 consider(cand, str(params))
-    rows.append(dict(kind="tuned", shape=cfg.name, fmt=fmt, M=m, experts_us=best_us, config=best.__dict__))
+    if skipped:
+        log(f"  past this tuning's time budget: skipped {len(skipped)} candidates ({skipped[0]} ...)")
+    rows.append(dict(kind="tuned", shape=cfg.name, fmt=fmt, M=m, experts_us=best_us, config=best.__dict__,
+                     skipped=len(skipped)))
     log(f"tuned {cfg.name} {fmt} M={m}: experts {best_us:.1f} us with {best}")
     return best
 
@@ -311,7 +328,10 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--write-configs", action="store_true",
-                    help="merge the tuned configs into impl/moe/tuned_configs.json")
+                    help="merge the tuned configs into impl/moe/tuned_configs.json (after each tuning)")
+    ap.add_argument("--tune-budget-s", type=float, default=180.0,
+                    help="seconds for all tuning together, shared equally by the (shape, format, M) "
+                         "tunings still to run; a tuning past its share keeps its best so far")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
@@ -320,6 +340,8 @@ def main() -> None:
     rows: list = [dict(kind="bandwidth", bytes_per_s=bw)]
     tuned = {}
     t0 = time.time()
+    tunings_left = len(args.shapes.split(",")) * len(args.formats.split(",")) * len(args.ms.split(","))
+    tune_end = t0 + args.tune_budget_s
     for shape in args.shapes.split(","):
         cfg = get_config(shape)
         formats = args.formats.split(",")
@@ -334,16 +356,22 @@ def main() -> None:
             for m in ms:
                 cfg_m = None
                 if args.tune:  # each M gets its own winner (a verify step is not a decode step)
+                    share = max(0.0, tune_end - time.time()) / tunings_left
+                    tunings_left -= 1
                     try:
-                        cfg_m = tune(block, cfg, fmt, m, rows)
+                        cfg_m = tune(block, cfg, fmt, m, rows, deadline=time.time() + share)
                     except Exception as e:
                         log(f"tuning {cfg.name} {fmt} M={m} failed: {type(e).__name__}: {e}")
                         traceback.print_exc()
                 if cfg_m is not None:
+                    new = {}
                     for bucket in tuned_buckets(m, ms):
                         key = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, bucket,
                                fmt, device_name(DEV))
-                        tuned[key] = cfg_m
+                        new[key] = cfg_m
+                    tuned.update(new)
+                    if args.write_configs:  # now, so that a run cut short by a timeout keeps it
+                        save_tuned(new)
                 time_contenders(block, cfg, fmt, m, bw, rows, cfg_m, routing_variants=fmt == formats[0])
             del block
             torch.cuda.empty_cache()
@@ -358,7 +386,6 @@ def main() -> None:
     for key, c in tuned.items():
         log(f"TUNED[{key!r}] = {c!r}")
     if tuned and args.write_configs:
-        save_tuned(tuned)
         log(f"wrote {len(tuned)} tuned config(s) into {TUNED_PATH}")
 
 
