@@ -200,28 +200,30 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
     words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
     k = 8 w + i). Per code: one shift-and-mask pair, one multiply by 2**126 (exact: it turns the
     subnormal back into the E2M1 value) and one multiply-add per token; the E8M0 scale multiplies
-    each 32-block's partial sum once, and the sums stay in the shape [BLOCK_N, BLOCK_K/32] until
-    after the K loop, so the cross-thread reduction happens once per output, not per K step.
+    each word's partial sum once, and the sums stay in the words' shape and layout [BLOCK_N,
+    BLOCK_K/32, 4] until after the K loop, so the cross-thread reduction happens once per output,
+    not per K step (the compiled sm_90 loop has no shuffles; the scales' one [BLOCK_N, BLOCK_K/32]
+    layout conversion per K step remains).
     Row r of `a` lands in row first_row + r of the [M_PAD, BLOCK_N] result."""
     G: tl.constexpr = BLOCK_K // 32
     offs_g = tl.arange(0, G)
     offs_w = tl.arange(0, 4)
-    acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         blk = k0 // 32 + offs_g  # [G] scale blocks
         offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] word columns
         # K is a multiple of 32: whole blocks are in or out, so the masks are constant along a
-        # block's 4 words (which keeps the word load one 16-byte vector).
+        # block's 4 words.
         blk_mask = blk < K // 32
         word_mask = blk_mask[:, None] & (offs_w < 4)[None, :]
         words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_word[None, :, :],
                         mask=n_mask[:, None, None] & blk_mask[None, :, None], other=0)
         codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + blk[None, :],
                         mask=n_mask[:, None] & blk_mask[None, :], other=127)
-        scale = _e8m0_to_fp32(codes)  # [BLOCK_N, G]
+        scale = _e8m0_to_fp32(codes)[:, :, None]  # [BLOCK_N, G, 1]
         part0 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
         part1 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
         part2 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
@@ -242,20 +244,20 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
                              other=0.0).to(tl.float32)
                 part2 += w * a2[None, :, :]
                 part3 += w * a3[None, :, :]
-        # A thread holds a block's 4 words (one 16-byte load), so the sum over them is in-thread.
-        acc0 += tl.sum(part0, axis=2) * scale
+        # Sums kept in the words' layout: no reduction and no layout conversion inside the loop.
+        acc0 += part0 * scale
         if ROWS > 1:
-            acc1 += tl.sum(part1, axis=2) * scale
+            acc1 += part1 * scale
         if ROWS > 2:
-            acc2 += tl.sum(part2, axis=2) * scale
-            acc3 += tl.sum(part3, axis=2) * scale
+            acc2 += part2 * scale
+            acc3 += part3 * scale
     offs_m = tl.arange(0, M_PAD)
-    out = tl.where(offs_m[:, None] == first_row, tl.sum(acc0, axis=1)[None, :], 0.0)
+    out = tl.where(offs_m[:, None] == first_row, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
     if ROWS > 1:
-        out += tl.where(offs_m[:, None] == first_row + 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 1, tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :], 0.0)
     if ROWS > 2:
-        out += tl.where(offs_m[:, None] == first_row + 2, tl.sum(acc2, axis=1)[None, :], 0.0)
-        out += tl.where(offs_m[:, None] == first_row + 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 2, tl.sum(tl.sum(acc2, axis=2), axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 3, tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :], 0.0)
     return out
 
 
