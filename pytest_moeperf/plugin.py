@@ -127,6 +127,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     if options.bench:
         from pytest_moeperf.baselines import BaselineError, BaselineStore
+        from pytest_moeperf.timing import pin_heap_allocations
+        pin_heap_allocations()
         try:
             BaselineStore.validate_folder(options.baselines)
         except BaselineError as e:

@@ -346,3 +346,12 @@ def test_real_timing_catches_a_planted_slowdown(pytester, monkeypatch):
 def _frozen(value: float):
     from pytest_moeperf.baselines import FrozenMetric
     return FrozenMetric(value, [value] * 3, "us", "lower", 0.1, {"model": "tiny", "dtype": "float32"})
+
+
+def test_pin_heap_allocations_takes_effect_on_glibc():
+    import platform
+
+    from pytest_moeperf.timing import pin_heap_allocations
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert pin_heap_allocations()

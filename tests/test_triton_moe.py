@@ -241,7 +241,8 @@ def test_lookup_falls_back_for_untuned_shapes_and_uses_tuned_ones(monkeypatch):
 
 @pytest.mark.parametrize("cfg", [
     MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=16, down_block_k=32),
-    MoELaunchConfig(gate_up_block_n=64, gate_up_block_k=256, down_block_n=128, down_block_k=64),
+    # (gate_up 64 x 256 tiles at 3 stages need 288 KiB of shared memory; the H200 has 232 KiB.)
+    MoELaunchConfig(gate_up_block_n=64, gate_up_block_k=128, down_block_n=128, down_block_k=64),
 ], ids=["small-blocks", "large-blocks"])
 def test_explicit_launch_configs_give_the_same_result(cfg):
     """Blocks smaller and larger than H = 96 and I = 160 (masked tails, several K steps, one
