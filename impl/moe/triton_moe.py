@@ -54,6 +54,14 @@ def _e8m0_to_bf16(code):
 
 
 @triton.jit
+def _e8m0_to_fp32(code):
+    """uint8 E8M0 codes -> fp32 2**(code - 127) by the bits; 0 is the fp32 subnormal 2**-127, 255 NaN."""
+    c = code.to(tl.int32)
+    bits = tl.where(c == 0, 0x00400000, tl.where(c == 255, 0x7FC00000, c << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _tile_dot_scaled(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
                      BLOCK_K: tl.constexpr, FP32_MATH: tl.constexpr):
     """The MXFP4 product of `_tile_dot` through tl.dot_scaled: the packed codes go in as they are
@@ -101,7 +109,6 @@ def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_
                          mask=n_mask[:, None] & j_mask[None, :], other=0)
         codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + (offs_j // 16)[None, :],
                         mask=n_mask[:, None] & j_mask[None, :], other=127)
-        scale = _e8m0_to_bf16(codes)
         a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * offs_j[None, :],
                          mask=m_mask[:, None] & j_mask[None, :], other=0.0)
         a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + 2 * offs_j[None, :] + 1,
@@ -109,12 +116,13 @@ def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_
         lo = _e2m1_to_bf16(packed & 0xF)
         hi = _e2m1_to_bf16(packed >> 4)
         if FP32_MATH:  # the interpreter gets bf16 arithmetic wrong
-            # Widen by the bits: the interpreter's bf16 -> fp32 conversion flushes subnormals,
-            # and E8M0 code 0 is the bf16 subnormal 2**-127.
-            scale = (scale.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            # Scales decoded straight to fp32: the interpreter's bf16 -> fp32 conversion flushes
+            # subnormals, and E8M0 code 0 is the bf16 subnormal 2**-127.
+            scale = _e8m0_to_fp32(codes)
             lo = lo.to(tl.float32) * scale
             hi = hi.to(tl.float32) * scale
             return (tl.dot(a_even.to(tl.float32), tl.trans(lo)) + tl.dot(a_odd.to(tl.float32), tl.trans(hi)))
+        scale = _e8m0_to_bf16(codes)
         lo = lo * scale
         hi = hi * scale
         return (tl.dot(a_even.to(tl.bfloat16), tl.trans(lo)) + tl.dot(a_odd.to(tl.bfloat16), tl.trans(hi)))
@@ -148,7 +156,7 @@ def _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask
                          mask=n_mask[:, None, None] & j_mask[None, :, :], other=0)
         codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
                         mask=n_mask[:, None] & (offs_g[None, :] < K // 32), other=127)
-        scale = (_e8m0_to_bf16(codes).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        scale = _e8m0_to_fp32(codes)
         lo = _e2m1_to_bf16(packed & 0xF).to(tl.float32)
         hi = _e2m1_to_bf16(packed >> 4).to(tl.float32)
         for r in tl.static_range(ROWS):
@@ -169,14 +177,6 @@ def _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask
             row = tl.sum(w * a[None, :], axis=1)
             acc += tl.where(offs_m[:, None] == r, row[None, :], 0.0)
     return acc
-
-
-@triton.jit
-def _e8m0_to_fp32(code):
-    """uint8 E8M0 codes -> fp32 2**(code - 127) by the bits; 0 is the fp32 subnormal 2**-127, 255 NaN."""
-    c = code.to(tl.int32)
-    bits = tl.where(c == 0, 0x00400000, tl.where(c == 255, 0x7FC00000, c << 23))
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
