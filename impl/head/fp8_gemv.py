@@ -82,6 +82,17 @@ def _to_e4m3(r, FP32_MATH: tl.constexpr):
 
 
 @triton.jit
+def _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, PER_ROW: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (vocab rows by tokens) times the weight scales, stored as out[m, n]."""
+    if PER_ROW:
+        acc = acc * tl.load(scale_ptr + rows_n)[:, None]
+    else:
+        acc = acc * tl.load(scale_ptr)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_ok[None, :])
+
+
+@triton.jit
 def fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr,
     M, N, K,
@@ -136,12 +147,7 @@ def fp8_gemv_kernel(
             x_ptrs += BLOCK_K
         a, b = tl.split(tl.reshape(acc2, (BLOCK_N, BLOCK_M, 2)))
         acc = a + b
-        if PER_ROW:
-            acc = acc * tl.load(scale_ptr + rows_n)[:, None]
-        else:
-            acc = acc * tl.load(scale_ptr)
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_ok[None, :])
+        _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, PER_ROW)
     elif PATH == 1:
         # 16-bit (or IEEE fp32) tensor cores: w upcast exactly to x's dtype; x^T [BLOCK_K, BLOCK_M].
         x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
@@ -161,12 +167,7 @@ def fp8_gemv_kernel(
                 acc = tl.dot(w.to(xt.dtype), xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if PER_ROW:
-            acc = acc * tl.load(scale_ptr + rows_n)[:, None]
-        else:
-            acc = acc * tl.load(scale_ptr)
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_ok[None, :])
+        _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, PER_ROW)
     else:
         # fp32 multiply-accumulate on CUDA cores; the K reduction is deferred to the end.
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
