@@ -14,8 +14,9 @@ last hidden state at j):
     The next draft step 1 spans the k+1 verified positions (static shape) and reads its output
     at index m, so the draft's cache is rebuilt from the target's hidden states.
 
-The token loop reads one number per verify step back to the host (the accepted count, which
-decides where the next step starts and when to stop); drafting and verifying are sync-free.
+`SpeculativeDecoder.step` (draft, verify, accept, commit) keeps every position and count on the
+device, so it can be replayed from a CUDA graph (`impl.spec.graphed`). `generate` reads one number
+per step back to the host: the accepted count, which decides when to stop.
 
 Head sharing is a checked contract: the draft must call the very head module the target calls
 (`draft.head is target.lm_head`). An FP8 head's weight is e4m3 data plus fp32 scales, only
