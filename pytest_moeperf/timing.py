@@ -107,6 +107,9 @@ class Sampler:
         each sample of `name` (e.g. to restore the state a decode run starts from)."""
         rounds = rounds or self.rounds
         setup = setup or {}
+        unknown = sorted(set(setup) - set(fns))
+        if unknown:
+            raise ValueError(f"setup names {unknown} are not among the timed callables {sorted(fns)}")
 
         def one(name: str) -> float:
             if name in setup:

@@ -355,3 +355,15 @@ def test_pin_heap_allocations_takes_effect_on_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert pin_heap_allocations()
+
+
+def test_interleaved_setup_runs_untimed_before_each_sample_and_names_are_checked():
+    from pytest_moeperf.timing import Sampler
+    calls: list[str] = []
+    sampler = Sampler(None, rounds=3, warmup=1)
+    samples = sampler.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                  setup={"a": lambda: calls.append("reset a")})
+    assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3}
+    assert calls == ["reset a", "a", "b"] * 4  # one warm-up round, then three
+    with pytest.raises(ValueError, match=r"setup names \['c'\] are not among the timed callables"):
+        sampler.interleaved({"a": lambda: None}, setup={"c": lambda: None})
