@@ -109,13 +109,17 @@ def check_prompt(model, prompt: torch.Tensor, max_new_tokens: int, reserve: int 
 @torch.inference_mode()
 def prefill(model, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
             generator: torch.Generator | None = None, state: DecodeState | None = None) -> DecodeState:
-    """Run the prompt through the model and pick the first new token; `state`, if given and large
-    enough, is reused in place (a captured decode step keeps reading the same buffers)."""
+    """Run the prompt through the model and pick the first new token; `state`, if given, is reused
+    in place (a captured decode step keeps reading the same buffers) and must have the run's shape."""
     prompt = check_prompt(model, prompt, max_new_tokens)
     batch, t = prompt.shape
     device = model.embed_tokens.weight.device
     model.setup_caches(batch, model.config.max_seq_len)
-    if state is None or state.tokens.shape != (batch, t + max_new_tokens):
+    if state is not None and state.tokens.shape != (batch, t + max_new_tokens):
+        # A captured step reads the given buffers: replacing them would go unnoticed there.
+        raise ValueError(f"the given DecodeState holds tokens of shape {tuple(state.tokens.shape)}, this "
+                         f"generation needs {(batch, t + max_new_tokens)}")
+    if state is None:
         state = DecodeState(torch.empty(batch, t + max_new_tokens, dtype=torch.long, device=device),
                             torch.zeros(1, dtype=torch.long, device=device))
     state.tokens[:, :t] = prompt.to(device)

@@ -107,3 +107,15 @@ def test_agreement_check_catches_a_wrong_verify_pass(pytester, planted):
         result.stdout.fnmatch_lines(["*fp32 speculative output differs from plain greedy*"])
     else:
         result.assert_outcomes(passed=1)
+
+
+def test_a_reused_state_that_does_not_fit_is_refused(models):
+    from impl.generate import prefill
+    model = models["random"]
+    state = prefill(model, prompt(0), 4)
+    with pytest.raises(ValueError, match="DecodeState holds tokens of shape"):
+        prefill(model, prompt(0), 8, state=state)
+    decoder = SpeculativeDecoder(model, 2)
+    spec_state = decoder.start(prompt(0), 4)
+    with pytest.raises(ValueError, match="SpecState holds .* token positions, this generation needs"):
+        decoder.start(prompt(0), 40, state=spec_state)

@@ -210,7 +210,7 @@ class SpeculativeDecoder:
     def start(self, prompt: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,
               state: SpecState | None = None) -> SpecState:
         """Prefill `prompt` ([T] or [1, T]) and pick the first new token. `state`, if given, is
-        reused in place (a captured step keeps reading the same buffers)."""
+        reused in place (a captured step keeps reading the same buffers) and must be large enough."""
         target, k = self.target, self.k
         prompt = check_prompt(target, prompt, max_new_tokens, reserve=k)  # the last verify writes k ahead
         if prompt.shape[0] != 1:
@@ -219,7 +219,11 @@ class SpeculativeDecoder:
         device = target.embed_tokens.weight.device
         target.setup_caches(1, target.config.max_seq_len)
         capacity = t + max_new_tokens + k + 1
-        if state is None or state.tokens.shape[1] < capacity:
+        if state is not None and state.tokens.shape[1] < capacity:
+            # A captured step reads the given buffers: replacing them would go unnoticed there.
+            raise ValueError(f"the given SpecState holds {state.tokens.shape[1]} token positions, this "
+                             f"generation needs {capacity}")
+        if state is None:
             state = SpecState(torch.zeros(1, capacity, dtype=torch.long, device=device),
                               torch.zeros(1, dtype=torch.long, device=device), None,
                               torch.zeros(1, dtype=torch.long, device=device), t)
