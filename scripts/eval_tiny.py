@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from impl.data.arith import END, extract_answer, take  # noqa: E402
+from impl.data.arith import END, answer_length, extract_answer, take  # noqa: E402
 from impl.generate import generate  # noqa: E402
 from impl.model import build_model  # noqa: E402
 from impl.spec import SpecStats, SpeculativeDecoder  # noqa: E402
@@ -30,16 +30,13 @@ MAX_NEW_TOKENS = 160
 
 def finished(new: torch.Tensor) -> bool:
     """The answer is complete once the `#### N` line has ended."""
-    text = bytes(new.tolist()).decode("ascii", "replace")
-    i = text.find("#### ")
-    return i >= 0 and END in text[i:]
+    return answer_length(bytes(new.tolist()).decode("ascii", "replace")) is not None
 
 
 def answer_text(new: torch.Tensor) -> str:
     text = bytes(new.tolist()).decode("ascii", "replace")
-    i = text.find("#### ")
-    end = text.find(END, i) if i >= 0 else -1
-    return text if end < 0 else text[:end]
+    n = answer_length(text)
+    return text if n is None else text[:n - len(END)]
 
 
 @torch.inference_mode()

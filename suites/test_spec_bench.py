@@ -1,8 +1,14 @@
 """MTP speculative decoding against plain decoding on the model under test, greedy, k = 3.
 
 * Speed: tokens/s of speculative and of plain decoding measured interleaved in one process (A B
-  A B), each run a fixed number of steps replayed from CUDA graphs on a GPU (plain calls on CPU),
-  after an untimed reset to the same prompt; the ratio is gated against the frozen figure. On
+  A B), each run replayed from CUDA graphs on a GPU (plain calls on CPU), after an untimed reset
+  to its prompt (prefill; for speculation also its first step). On the byte-level arithmetic
+  checkpoint every run stops where its answer ends (the `#### N` line and END), as a serving loop
+  with END as its stop sequence does, on ANSWER_PROMPTS held-out problems; each side counts the
+  tokens it committed in its timed steps up to its own END (a speculative step that runs past END
+  is timed whole and counted only up to END). What a checkpoint writes after an answer was never
+  trained (the loss covers answer bytes only) and is not a workload. Other models (random-weight
+  presets) run a fixed PLAIN_STEPS / SPEC_STEPS. The ratio is gated against the frozen figure; on
   CPU a model this small is bound by per-call overhead, so the ratio sits near 1 there (see
   notes/mtp.md for the per-step costs); it is frozen, not promised.
 * Agreement: the speculative output must be the plain greedy output. In fp32 on CPU it is, token
@@ -19,26 +25,35 @@ up to 12%, a broken verify path (wrong position, stale cache) moves it by 50% or
 
 from __future__ import annotations
 
+import functools
 import statistics
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from impl.data.arith import take
+from impl.data.arith import answer_length, take
 from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
 
 pytestmark = pytest.mark.moe_bench
 
 K = 3
-PLAIN_STEPS = 64  # decode steps per timed plain run
+PLAIN_STEPS = 64  # decode steps per timed plain run, models without answers
 SPEC_STEPS = 24  # verify steps per timed speculative run (about 70 tokens at accept length 2.9)
+ANSWER_PROMPTS = 4  # byte-level checkpoint: problems whose answers are timed
+ANSWER_CAP = 120  # new tokens within which a plain run must close its answer (they take 40-90)
 AGREEMENT_PROMPTS = 8
 AGREEMENT_TOKENS = 64
 
 
+def _byte_level(model) -> bool:
+    """The arithmetic checkpoints' byte vocabulary: prompts are problems, answers end with END."""
+    return model.config.vocab_size == 128
+
+
 def _prompts(model, n: int) -> list[torch.Tensor]:
     """Held-out arithmetic problems for the byte-level checkpoint, random ids otherwise."""
-    if model.config.vocab_size == 128:
+    if _byte_level(model):
         return [torch.tensor(list(p.prompt.encode("ascii"))) for p in take("heldout", n, seed=2)]
     g = torch.Generator().manual_seed(2)
     return [torch.randint(0, model.config.vocab_size, (16,), generator=g) for _ in range(n)]
@@ -55,39 +70,90 @@ def decoder(moe_model) -> SpeculativeDecoder:
     return SpeculativeDecoder(moe_model, K)
 
 
-def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
-    device = moe_model.embed_tokens.weight.device
-    prompt = _prompts(moe_model, 1)[0].to(device)
-    plain = GraphedDecoding(moe_model, prompt, PLAIN_STEPS)
+@dataclass
+class Run:
+    """One prompt's plain and speculative runs: steps replayed and tokens committed in them."""
+
+    plain: GraphedDecoding
+    spec: GraphedSpeculation
+    plain_steps: int
+    spec_steps: int
+    plain_tokens: int
+    spec_tokens: int
+
+
+def _text(tokens: torch.Tensor) -> str:
+    return bytes(tokens.tolist()).decode("ascii", "replace")
+
+
+def _answer_runs(model, decoder: SpeculativeDecoder, prompts: list[torch.Tensor]) -> list[Run]:
+    """Runs that stop where each side's answer ends (see the module docstring)."""
+    runs = []
+    for prompt in prompts:
+        plain = GraphedDecoding(model, prompt, ANSWER_CAP)
+        plain.reset()
+        plain.run()
+        n = answer_length(_text(plain.new_tokens()))
+        spec = GraphedSpeculation(decoder, prompt, ANSWER_CAP // 3)
+        spec.reset()
+        first = spec.start_n - spec.state.prompt_len  # committed by the untimed prefill and first step
+        steps = 0
+        while (m := answer_length(_text(spec.new_tokens()))) is None and steps < spec.steps:
+            spec.graph()
+            steps += 1
+        if n is None or m is None:
+            pytest.fail(f"no answer end within {ANSWER_CAP} plain tokens ({n}) or {spec.steps} speculative "
+                        f"steps ({m}): the checkpoint does not close its answers with END")
+        if steps:  # an answer closed by the untimed first step leaves nothing to time
+            runs.append(Run(plain, spec, n - 1, steps, n - 1, m - first))
+    if not runs:
+        pytest.fail("every answer was closed by the first speculative step: nothing to time")
+    return runs
+
+
+def _fixed_run(model, decoder: SpeculativeDecoder, prompt: torch.Tensor) -> Run:
+    plain = GraphedDecoding(model, prompt, PLAIN_STEPS)
     spec = GraphedSpeculation(decoder, prompt, SPEC_STEPS)
     spec.reset()
     spec.run()
-    spec_tokens = spec.committed()  # deterministic for a fixed prompt: greedy
+    return Run(plain, spec, PLAIN_STEPS, SPEC_STEPS, PLAIN_STEPS, spec.committed())  # greedy: deterministic
 
-    def run_seconds() -> dict[str, list[float]]:
-        return moe_sampler.interleaved({"spec": spec.run, "plain": plain.run},
-                                       setup={"spec": spec.reset, "plain": plain.reset})
 
-    first = [run_seconds()]
+def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
+    device = moe_model.embed_tokens.weight.device
+    to_answer = _byte_level(moe_model)
+    prompts = [p.to(device) for p in _prompts(moe_model, ANSWER_PROMPTS if to_answer else 1)]
+    runs = _answer_runs(moe_model, decoder, prompts) if to_answer else [_fixed_run(moe_model, decoder, prompts[0])]
+    fns = {f"{side}/{i}": functools.partial(getattr(r, side).run, getattr(r, f"{side}_steps"))
+           for i, r in enumerate(runs) for side in ("spec", "plain")}
+    setup = {f"{side}/{i}": getattr(r, side).reset for i, r in enumerate(runs) for side in ("spec", "plain")}
+    first = [moe_sampler.interleaved(fns, setup=setup)]
 
     def tokens_per_s() -> tuple[list[float], list[float]]:
-        s = first.pop() if first else run_seconds()  # the gate re-measures to confirm a regression
-        return [spec_tokens / t for t in s["spec"]], [PLAIN_STEPS / t for t in s["plain"]]
+        s = first.pop() if first else moe_sampler.interleaved(fns, setup=setup)  # re-measured to confirm
+        rounds = range(len(s["spec/0"]))
+        return tuple([sum(getattr(r, f"{side}_tokens") for r in runs)
+                      / sum(s[f"{side}/{i}"][j] for i in range(len(runs))) for j in rounds]
+                     for side in ("spec", "plain"))
 
     # Where a speculative step's time goes, against a plain decode step (reported, not gated;
     # printed before the gate, which may fail or skip the test).
-    ms = {"decode step": 1e3 * statistics.median(first[0]["plain"]) / PLAIN_STEPS,
-          "speculative step": 1e3 * statistics.median(first[0]["spec"]) / SPEC_STEPS}
-    spec.reset()
-    ms.update({name: 1e3 * statistics.median(moe_sampler.sample(fn, inner=20)) for name, fn in spec.parts().items()})
-    accept = spec_tokens / SPEC_STEPS
-    print(f"\nmtp k={K}: {accept:.2f} tokens per speculative step; per step (ms): "
+    r0, samples = runs[0], first[0]
+    ms = {"decode step": 1e3 * statistics.median(samples["plain/0"]) / r0.plain_steps,
+          "speculative step": 1e3 * statistics.median(samples["spec/0"]) / r0.spec_steps}
+    r0.spec.reset()
+    ms.update({name: 1e3 * statistics.median(moe_sampler.sample(fn, inner=20))
+               for name, fn in r0.spec.parts().items()})
+    accept = sum(r.spec_tokens for r in runs) / sum(r.spec_steps for r in runs)
+    print(f"\nmtp k={K}: {accept:.2f} tokens per speculative step over {len(runs)} run(s) "
+          f"({'to the end of each answer' if to_answer else 'fixed length'}); per step (ms): "
           + ", ".join(f"{name} {v:.3f}" for name, v in ms.items())
           + f"; speedup {accept * ms['decode step'] / ms['speculative step']:.2f}")
     moe_gate.check_ratio(f"mtp_speedup_k{K}", tokens_per_s, direction="higher",
                          tolerance=0.05 if _on_gpu(moe_model) else 0.25,
-                         config={"k": K, "plain_steps": PLAIN_STEPS, "spec_steps": SPEC_STEPS,
-                                 "graphs": _on_gpu(moe_model)})
+                         config={"k": K, "graphs": _on_gpu(moe_model),
+                                 "runs": f"to answer end, {len(prompts)} prompts" if to_answer
+                                 else f"{PLAIN_STEPS} plain / {SPEC_STEPS} speculative steps"})
 
 
 def test_mtp_greedy_agreement(moe_model, decoder, moe_gate):

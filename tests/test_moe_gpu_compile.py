@@ -71,6 +71,10 @@ def _compile_all(tiles) -> int:
     meta = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, ROWS=1, M_PAD=tm.M_PAD,
                 E_PAD=512, K_PAD=8, S_PAD=8)
     attempt("router_topk_kernel 1 warp", tr.router_topk_kernel, meta, routing_ptrs, ("routed_scaling",), 1)
+    attempt("router_topk_kernel softmax 4 rows", tr.router_topk_kernel,
+            dict(meta, ROUTER=0, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, ROWS=4), routing_ptrs, ("routed_scaling",))
+    attempt("router_logits_kernel 4 rows", tr.router_logits_kernel, dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096),
+            routing_ptrs)
     attempt("router_fused_kernel", tr.router_fused_kernel, dict(meta, BLOCK_E=4, BLOCK_K=1024), routing_ptrs,
             ("routed_scaling",))
     print("failures:", failures)

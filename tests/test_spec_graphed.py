@@ -80,8 +80,8 @@ from impl.spec import SpeculativeDecoder
 _verify_pass = SpeculativeDecoder.verify_pass
 
 
-def _shifted(self, state, draft):
-    state.n += 1  # the verify pass sees positions one too far
+def _shifted(self, state, draft, verify_at=None):
+    state.n += 1  # the verify pass looks its positions up from n: one too far
     try:
         return _verify_pass(self, state, draft)
     finally:

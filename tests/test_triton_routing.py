@@ -32,6 +32,7 @@ VARIANTS = {
     "fused": dict(fused=True),
     "topk-1-warp": dict(topk_warps=1),
     "fused-1-warp": dict(fused=True, logits_warps=1),
+    "k-tiles-of-32": dict(block_k=32),  # several K steps of the logits loop (the default takes one)
 }
 
 

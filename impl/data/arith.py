@@ -53,6 +53,14 @@ def split_of(question: str) -> Split:
     return "heldout" if bucket == 0 else "train"
 
 
+def answer_length(text: str) -> int | None:
+    """Characters of `text` up to and including the END that closes its `#### N` line (where a
+    reader, or a serving loop with END as its stop sequence, stops), or None while it is open."""
+    i = text.find("#### ")
+    end = text.find(END, i) if i >= 0 else -1
+    return None if end < 0 else end + len(END)
+
+
 def extract_answer(text: str) -> int | None:
     """The number after `#### ` (commas allowed, as in GSM8K), or None when there is none."""
     m = _FINAL.search(text)

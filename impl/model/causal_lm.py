@@ -112,10 +112,13 @@ class MoECausalLM(nn.Module):
             return self.rope_cos[input_pos], self.rope_sin[input_pos], self.causal_mask[input_pos]
         return self.rope_cos[:t], self.rope_sin[:t], None
 
-    def last_hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """The last decoder layer's output [B, T, H], before the final norm (what MTP layers take)."""
+    def last_hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
+                           rope: tuple | None = None) -> torch.Tensor:
+        """The last decoder layer's output [B, T, H], before the final norm (what MTP layers take).
+        `rope`: `positions(T, input_pos)` when the caller already has it (a speculative step shares
+        one lookup between its draft and verify passes)."""
         self._check_inputs(input_ids, input_pos)
-        cos, sin, mask = self.positions(input_ids.shape[1], input_pos)
+        cos, sin, mask = rope or self.positions(input_ids.shape[1], input_pos)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, mask)
@@ -125,10 +128,10 @@ class MoECausalLM(nn.Module):
         """Final-norm hidden states [B, T, H]; with caches, `input_pos` are the absolute positions."""
         return self.norm(self.last_hidden_states(input_ids, input_pos))
 
-    def forward_with_hidden(self, input_ids: torch.Tensor,
-                            input_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
+                            rope: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, pre-norm last hidden states): one pass feeding both the sampler and the draft."""
-        last = self.last_hidden_states(input_ids, input_pos)
+        last = self.last_hidden_states(input_ids, input_pos, rope)
         return self.lm_head(self.norm(last)), last
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:

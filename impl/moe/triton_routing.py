@@ -24,26 +24,46 @@ ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H,
                          ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """logits[:, block] = x Wr[block]^T as fp32 multiply-adds (a GEMV per token: no tensor-core
-    padding to 16 rows, and no tf32 rounding)."""
+    padding to 16 rows, and no tf32 rounding). Each weight tile is loaded once and met by the
+    tokens one at a time, so the tile (and the number of K steps, each a memory round trip) does
+    not shrink as tokens are added."""
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_m = tl.arange(0, ROWS)
     acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < H), other=0.0).to(tl.float32)
+        k_mask = offs_k < H
         w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
-                    mask=(offs_e[:, None] < E) & (offs_k[None, :] < H), other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+                    mask=(offs_e[:, None] < E) & k_mask[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            x = tl.load(x_ptr + r * stride_xm + offs_k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
+            acc += tl.where(offs_m[:, None] == r, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
     tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=(offs_m[:, None] < M) & (offs_e[None, :] < E))
 
 
+MIN_KEY = tl.constexpr(-(2**63))  # below every key: a chosen or masked entry
+
+
 @triton.jit
-def _argmax_rows(values, offs, WIDTH: tl.constexpr):
-    """Per row: the largest value and its lowest index (ties go to the lower index)."""
-    best = tl.max(values, axis=1)
-    idx = tl.min(tl.where(values == best[:, None], offs[None, :], WIDTH), axis=1)
-    return best, idx
+def _order_keys(values, offs, WIDTH: tl.constexpr):
+    """fp32 values -> int64 keys ordered as the values, ties going to the lower index (the larger
+    key): the value's bits made order-preserving as a signed int in the high word, WIDTH - 1 -
+    index in the low word. One max reduction then yields the best value and its index at once
+    (instead of a max, then a min over the indices that reach it)."""
+    bits = values.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (WIDTH - 1 - offs).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_index(key, WIDTH: tl.constexpr):
+    return WIDTH - 1 - (key & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -97,42 +117,46 @@ def _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr,
                      cache_modifier=CACHE)
     if ROUTER == 0:  # softmax over the experts
         row_max = tl.where(offs_m < M, tl.max(logits, axis=1), 0.0)  # padded rows are all -inf
-        z = tl.exp(logits - row_max[:, None])
-        scores = z / tl.maximum(tl.sum(z, axis=1), 1e-30)[:, None]
-        choice = tl.where(live, scores, float("-inf"))
+        denom = tl.maximum(tl.sum(tl.exp(logits - row_max[:, None]), axis=1), 1e-30)
+        choice = tl.where(live, tl.exp(logits - row_max[:, None]) / denom[:, None], float("-inf"))
     else:  # sigmoid; the correction bias moves the choice, not the weights
-        scores = 1.0 / (1.0 + tl.exp(-logits))
-        choice = scores
+        choice = 1.0 / (1.0 + tl.exp(-logits))
         if HAS_BIAS:
             choice = choice + tl.load(bias_ptr + offs_e, mask=offs_e < E, other=0.0)[None, :]
         choice = tl.where(live, choice, float("-inf"))
         if N_GROUP > 1:
             PER_GROUP: tl.constexpr = E_PAD // N_GROUP
-            grouped = tl.reshape(choice, (ROWS, N_GROUP, PER_GROUP))
-            offs_in = tl.arange(0, PER_GROUP)
-            top1 = tl.max(grouped, axis=2)
-            first = tl.min(tl.where(grouped == top1[:, :, None], offs_in[None, None, :], PER_GROUP), axis=2)
-            top2 = tl.max(tl.where(offs_in[None, None, :] == first[:, :, None], float("-inf"), grouped), axis=2)
-            group_score = top1 + top2 if PER_GROUP > 1 else top1
+            keys = tl.reshape(_order_keys(choice, offs_e[None, :], E_PAD), (ROWS, N_GROUP, PER_GROUP))
+            top1 = tl.max(keys, axis=2)
+            group_score = _key_value(top1)
+            if PER_GROUP > 1:  # plus the runner-up: the best after removing the best (one entry)
+                group_score += _key_value(tl.max(tl.where(keys == top1[:, :, None], MIN_KEY, keys), axis=2))
             offs_g = tl.arange(0, N_GROUP)
+            group_keys = _order_keys(group_score, offs_g[None, :], N_GROUP)
             keep = tl.zeros((ROWS, N_GROUP), dtype=tl.int1)
             for _ in tl.static_range(TOPK_GROUP):
-                _, g = _argmax_rows(group_score, offs_g, N_GROUP)
-                g_hit = offs_g[None, :] == g[:, None]
+                g_hit = group_keys == tl.max(group_keys, axis=1)[:, None]
                 keep = keep | g_hit
-                group_score = tl.where(g_hit, float("-inf"), group_score)
+                group_keys = tl.where(g_hit, MIN_KEY, group_keys)
             keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (ROWS, N_GROUP, PER_GROUP)), (ROWS, E_PAD))
             choice = tl.where(keep_e, choice, float("-inf"))
+    # One max reduction a round: the key holds the choice and its index.
+    keys = _order_keys(choice, offs_e[None, :], E_PAD)
     ids = tl.zeros((ROWS, K_PAD), dtype=tl.int32)
-    weights = tl.zeros((ROWS, K_PAD), dtype=tl.float32)
     for j in range(0, TOP_K):
-        _, idx = _argmax_rows(choice, offs_e, E_PAD)
-        e_hit = offs_e[None, :] == idx[:, None]
-        w = tl.sum(tl.where(e_hit, scores, 0.0), axis=1)
-        ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
-        weights = tl.where(offs_k[None, :] == j, w[:, None], weights)
-        choice = tl.where(e_hit, float("-inf"), choice)
+        best = tl.max(keys, axis=1)
+        ids = tl.where(offs_k[None, :] == j, _key_index(best, E_PAD)[:, None], ids)
+        keys = tl.where(keys == best[:, None], MIN_KEY, keys)
+    # The chosen experts' scores, recomputed from their logits by the same expressions as above
+    # (bit-identical; the choice may include the correction bias, the weights do not).
     in_k = offs_k[None, :] < TOP_K
+    picked = tl.load(logits_ptr + offs_m[:, None] * E + ids, mask=(offs_m[:, None] < M) & in_k, other=0.0,
+                     cache_modifier=CACHE)
+    if ROUTER == 0:
+        weights = tl.exp(picked - row_max[:, None]) / denom[:, None]
+    else:
+        weights = 1.0 / (1.0 + tl.exp(-picked))
+    weights = tl.where(in_k, weights, 0.0)
     if RENORMALIZE:
         weights = weights / (tl.sum(tl.where(in_k, weights, 0.0), axis=1)[:, None] + 1e-20)
     weights = weights * routed_scaling
@@ -154,7 +178,7 @@ def fused_routing_supported(router_config) -> bool:
 
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
-                 block_e: int = 4, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
+                 block_e: int = 2, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
                  logits_warps: int = 4) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
     (weights fp32 [M, k], ids int32 [M, k]) they were built from. `fused`: one launch
@@ -177,10 +201,12 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     dev = x.device
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
     rows = triton.next_power_of_2(m)
-    # Few experts per program, so that E / block_e programs (128 at E = 512) stream the router
+    # Few experts per program, so that E / block_e programs (256 at E = 512) stream the router
     # weight from many SMs at once (8 programs of 64 experts took 55 us on the H200, run 2 in
-    # notes/moe-h200.md); block_k keeps the [rows, block_e, block_k] product at 4K elements.
-    block_k = block_k or max(32, min(1024, 4096 // (rows * block_e)))
+    # notes/moe-h200.md; 2 experts a program beat 4 and 8 in run 4); a K tile as long as the row
+    # where that fits (<= 4096 columns, <= 8K weights a program), so a program issues its loads
+    # in one memory round trip at H <= 4096.
+    block_k = block_k or min(triton.next_power_of_2(hidden), max(32, 8192 // block_e))
     slots = Slots.empty(m, top_k, experts, dev)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)

@@ -35,7 +35,8 @@ from torch import nn
 
 from impl import backends
 from impl.generate import SamplingConfig, check_prompt, filtered_probs
-from impl.spec.sampling import MAX_K, greedy_verify, rejection_verify
+from impl.spec.commit import commit, commit_greedy
+from impl.spec.sampling import MAX_K, rejection_verify
 
 
 class HeadSharingError(ValueError):
@@ -192,12 +193,23 @@ class SpeculativeDecoder:
             check_head_sharing(target, draft)
         self.target, self.draft, self.k, self.sampling = target, draft, k, sampling
         self.draft_prov = self.verify_prov = backends.Provenance()
+        self._offsets: dict[torch.device, torch.Tensor] = {}  # -1 .. k-1, one tensor per device
 
-    def _draft_span(self, hidden: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor):
+    def _draft_span(self, hidden: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor, rope: tuple | None = None):
         """MTP over positions `pos` -> (logits [1, t, V], output hidden [1, t, H])."""
-        cos, sin, mask = self.target.positions(next_ids.shape[1], pos)
+        cos, sin, mask = rope or self.target.positions(next_ids.shape[1], pos)
         out = self.draft.hidden(hidden, next_ids, cos, sin, pos, mask)
         return self.draft.logits(out), out
+
+    def _verify_positions(self, n: torch.Tensor):
+        """Positions n-1 .. n+k-1 of a verify pass and their (cos, sin, mask): looked up once per
+        step, for the verify pass and for the chained draft passes (at n-1 .. n+k-3), since every
+        lookup is a kernel in a launch-bound step."""
+        offsets = self._offsets.get(n.device)
+        if offsets is None:
+            offsets = self._offsets[n.device] = torch.arange(-1, self.k, device=n.device)
+        pos = n + offsets
+        return pos, self.target.positions(self.k + 1, pos)
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator | None):
         """(token [1], its distribution [1, V] or None when greedy)."""
@@ -237,49 +249,48 @@ class SpeculativeDecoder:
                           torch.tensor([t - 1], device=device))
         return state
 
-    def draft_tokens(self, state: SpecState, generator: torch.Generator | None = None):
-        """Draft k tokens from the state's span: (draft [1, k], their distributions or Nones)."""
-        k, n, span = self.k, state.n, state.span
+    def draft_tokens(self, state: SpecState, generator: torch.Generator | None = None, verify_at=None):
+        """Draft k tokens from the state's span: (draft [1, k], their distributions or Nones).
+        `verify_at`: this step's `_verify_positions`, if already looked up."""
+        k, span = self.k, state.span
+        pos, (cos, sin, mask) = verify_at or self._verify_positions(state.n)
         with backends.record_provenance() as self.draft_prov:
             d_logits, d_hidden = self._draft_span(span.hidden, span.ids, span.pos)
             g = d_hidden.index_select(1, span.index)
             tok, q = self._pick(d_logits.index_select(1, span.index)[:, 0], generator)
             drafts, qs = [tok], [q]
-            for j in range(1, k):
-                d_logits, g = self._draft_span(g, tok[:, None], n + (j - 2))
+            for j in range(1, k):  # chained pass j at position n + j - 2, i.e. verify position j - 1
+                rope = (cos[j - 1:j], sin[j - 1:j], None if mask is None else mask[j - 1:j])
+                d_logits, g = self._draft_span(g, tok[:, None], pos[j - 1:j], rope)
                 tok, q = self._pick(d_logits[:, 0], generator)
                 drafts.append(tok)
                 qs.append(q)
         return torch.stack(drafts, dim=1), qs
 
-    def verify_pass(self, state: SpecState, draft: torch.Tensor):
+    def verify_pass(self, state: SpecState, draft: torch.Tensor, verify_at=None):
         """The target over [last committed token, drafts] at positions n-1 .. n+k-1:
         (positions [k+1], logits [1, k+1, V], pre-norm hidden states [1, k+1, H])."""
-        n = state.n
+        pos, rope = verify_at or self._verify_positions(state.n)
         with backends.record_provenance() as self.verify_prov:
-            pos = n - 1 + torch.arange(self.k + 1, device=n.device)
-            ids = torch.cat((state.tokens.index_select(1, n - 1), draft), dim=1)
-            logits, hidden = self.target.forward_with_hidden(ids, pos)
+            ids = torch.cat((state.tokens.index_select(1, pos[:1]), draft), dim=1)
+            logits, hidden = self.target.forward_with_hidden(ids, pos, rope)
         return pos, logits, hidden
 
     def step(self, state: SpecState, generator: torch.Generator | None = None) -> None:
         """Draft k tokens, verify them in one target pass, commit the accepted prefix and the next
         token, and leave the verified span for the next step: all on the device, no host sync."""
         n = state.n
-        draft, qs = self.draft_tokens(state, generator)
-        pos, v_logits, v_hidden = self.verify_pass(state, draft)
+        verify_at = self._verify_positions(n)
+        draft, qs = self.draft_tokens(state, generator, verify_at)
+        pos, v_logits, v_hidden = self.verify_pass(state, draft, verify_at)
         if self.sampling.greedy:
-            accepted, nxt = greedy_verify(draft, v_logits)
+            committed = commit_greedy(state, pos, draft, v_logits.argmax(dim=-1))
         else:
             accepted, nxt = rejection_verify(draft, torch.stack(qs, dim=1),
                                              filtered_probs(v_logits, self.sampling), generator)
-        # Committed: drafts[:m] then nxt at m; what lies past m is overwritten by later steps.
-        committed = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
-        state.tokens.index_copy_(1, pos + 1, committed)
-        state.accepted.copy_(accepted)
-        n += accepted + 1
+            committed = commit(state, pos, draft, accepted, nxt)
         # The next draft step 1 spans the verified positions with the committed tokens after them.
-        state.span = Span(v_hidden, committed, pos, accepted)
+        state.span = Span(v_hidden, committed, pos, state.accepted)
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None = None,

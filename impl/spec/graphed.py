@@ -14,6 +14,14 @@ from impl.graphs import StepGraph
 from impl.spec.decoder import SpeculativeDecoder
 
 
+def _checked_steps(steps: int | None, capacity: int) -> int:
+    if steps is None:
+        return capacity
+    if not 0 <= steps <= capacity:
+        raise ValueError(f"steps must be in [0, {capacity}] (the run's length), got {steps}")
+    return steps
+
+
 class GraphedDecoding:
     """`steps` plain greedy decode steps after a prompt."""
 
@@ -25,12 +33,13 @@ class GraphedDecoding:
     def reset(self) -> None:
         prefill(self.model, self.prompt, self.steps + 1, state=self.state)
 
-    def run(self) -> None:
-        for _ in range(self.steps):
+    def run(self, steps: int | None = None) -> None:
+        """Replay `steps` (at most the run's length; default all of them) decode steps."""
+        for _ in range(_checked_steps(steps, self.steps)):
             self.graph()
 
     def new_tokens(self) -> torch.Tensor:
-        """[steps + 1]: the prefill's token and one per step."""
+        """[steps + 1]: the prefill's token and one per step of a whole run."""
         return self.state.tokens[0, self.state.tokens.shape[1] - self.steps - 1:].cpu()
 
 
@@ -63,8 +72,9 @@ class GraphedSpeculation:
         self.state.span = self.span
         self.start_n = int(self.state.n)
 
-    def run(self) -> None:
-        for _ in range(self.steps):
+    def run(self, steps: int | None = None) -> None:
+        """Replay `steps` (at most the run's length; default all of them) speculative steps."""
+        for _ in range(_checked_steps(steps, self.steps)):
             self.graph()
 
     def parts(self) -> dict[str, StepGraph]:

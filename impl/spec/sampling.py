@@ -25,7 +25,11 @@ def _leading_accepts(ok: torch.Tensor) -> torch.Tensor:
 
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept drafts while they equal the target's argmax; `next` is the argmax after them."""
-    choice = target_logits.argmax(dim=-1)  # [N, k+1]
+    return greedy_accept(draft, target_logits.argmax(dim=-1))
+
+
+def greedy_accept(draft: torch.Tensor, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy_verify` from the target's argmax tokens `choice` [N, k+1]."""
     accepted = _leading_accepts(draft == choice[:, :-1])
     return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
 

@@ -162,7 +162,8 @@ def humming_calls(block, cfg, xs, rows, m):
 
 # route_triton's launch variants, timed beside the default (two kernels, 4 warps each).
 ROUTING_VARIANTS = {"fused": dict(fused=True), "top-k 1 warp": dict(topk_warps=1),
-                    "fused, 2 warps": dict(fused=True, logits_warps=2)}
+                    "fused, 2 warps": dict(fused=True, logits_warps=2), "4 experts a program": dict(block_e=4),
+                    "8 experts a program": dict(block_e=8)}
 
 
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):

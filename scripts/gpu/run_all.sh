@@ -3,6 +3,8 @@
 # .whl with the humming-kernels wheel; results land in $OUT):
 #     bash scripts/gpu/run_all.sh tune    # correctness suites on CUDA, MoE bench + launch-config
 #                                         # sweep (tuned configs in $OUT/tuned_configs.json)
+#     bash scripts/gpu/run_all.sh bench   # the same with the committed configs (no sweep);
+#                                         # CHECKS="files" narrows the correctness suites
 #     bash scripts/gpu/run_all.sh gate    # FP8 head bench, then the main job `pytest --moe-bench`
 #                                         # on CUDA, gated against (FREEZE=1: frozen into) a copy
 #                                         # of baselines/ in $OUT/baselines.tar
@@ -18,12 +20,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" HUMMING_COMPILER=nvrtc PYTHONUNBUFFERED=1
 PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-device cuda"
-if [ "$PART" = tune ] || [ "$PART" = all ]; then
-  timeout "${MOE_SECONDS:-330}" python3 scripts/gpu/bench_moe.py --tune --write-configs --ms 1,4 --out "$OUT" \
+CHECKS=${CHECKS:-suites/test_moe_parity.py suites/test_head_parity.py tests/test_triton_moe.py tests/test_fp8_gemv.py \
+tests/test_triton_routing.py suites/test_moe_fuzz.py}
+if [ "$PART" = tune ] || [ "$PART" = bench ] || [ "$PART" = all ]; then
+  TUNE_FLAGS=""
+  [ "$PART" = bench ] || TUNE_FLAGS="--tune --write-configs"
+  timeout "${MOE_SECONDS:-330}" python3 scripts/gpu/bench_moe.py $TUNE_FLAGS --ms 1,4 --out "$OUT" \
     > "$OUT/moe.log" 2>&1; echo "bench_moe rc=$?"
-  cp impl/moe/tuned_configs.json "$OUT/"
-  timeout "${CHECK_SECONDS:-200}" $PYTEST --durations=15 suites/test_moe_parity.py suites/test_head_parity.py \
-    tests/test_triton_moe.py tests/test_fp8_gemv.py suites/test_moe_fuzz.py > "$OUT/checks.log" 2>&1
+  [ -n "$TUNE_FLAGS" ] && cp impl/moe/tuned_configs.json "$OUT/"
+  # shellcheck disable=SC2086  # CHECKS is a list of paths
+  timeout "${CHECK_SECONDS:-200}" $PYTEST -rf --durations=15 $CHECKS > "$OUT/checks.log" 2>&1
   echo "gpu checks rc=$?"
   grep -A60 "== summary" "$OUT/moe.log" | grep -v "^TUNED"; tail -25 "$OUT/checks.log"
 fi

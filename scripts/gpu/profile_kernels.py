@@ -1,0 +1,117 @@
+"""Where a captured step's time goes, kernel by kernel (CUPTI through torch.profiler), on the GPU:
+the tiny model's decode step, its speculative step and that step's parts, and whole MoE layers
+of the issue-3 shapes. Per step it prints the kernels (count, device us per step), the summed
+kernel time and the replay's wall time per step: their difference is the launch gaps inside the
+graph, which no kernel speed-up removes.
+
+    python3 scripts/gpu/profile_kernels.py [--model tiny-gsm] [--moe-backend triton]
+        [--moe-shapes ling-3.0-flash,ling-flash-2.0] [--ms 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from impl.graphs import StepGraph, capture_graph  # noqa: E402
+
+REPLAYS = 20  # per window; a decode run of 40 steps fits the tiny model's cache
+
+
+def kernel_table(title: str, replay, steps_per_replay: int = 1, reset=lambda: None) -> float:
+    """Profile REPLAYS calls of `replay`; print the kernels per step; return wall us per step.
+    `reset` (outside the timed windows) rewinds a step that advances a state."""
+    reset()
+    for _ in range(5):
+        replay()
+    reset()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            replay()
+        torch.cuda.synchronize()
+    reset()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) * 1e3 / REPLAYS / steps_per_replay
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name if len(ev.name) < 60 else ev.name[:57] + "..."
+            per[name][0] += 1
+            per[name][1] += ev.device_time_total
+    n = REPLAYS * steps_per_replay
+    total = sum(v[1] for v in per.values()) / n
+    count = sum(v[0] for v in per.values()) / n
+    print(f"\n== {title}: wall {wall:.1f} us/step, kernels {count:.0f}/step summing {total:.1f} us "
+          f"(gaps {wall - total:.1f} us)")
+    for name, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {c / n:5.1f}x {us / n:8.2f} us  {name}")
+    return wall
+
+
+def profile_model(name: str, moe_backend: str) -> None:
+    from impl.data.arith import take
+    from impl.model.build import build_model
+    from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+    model = build_model(name, device="cuda", dtype=torch.bfloat16, moe_backend=moe_backend)
+    prompt = torch.tensor(list(take("heldout", 1, seed=2)[0].prompt.encode("ascii")), device="cuda")
+    plain = GraphedDecoding(model, prompt, 40)
+    name = f"{name} ({moe_backend} MoE)"
+    kernel_table(f"{name} decode step", plain.graph.graph.replay, reset=plain.reset)
+    spec = GraphedSpeculation(SpeculativeDecoder(model, 3), prompt, 40)
+    kernel_table(f"{name} speculative step k=3", spec.graph.graph.replay, reset=spec.reset)
+    spec.reset()
+    for part, graph in spec.parts().items():
+        kernel_table(f"{name} {part}", graph.graph.replay)
+
+
+def profile_moe(shape: str, fmt: str, m: int) -> None:
+    from impl.model.config import get_config
+    from impl.moe.random_layer import random_moe_block, shared_of
+    from impl.moe.triton_moe import moe_experts
+    from impl.moe.triton_routing import route_triton
+    cfg = get_config(shape)
+    block = random_moe_block(cfg, fmt, torch.device("cuda"), "triton", 0)
+    gu, dn = block.experts.weights()
+    sh = shared_of(block)
+    xs = [torch.randn(m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
+
+    def layer(x):
+        slots, _, _ = route_triton(x, block.gate.weight, block.gate.e_score_correction_bias, cfg)
+        return moe_experts(x, slots, gu, dn, sh)
+
+    with torch.inference_mode():
+        graph = capture_graph([lambda x=x: layer(x) for x in xs])
+    kernel_table(f"MoE layer {shape} {fmt} M={m}", graph.replay, steps_per_replay=len(xs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny-gsm")
+    ap.add_argument("--moe-backend", default="triton")
+    ap.add_argument("--moe-shapes", default="ling-3.0-flash,ling-flash-2.0")
+    ap.add_argument("--ms", default="1,4")
+    args = ap.parse_args()
+    if args.model:
+        profile_model(args.model, args.moe_backend)
+    for shape in filter(None, args.moe_shapes.split(",")):
+        for fmt in ("mxfp4", "bf16"):
+            for m in map(int, args.ms.split(",")):
+                profile_moe(shape, fmt, m)
+
+
+if __name__ == "__main__":
+    main()
