@@ -9,7 +9,7 @@ scales, a bf16 fallback). So this suite checks, on every run:
   * provenance: draft and verify ran the same head kernel, and an FP8 model's head ran an FP8
     kernel for both (a silent bf16 fallback fails here);
   * on a trained checkpoint (not a random-weight preset), a floor of MIN_ACCEPT_LENGTH: the
-    trained tiny checkpoint reaches about 2.8 at k = 3 (DESIGN.md section 6), a draft without the
+    trained tiny checkpoint reaches about 3.9 at k = 3 (notes/mtp.md), a draft without the
     target's head about 1; the failure message points at head sharing.
 and with --moe-bench, gates the mean accept length against the frozen figure: on a fixed set of
 prompts greedy decoding is deterministic on CPU, and bf16 on a GPU moves a few argmaxes, so the
@@ -30,7 +30,7 @@ from impl.spec import SpeculativeDecoder, SpecStats
 K = 3
 PROMPTS = 24
 MAX_NEW_TOKENS = 64
-MIN_ACCEPT_LENGTH = 2.0
+MIN_ACCEPT_LENGTH = 2.5  # the bar for the trained checkpoint (it reaches 3.9); a draft without the head: ~1
 TOLERANCE = 0.05
 GATE_CONFIG = {"k": K, "prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS, "stop": "answer end (byte-level)"}
 HEAD_SHARING_HINT = ("check head sharing: the draft must hold the target's head module itself "
