@@ -1,7 +1,7 @@
-"""The training script's losses and its chained-MTP phase (scripts/train_tiny.py) on a
-random-weight tiny model: depth 1 of the chained loss is the first phase's MTP loss, every depth
-is finite, and the chained phase moves the MTP layer only (the target must stay exactly as it was:
-its accuracy is what the first phase bought)."""
+"""The training script (scripts/train_tiny.py): its learning-rate schedules, and its losses and
+chained-MTP phase on a random-weight tiny model: depth 1 of the chained loss is the first phase's
+MTP loss, every depth is finite, and the chained phase moves the MTP layer only (the target must
+stay exactly as it was: its accuracy is what the first phase bought)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,12 @@ def test_chained_phase_trains_the_mtp_layer_only():
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in target.items()), "the chained phase changed the target"
     assert any(not torch.equal(params[n], v) for n, v in draft.items()), "the chained phase left the MTP layer as it was"
+
+
+def test_lr_schedules():
+    """wsd: full rate for the first 1 - decay_frac of the budget, then linear to 0; cosine: half
+    the rate at mid-budget, 0 at the end."""
+    f = train_tiny.lr_factor
+    assert [f(p, "wsd", 0.25) for p in (0.0, 0.5, 0.75, 0.875, 1.0)] == [1.0, 1.0, 1.0, 0.5, 0.0]
+    assert abs(f(0.5, "cosine", 0.25) - 0.5) < 1e-12 and f(0.0, "cosine", 0.25) == 1.0
+    assert abs(f(1.0, "cosine", 0.25)) < 1e-12
