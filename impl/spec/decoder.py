@@ -195,8 +195,10 @@ class SpeculativeDecoder:
         self.draft_prov = self.verify_prov = backends.Provenance()
         self._offsets: dict[torch.device, torch.Tensor] = {}  # -1 .. k-1, one tensor per device
 
-    def _draft_span(self, hidden: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor, rope: tuple | None = None):
-        """MTP over positions `pos` -> (logits [1, t, V], output hidden [1, t, H])."""
+    def _draft_span(self, hidden: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor,
+                    rope: tuple | None = None):
+        """MTP over positions `pos` -> (logits [1, t, V], output hidden [1, t, H]); `rope`: their
+        `positions` when already looked up."""
         cos, sin, mask = rope or self.target.positions(next_ids.shape[1], pos)
         out = self.draft.hidden(hidden, next_ids, cos, sin, pos, mask)
         return self.draft.logits(out), out
@@ -279,8 +281,7 @@ class SpeculativeDecoder:
     def step(self, state: SpecState, generator: torch.Generator | None = None) -> None:
         """Draft k tokens, verify them in one target pass, commit the accepted prefix and the next
         token, and leave the verified span for the next step: all on the device, no host sync."""
-        n = state.n
-        verify_at = self._verify_positions(n)
+        verify_at = self._verify_positions(state.n)
         draft, qs = self.draft_tokens(state, generator, verify_at)
         pos, v_logits, v_hidden = self.verify_pass(state, draft, verify_at)
         if self.sampling.greedy:
