@@ -38,8 +38,9 @@ HEAD_SHARING_HINT = ("check head sharing: the draft must hold the target's head 
                      "without its scales")
 
 
-def _byte_level(model) -> bool:
-    return model.config.vocab_size == 128
+def _answers(model) -> bool:
+    """A trained byte-level checkpoint (not a random-weight preset of the same vocabulary)."""
+    return model.config.vocab_size == 128 and model.config.name not in PRESETS
 
 
 def _answer_closed(new_tokens: torch.Tensor) -> bool:
@@ -50,7 +51,7 @@ def _answer_closed(new_tokens: torch.Tensor) -> bool:
 
 def _prompts(model) -> list[torch.Tensor]:
     """Held-out arithmetic problems for the byte-level checkpoint, random ids otherwise."""
-    if _byte_level(model):
+    if model.config.vocab_size == 128:
         return [torch.tensor(list(p.prompt.encode("ascii"))) for p in take("heldout", PROMPTS, seed=1)]
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, model.config.vocab_size, (16,), generator=g) for _ in range(PROMPTS)]
@@ -64,7 +65,7 @@ def spec_run(moe_model) -> tuple[SpecStats, list[SpecStats]]:
     decoder = SpeculativeDecoder(moe_model, K)
     device = moe_model.embed_tokens.weight.device
     stats, per_prompt = SpecStats(K), []
-    stop = _answer_closed if _byte_level(moe_model) else None
+    stop = _answer_closed if _answers(moe_model) else None
     for prompt in _prompts(moe_model):
         res = decoder.generate(prompt.to(device), MAX_NEW_TOKENS, stop=stop)
         stats.merge(res.stats)

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from impl.data.arith import answer_length, take
+from impl.model import PRESETS
 from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
 
 pytestmark = pytest.mark.moe_bench
@@ -46,14 +47,15 @@ AGREEMENT_PROMPTS = 8
 AGREEMENT_TOKENS = 64
 
 
-def _byte_level(model) -> bool:
-    """The arithmetic checkpoints' byte vocabulary: prompts are problems, answers end with END."""
-    return model.config.vocab_size == 128
+def _answers(model) -> bool:
+    """A trained byte-level checkpoint (not a random-weight preset of the same vocabulary): its
+    prompts are arithmetic problems, and it ends each answer with END."""
+    return model.config.vocab_size == 128 and model.config.name not in PRESETS
 
 
 def _prompts(model, n: int) -> list[torch.Tensor]:
-    """Held-out arithmetic problems for the byte-level checkpoint, random ids otherwise."""
-    if _byte_level(model):
+    """Held-out arithmetic problems for the byte-level vocabulary, random ids otherwise."""
+    if model.config.vocab_size == 128:
         return [torch.tensor(list(p.prompt.encode("ascii"))) for p in take("heldout", n, seed=2)]
     g = torch.Generator().manual_seed(2)
     return [torch.randint(0, model.config.vocab_size, (16,), generator=g) for _ in range(n)]
@@ -121,7 +123,7 @@ def _fixed_run(model, decoder: SpeculativeDecoder, prompt: torch.Tensor) -> Run:
 
 def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
     device = moe_model.embed_tokens.weight.device
-    to_answer = _byte_level(moe_model)
+    to_answer = _answers(moe_model)
     prompts = [p.to(device) for p in _prompts(moe_model, ANSWER_PROMPTS if to_answer else 1)]
     runs = _answer_runs(moe_model, decoder, prompts) if to_answer else [_fixed_run(moe_model, decoder, prompts[0])]
     fns = {f"{side}/{i}": functools.partial(getattr(r, side).run, getattr(r, f"{side}_steps"))

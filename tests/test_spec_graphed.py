@@ -119,3 +119,15 @@ def test_a_reused_state_that_does_not_fit_is_refused(models):
     spec_state = decoder.start(prompt(0), 4)
     with pytest.raises(ValueError, match="SpecState holds .* token positions, this generation needs"):
         decoder.start(prompt(0), 40, state=spec_state)
+
+
+@pytest.mark.parametrize("model,mode", [("tiny-gsm", "to the end of each answer"), ("tiny", "fixed length")])
+def test_speed_suite_times_answers_or_fixed_runs(pytester, model, mode):
+    """suites/test_spec_bench.py's speed test end to end on CPU: on the trained byte-level checkpoint each
+    run stops at its answer's end; on a random-weight preset (no answers) runs have fixed lengths."""
+    pytester.makepyfile(test_spec_bench=(ROOT / "suites" / "test_spec_bench.py").read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", "--moe-bench", "--moe-freeze",
+                                           "--moe-model", model, "--moe-baselines", str(pytester.path / "baselines"),
+                                           "test_spec_bench.py::test_mtp_speedup", timeout=300)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"mtp k=3: * tokens per speculative step over * ({mode}); per step (ms):*"])
