@@ -81,3 +81,11 @@ def test_route_triton_rejects_bad_warps():
     x, w = torch.randn(1, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
     with pytest.raises(ValueError, match="topk_warps and logits_warps must be 1, 2, 4 or 8, got 3, 4"):
         route_triton(x, w, None, cfg, topk_warps=3)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_e=3), dict(block_e=0), dict(block_k=48), dict(block_k=16)])
+def test_route_triton_rejects_bad_tiles(tiles):
+    cfg = CONFIGS["softmax-e64-k6"]
+    x, w = torch.randn(1, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="block_e must be a power of two and block_k a power of two >= 32"):
+        route_triton(x, w, None, cfg, **tiles)

@@ -197,6 +197,8 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
                          f"{config.num_experts} experts in {config.n_group} groups")
     if topk_warps not in (1, 2, 4, 8) or logits_warps not in (1, 2, 4, 8):
         raise ValueError(f"topk_warps and logits_warps must be 1, 2, 4 or 8, got {topk_warps}, {logits_warps}")
+    if block_e < 1 or block_e & (block_e - 1) or (block_k is not None and (block_k < 32 or block_k & (block_k - 1))):
+        raise ValueError(f"block_e must be a power of two and block_k a power of two >= 32, got {block_e}, {block_k}")
     top_k = config.top_k
     dev = x.device
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
