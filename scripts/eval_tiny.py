@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from impl.data.arith import END, answer_length, extract_answer, take  # noqa: E402
+from impl.data.arith import END, answer_length, extract_answer, take, text_of  # noqa: E402
 from impl.generate import generate  # noqa: E402
 from impl.model import build_model  # noqa: E402
 from impl.spec import SpecStats, SpeculativeDecoder  # noqa: E402
@@ -30,11 +30,11 @@ MAX_NEW_TOKENS = 160
 
 def finished(new: torch.Tensor) -> bool:
     """The answer is complete once the `#### N` line has ended."""
-    return answer_length(bytes(new.tolist()).decode("ascii", "replace")) is not None
+    return answer_length(text_of(new)) is not None
 
 
 def answer_text(new: torch.Tensor) -> str:
-    text = bytes(new.tolist()).decode("ascii", "replace")
+    text = text_of(new)
     n = answer_length(text)
     return text if n is None else text[:n - len(END)]
 

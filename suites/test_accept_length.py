@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl.data.arith import answer_length, take
+from impl.data.arith import answer_length, take, text_of, writes_answers
 from impl.model import PRESETS
 from impl.spec import SpeculativeDecoder, SpecStats
 
@@ -38,15 +38,10 @@ HEAD_SHARING_HINT = ("check head sharing: the draft must hold the target's head 
                      "without its scales")
 
 
-def _answers(model) -> bool:
-    """A trained byte-level checkpoint (not a random-weight preset of the same vocabulary)."""
-    return model.config.vocab_size == 128 and model.config.name not in PRESETS
-
-
 def _answer_closed(new_tokens: torch.Tensor) -> bool:
     """Generation stops where the answer ends, as a serving loop with END as its stop sequence
     does: what a checkpoint writes after it was never trained (the loss covers answer bytes)."""
-    return answer_length(bytes(new_tokens.tolist()).decode("ascii", "replace")) is not None
+    return answer_length(text_of(new_tokens)) is not None
 
 
 def _prompts(model) -> list[torch.Tensor]:
@@ -65,7 +60,7 @@ def spec_run(moe_model) -> tuple[SpecStats, list[SpecStats]]:
     decoder = SpeculativeDecoder(moe_model, K)
     device = moe_model.embed_tokens.weight.device
     stats, per_prompt = SpecStats(K), []
-    stop = _answer_closed if _answers(moe_model) else None
+    stop = _answer_closed if writes_answers(moe_model) else None
     for prompt in _prompts(moe_model):
         res = decoder.generate(prompt.to(device), MAX_NEW_TOKENS, stop=stop)
         stats.merge(res.stats)

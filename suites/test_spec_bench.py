@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from impl.data.arith import answer_length, take
-from impl.model import PRESETS
+from impl.data.arith import answer_length, take, text_of, writes_answers
 from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
 
 pytestmark = pytest.mark.moe_bench
@@ -45,12 +44,6 @@ ANSWER_PROMPTS = 4  # byte-level checkpoint: problems whose answers are timed
 ANSWER_CAP = 120  # new tokens within which a plain run must close its answer (they take 40-90)
 AGREEMENT_PROMPTS = 8
 AGREEMENT_TOKENS = 64
-
-
-def _answers(model) -> bool:
-    """A trained byte-level checkpoint (not a random-weight preset of the same vocabulary): its
-    prompts are arithmetic problems, and it ends each answer with END."""
-    return model.config.vocab_size == 128 and model.config.name not in PRESETS
 
 
 def _prompts(model, n: int) -> list[torch.Tensor]:
@@ -84,10 +77,6 @@ class Run:
     spec_tokens: int
 
 
-def _text(tokens: torch.Tensor) -> str:
-    return bytes(tokens.tolist()).decode("ascii", "replace")
-
-
 def _answer_runs(model, decoder: SpeculativeDecoder, prompts: list[torch.Tensor]) -> list[Run]:
     """Runs that stop where each side's answer ends (see the module docstring)."""
     runs = []
@@ -95,12 +84,12 @@ def _answer_runs(model, decoder: SpeculativeDecoder, prompts: list[torch.Tensor]
         plain = GraphedDecoding(model, prompt, ANSWER_CAP)
         plain.reset()
         plain.run()
-        n = answer_length(_text(plain.new_tokens()))
+        n = answer_length(text_of(plain.new_tokens()))
         spec = GraphedSpeculation(decoder, prompt, ANSWER_CAP // 3)
         spec.reset()
         first = spec.start_n - spec.state.prompt_len  # committed by the untimed prefill and first step
         steps = 0
-        while (m := answer_length(_text(spec.new_tokens()))) is None and steps < spec.steps:
+        while (m := answer_length(text_of(spec.new_tokens()))) is None and steps < spec.steps:
             spec.graph()
             steps += 1
         if n is None or m is None:
@@ -123,7 +112,7 @@ def _fixed_run(model, decoder: SpeculativeDecoder, prompt: torch.Tensor) -> Run:
 
 def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
     device = moe_model.embed_tokens.weight.device
-    to_answer = _answers(moe_model)
+    to_answer = writes_answers(moe_model)
     prompts = [p.to(device) for p in _prompts(moe_model, ANSWER_PROMPTS if to_answer else 1)]
     runs = _answer_runs(moe_model, decoder, prompts) if to_answer else [_fixed_run(moe_model, decoder, prompts[0])]
     fns = {f"{side}/{i}": functools.partial(getattr(r, side).run, getattr(r, f"{side}_steps"))

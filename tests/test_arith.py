@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from impl.data.arith import END, PROMPT_SUFFIX, extract_answer, problems, split_of, take
+from impl.data.arith import END, PROMPT_SUFFIX, answer_length, extract_answer, problems, split_of, take, text_of
 
 STEP = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)")
 
@@ -74,3 +74,12 @@ def test_unknown_split():
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+def test_answer_length_ends_after_the_final_line(train):
+    p = train[0]
+    text = p.answer + END + "Question: next"
+    assert answer_length(text) == len(p.answer) + len(END)
+    assert answer_length(p.answer) is None  # the `#### N` line is still open
+    assert answer_length("no final line" + END) is None
+    assert text_of(list(text.encode("ascii"))) == text

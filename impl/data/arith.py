@@ -53,6 +53,19 @@ def split_of(question: str) -> Split:
     return "heldout" if bucket == 0 else "train"
 
 
+def text_of(tokens) -> str:
+    """Byte-level token ids (a 1-D tensor or list) as text."""
+    ids = tokens.tolist() if hasattr(tokens, "tolist") else tokens
+    return bytes(ids).decode("ascii", "replace")
+
+
+def writes_answers(model) -> bool:
+    """Whether `model` is a trained checkpoint of this byte vocabulary (not a random-weight preset
+    of the same vocabulary): its prompts are these problems and it closes each answer with END."""
+    from impl.model.config import PRESETS
+    return model.config.vocab_size == 128 and model.config.name not in PRESETS
+
+
 def answer_length(text: str) -> int | None:
     """Characters of `text` up to and including the END that closes its `#### N` line (where a
     reader, or a serving loop with END as its stop sequence, stops), or None while it is open."""
