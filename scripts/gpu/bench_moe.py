@@ -241,8 +241,9 @@ PATHS_GEMV = {"gemv-bits16": dict(gemv_max_tokens=4, gemv_decode="bits16"),
 # before the tiles of the winning path are swept.
 TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
                 dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128)]
-SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k) for n, k in itertools.product((16, 32, 64), (128, 256, 512))]
-SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256))]
+SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
+                 for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
+SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 

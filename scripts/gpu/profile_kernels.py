@@ -80,21 +80,12 @@ def profile_model(name: str, moe_backend: str) -> None:
 
 def profile_moe(shape: str, fmt: str, m: int) -> None:
     from impl.model.config import get_config
-    from impl.moe.random_layer import random_moe_block, shared_of
-    from impl.moe.triton_moe import moe_experts
-    from impl.moe.triton_routing import route_triton
+    from impl.moe.random_layer import random_moe_block
     cfg = get_config(shape)
     block = random_moe_block(cfg, fmt, torch.device("cuda"), "triton", 0)
-    gu, dn = block.experts.weights()
-    sh = shared_of(block)
-    xs = [torch.randn(m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
-
-    def layer(x):
-        slots, _, _ = route_triton(x, block.gate.weight, block.gate.e_score_correction_bias, cfg)
-        return moe_experts(x, slots, gu, dn, sh)
-
-    with torch.inference_mode():
-        graph = capture_graph([lambda x=x: layer(x) for x in xs])
+    xs = [torch.randn(1, m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
+    with torch.inference_mode():  # the block's forward: the `triton` backend's whole layer
+        graph = capture_graph([lambda x=x: block(x) for x in xs])
     kernel_table(f"MoE layer {shape} {fmt} M={m}", graph.replay, steps_per_replay=len(xs))
 
 
