@@ -448,6 +448,7 @@ def triton_variants():
     return {"dot-scaled": MoELaunchConfig(mxfp4_product="scaled"),
             "gemv-bits16": MoELaunchConfig(gemv_max_tokens=4),
             "gemv-word32": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32"),
+            "gemv-word32x2": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32x2"),
             "gemv-word32+dot-scaled": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32",
                                                       mxfp4_product="scaled")}
 
@@ -492,7 +493,7 @@ def test_fuzz_triton_mxfp4_variants_match_reference(backend, moe_device, formats
 
 
 @pytest.mark.parametrize("role", ["gate", "up", "down"])
-@pytest.mark.parametrize("variant", ["dot-scaled", "gemv-bits16", "gemv-word32"])
+@pytest.mark.parametrize("variant", ["dot-scaled", "gemv-bits16", "gemv-word32", "gemv-word32x2"])
 def test_mxfp4_variant_decode_every_code_and_scale(backend, moe_device, formats, variant, role):
     """`test_mxfp4_decode_every_code_and_scale` for each decode variant; the GEMV variants read
     the 128 one-hot tokens back 4 at a time, so their register path is what is checked. Tiles of

@@ -20,9 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (MXFP4, GEMV rows, word32, scaled): every product the launch configs can select.
-VARIANTS = [(True, 0, False, False), (True, 0, False, True), (True, 1, False, False), (True, 4, True, False),
-            (False, 0, False, False), (False, 4, False, False)]
+# (MXFP4, GEMV rows, word32 level, scaled): every product the launch configs can select.
+VARIANTS = [(True, 0, 0, False), (True, 0, 0, True), (True, 1, 0, False), (True, 4, 1, False), (True, 4, 2, False),
+            (False, 0, 0, False), (False, 4, 0, False)]
 TILES = [(32, 128)]
 MORE_TILES = [(16, 512), (64, 256), (16, 32)]
 

@@ -21,7 +21,8 @@ from impl.moe import configs
 from impl.moe.configs import MoELaunchConfig, fallback, lookup, m_bucket
 from impl.moe.reference import moe_reference
 from impl.moe.shared import SharedExpert
-from impl.moe.triton_moe import M_PAD, TWO_POW_126, _e2m1_word_to_fp32, _e8m0_to_fp32, moe_triton, slots_from_routing
+from impl.moe.triton_moe import (M_PAD, TWO_POW_126, _e2m1_word_pair_to_fp32, _e2m1_word_to_fp32, _e8m0_to_fp32,
+                                 moe_triton, slots_from_routing)
 from impl.quant.mxfp4 import MXFP4Tensor, decode_e2m1, decode_e8m0, quantize_mxfp4, unpack_nibbles
 from impl.triton_env import tl, triton
 
@@ -389,12 +390,15 @@ MXFP4_VARIANTS = {
     "gemv-word32-one-scale-block": (MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=16,
                                                     down_block_k=32, gemv_max_tokens=2, gemv_decode="word32"),
                                     "gemv-word32", "dot-bits"),
+    "gemv-word32x2": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="word32x2"),
+                      "gemv-word32x2", "dot-bits"),
 }
 
 
 VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gemv-word32") for m in (1, 2, 4, 16)]
                  + [("gemv-word32", 3), ("gemv-word32-large-blocks", 1), ("gemv-word32-large-blocks", 4),
-                    ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)])
+                    ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)]
+                 + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -445,19 +449,27 @@ def test_tuned_configs_without_the_new_fields_load_with_the_defaults(tmp_path):
 
 
 @triton.jit
-def word32_decode_kernel(word_ptr, out_ptr, code_ptr, scale_ptr, N: tl.constexpr):
+def word32_decode_kernel(word_ptr, out_ptr, code_ptr, scale_ptr, N: tl.constexpr, PAIRS: tl.constexpr):
     offs = tl.arange(0, N)
     words = tl.load(word_ptr + offs)
-    for i in tl.static_range(8):
-        tl.store(out_ptr + offs * 8 + i, _e2m1_word_to_fp32(words, i) * TWO_POW_126)
+    if PAIRS:
+        for i in tl.static_range(4):
+            lo, hi = _e2m1_word_pair_to_fp32(words, i)
+            tl.store(out_ptr + offs * 8 + i, lo * TWO_POW_126)
+            tl.store(out_ptr + offs * 8 + i + 4, hi * TWO_POW_126)
+    else:
+        for i in tl.static_range(8):
+            tl.store(out_ptr + offs * 8 + i, _e2m1_word_to_fp32(words, i) * TWO_POW_126)
     offs_c = tl.arange(0, 256)
     tl.store(scale_ptr + offs_c, _e8m0_to_fp32(tl.load(code_ptr + offs_c)))
 
 
-def test_word32_decode_every_code_and_scale():
-    """`_e2m1_word_to_fp32` * 2**126 for every code at every position of a word (all 2**8 byte
-    values at each byte of the word, so every nibble pair), and `_e8m0_to_fp32` for every code,
-    against impl.quant's decode: bit for bit (NaN for E8M0 255)."""
+@pytest.mark.parametrize("pairs", [False, True], ids=["word32", "word32x2"])
+def test_word32_decode_every_code_and_scale(pairs):
+    """`_e2m1_word_to_fp32` (or the two-codes-at-once `_e2m1_word_pair_to_fp32`) * 2**126 for every
+    code at every position of a word (all 2**8 byte values at each byte of the word, so every
+    nibble pair), and `_e8m0_to_fp32` for every code, against impl.quant's decode: bit for bit
+    (NaN for E8M0 255)."""
     b = torch.arange(256, dtype=torch.uint8)
     packed = torch.stack([b, b.flip(0), b * 7, b * 13 + 5], dim=1).contiguous()  # [256, 4] bytes (uint8 wraps)
     packed = torch.cat([packed, packed.roll(1, dims=1)]).contiguous()  # each byte value at each position
@@ -465,7 +477,7 @@ def test_word32_decode_every_code_and_scale():
     out = torch.empty(words.numel() * 8, dtype=torch.float32, device=DEVICE)
     codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     scales = torch.empty(256, dtype=torch.float32, device=DEVICE)
-    word32_decode_kernel[(1,)](words, out, codes, scales, N=words.numel())
+    word32_decode_kernel[(1,)](words, out, codes, scales, N=words.numel(), PAIRS=pairs)
     expected = decode_e2m1(unpack_nibbles(packed.reshape(-1)))
     assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))  # -0.0 included
     ref = decode_e8m0(codes.cpu())
@@ -477,10 +489,11 @@ def test_word32_decode_every_code_and_scale():
     [[0, 1], [2, 3], [4, 5], [6, 7]],  # every expert by one token (a typical verify step)
     [[6, 2], [2, 6], [6, 2]],  # every expert by every token
 ], ids=["mixed", "all-single", "all-shared"])
-def test_word32_rows_of_single_token_experts(ids):
+@pytest.mark.parametrize("variant", ["gemv-word32", "gemv-word32x2"])
+def test_word32_rows_of_single_token_experts(ids, variant):
     """word32 computes only the row of an expert chosen by exactly one token (its `tokens` mask
     has one bit): both that branch and the all-rows branch against the oracle."""
-    cfg = MXFP4_VARIANTS["gemv-word32"][0]
+    cfg = MXFP4_VARIANTS[variant][0]
     ids = torch.tensor(ids)
     w_gate_up, w_down = make_weights(8, 64, 96, "mxfp4", seed=11)
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(12)) + 0.1

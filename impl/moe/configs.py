@@ -23,8 +23,9 @@ M_BUCKETS = (1, 2, 4, 8, 16)
 MXFP4_PRODUCTS = ("bits", "scaled")
 # How MXFP4 weights are decoded on the register path (at most gemv_max_tokens tokens): "bits16"
 # builds bf16 per byte nibble by int16 ops; "word32" loads 32-bit words (8 codes each), builds the
-# fp32 bits of each code by a shift and a mask, and scales once per word instead of per code.
-GEMV_DECODES = ("bits16", "word32")
+# fp32 bits of each code by a shift and a mask, and scales once per word instead of per code;
+# "word32x2" builds two codes' bits at once as the bf16 halves of a word, then widens each.
+GEMV_DECODES = ("bits16", "word32", "word32x2")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ wasted arithmetic is free, the weight bytes are what cost. Up to `gemv_max_token
 products are register multiply-adds instead. MXFP4 has two decodes on each path, chosen by the
 launch configuration (tuned per shape, format and M bucket): on the tensor-core path our integer
 decode + tl.dot ("bits") or tl.dot_scaled ("scaled"); on the register path a bf16 decode per
-byte ("bits16") or an fp32 decode per 32-bit word of 8 codes ("word32"). Provenance records
+byte ("bits16") or an fp32 decode per 32-bit word of 8 codes, one code ("word32") or two codes
+("word32x2") per set of shifts and masks. Provenance records
 which one ran as `product`.
 """
 
@@ -30,6 +31,8 @@ from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
+# The kernels' WORD32 constexpr per gemv_decode: 0 not a word decode, 1 "word32", 2 "word32x2".
+WORD32_LEVELS = {"word32": 1, "word32x2": 2}
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
 TWO_POW_126 = tl.constexpr(2.0 ** 126)  # undoes the 2**-126 of `_e2m1_word_to_fp32`, exactly
 
@@ -194,8 +197,41 @@ def _e2m1_word_to_fp32(word, I: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_word_pair_to_fp32(word, I: tl.constexpr):
+    """Codes I and I + 4 (bits 4I.. and 16 + 4I..) of int32 words -> both fp32 E2M1 values
+    * 2**-126 from one set of shifts and masks: the two codes land at once on the word's two bf16
+    halves (magnitude on bf16 bits 6-8, sign on bit 15: the bf16 pattern of E2M1 * 2**-126, so
+    the same exact values as `_e2m1_word_to_fp32`), and each half widens to fp32 by one shift or
+    one mask. About three integer operations a code instead of four."""
+    if I <= 1:
+        mag = (word << (6 - 4 * I)) & 0x01C001C0
+    else:
+        mag = (word >> (4 * I - 6)) & 0x01C001C0
+    sign = (word << (12 - 4 * I)) & -2147450880  # 0x80008000: the sign bit of both halves
+    halves = mag | sign
+    return (halves << 16).to(tl.float32, bitcast=True), (halves & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma_rows(part0, part1, part2, part3, w, a_ptr, stride_am, a_offs, word_mask, M, ROWS: tl.constexpr):
+    """part_r += w * a[r, a_offs] for the first ROWS (1, 2 or 4) rows of `a` (rows >= M read 0)."""
+    rows = tl.zeros_like(a_offs)  # a row number compared with M, as a mask
+    part0 += w * tl.load(a_ptr + a_offs, mask=word_mask, other=0.0).to(tl.float32)[None, :, :]
+    if ROWS > 1:
+        a1 = tl.load(a_ptr + stride_am + a_offs, mask=word_mask & (rows + 1 < M), other=0.0).to(tl.float32)
+        part1 += w * a1[None, :, :]
+    if ROWS > 2:
+        a2 = tl.load(a_ptr + 2 * stride_am + a_offs, mask=word_mask & (rows + 2 < M), other=0.0).to(tl.float32)
+        a3 = tl.load(a_ptr + 3 * stride_am + a_offs, mask=word_mask & (rows + 3 < M), other=0.0).to(tl.float32)
+        part2 += w * a2[None, :, :]
+        part3 += w * a3[None, :, :]
+    return part0, part1, part2, part3
+
+
+@triton.jit
 def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                 PAIRS: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for MXFP4 W given as int32 words (w_ptr, stride_wn in
     words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
     k = 8 w + i). Per code: one shift-and-mask pair, one multiply by 2**126 (exact: it turns the
@@ -228,22 +264,18 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
         part1 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
         part2 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
         part3 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
-        rows = tl.zeros_like(offs_word)  # [G, 4] zeros: a row number compared with M, as a mask
-        for i in tl.static_range(8):
-            w = _e2m1_word_to_fp32(words, i) * TWO_POW_126
-            a_offs = offs_word * 8 + i  # [G, 4]
-            a0 = tl.load(a_ptr + a_offs, mask=word_mask, other=0.0).to(tl.float32)
-            part0 += w * a0[None, :, :]
-            if ROWS > 1:
-                a1 = tl.load(a_ptr + stride_am + a_offs, mask=word_mask & (rows + 1 < M), other=0.0).to(tl.float32)
-                part1 += w * a1[None, :, :]
-            if ROWS > 2:
-                a2 = tl.load(a_ptr + 2 * stride_am + a_offs, mask=word_mask & (rows + 2 < M),
-                             other=0.0).to(tl.float32)
-                a3 = tl.load(a_ptr + 3 * stride_am + a_offs, mask=word_mask & (rows + 3 < M),
-                             other=0.0).to(tl.float32)
-                part2 += w * a2[None, :, :]
-                part3 += w * a3[None, :, :]
+        if PAIRS:  # codes i and i + 4 decoded together
+            for i in tl.static_range(4):
+                w_lo, w_hi = _e2m1_word_pair_to_fp32(words, i)
+                part0, part1, part2, part3 = _fma_rows(part0, part1, part2, part3, w_lo * TWO_POW_126, a_ptr,
+                                                       stride_am, offs_word * 8 + i, word_mask, M, ROWS)
+                part0, part1, part2, part3 = _fma_rows(part0, part1, part2, part3, w_hi * TWO_POW_126, a_ptr,
+                                                       stride_am, offs_word * 8 + i + 4, word_mask, M, ROWS)
+        else:
+            for i in tl.static_range(8):
+                part0, part1, part2, part3 = _fma_rows(part0, part1, part2, part3,
+                                                       _e2m1_word_to_fp32(words, i) * TWO_POW_126, a_ptr,
+                                                       stride_am, offs_word * 8 + i, word_mask, M, ROWS)
         # Sums kept in the words' layout: no reduction and no layout conversion inside the loop.
         acc0 += part0 * scale
         if ROWS > 1:
@@ -284,20 +316,20 @@ def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, st
     exactly one such row (most experts of a verify step, where each is chosen by one token) only
     that row is computed: a quarter of the multiply-adds and activation loads at 4 rows. The
     other rows are 0 (what a row that did not choose the expert contributes anyway)."""
-    if WORD32:
+    if WORD32 > 0:
         tl.static_assert(MXFP4)
         tl.static_assert(GEMV_ROWS > 0)
         if GEMV_ROWS > 1:
             if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
                 acc = _gemv_word32(a_ptr + t * stride_am, stride_am, 1, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
-                                   stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1)
+                                   stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32 == 2)
             else:
                 acc = _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                                   M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS)
+                                   M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32 == 2)
             return acc
         return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                            M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS)
+                            M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32 == 2)
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -566,7 +598,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     i_shared = shared.gate.shape[0] if shared is not None else 0
     # A few tokens: register multiply-adds; more: tensor cores (tokens padded to M_PAD rows).
     gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
-    word32 = mxfp4 and gemv_rows > 0 and cfg.gemv_decode == "word32"
+    word32 = WORD32_LEVELS.get(cfg.gemv_decode, 0) if mxfp4 and gemv_rows > 0 else 0
     scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
     product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")

@@ -236,7 +236,8 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
 PATHS_DOT = {"dot-bits": dict(gemv_max_tokens=0, mxfp4_product="bits"),
              "dot-scaled": dict(gemv_max_tokens=0, mxfp4_product="scaled")}
 PATHS_GEMV = {"gemv-bits16": dict(gemv_max_tokens=4, gemv_decode="bits16"),
-              "gemv-word32": dict(gemv_max_tokens=4, gemv_decode="word32")}
+              "gemv-word32": dict(gemv_max_tokens=4, gemv_decode="word32"),
+              "gemv-word32x2": dict(gemv_max_tokens=4, gemv_decode="word32x2")}
 # Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
 # before the tiles of the winning path are swept.
 TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
