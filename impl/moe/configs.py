@@ -25,7 +25,9 @@ MXFP4_PRODUCTS = ("bits", "scaled")
 # builds bf16 per byte nibble by int16 ops; "word32" loads 32-bit words (8 codes each), builds the
 # fp32 bits of each code by a shift and a mask, and scales once per word instead of per code;
 # "word32x2" builds two codes' bits at once as the bf16 halves of a word, then widens each.
-GEMV_DECODES = ("bits16", "word32", "word32x2")
+# The word decodes by the value the kernels' WORD32 constexpr takes for them (0: not a word decode).
+WORD_DECODES = {"word32": 1, "word32x2": 2}
+GEMV_DECODES = ("bits16", *WORD_DECODES)
 
 
 @dataclass(frozen=True)

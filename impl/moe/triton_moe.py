@@ -26,13 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from impl import backends
-from impl.moe.configs import MoELaunchConfig, lookup
+from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
-# The kernels' WORD32 constexpr per gemv_decode: 0 not a word decode, 1 "word32", 2 "word32x2".
-WORD32_LEVELS = {"word32": 1, "word32x2": 2}
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
 TWO_POW_126 = tl.constexpr(2.0 ** 126)  # undoes the 2**-126 of `_e2m1_word_to_fp32`, exactly
 
@@ -234,8 +232,9 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
                  PAIRS: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for MXFP4 W given as int32 words (w_ptr, stride_wn in
     words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
-    k = 8 w + i). Per code: one shift-and-mask pair, one multiply by 2**126 (exact: it turns the
-    subnormal back into the E2M1 value) and one multiply-add per token; the E8M0 scale multiplies
+    k = 8 w + i). Per code: one shift-and-mask pair (PAIRS: two codes per pair,
+    `_e2m1_word_pair_to_fp32`), one multiply by 2**126 (exact: it turns the subnormal back into
+    the E2M1 value) and one multiply-add per token; the E8M0 scale multiplies
     each word's partial sum once, and the sums stay in the words' shape and layout [BLOCK_N,
     BLOCK_K/32, 4] until after the K loop, so the cross-thread reduction happens once per output,
     not per K step (the compiled sm_90 loop has no shuffles; the scales' one [BLOCK_N, BLOCK_K/32]
@@ -598,7 +597,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     i_shared = shared.gate.shape[0] if shared is not None else 0
     # A few tokens: register multiply-adds; more: tensor cores (tokens padded to M_PAD rows).
     gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
-    word32 = WORD32_LEVELS.get(cfg.gemv_decode, 0) if mxfp4 and gemv_rows > 0 else 0
+    word32 = WORD_DECODES.get(cfg.gemv_decode, 0) if mxfp4 and gemv_rows > 0 else 0
     scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
     product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
