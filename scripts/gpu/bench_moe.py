@@ -35,7 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from impl.model.config import get_config  # noqa: E402
-from impl.moe.configs import TUNED_PATH, MoELaunchConfig, device_name, m_bucket, save_tuned  # noqa: E402
+from impl.moe.configs import (GEMV_DECODES, MXFP4_PRODUCTS, TUNED_PATH, MoELaunchConfig,  # noqa: E402
+                              device_name, m_bucket, save_tuned)
 from impl.moe.gather import moe_gather  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
@@ -231,13 +232,11 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     return results
 
 
-# Product paths: tensor cores with our MXFP4 decode ("bits") or tl.dot_scaled ("scaled"), and for
-# M <= 4 register multiply-adds with the bf16-per-byte ("bits16") or fp32-per-word ("word32") decode.
-PATHS_DOT = {"dot-bits": dict(gemv_max_tokens=0, mxfp4_product="bits"),
-             "dot-scaled": dict(gemv_max_tokens=0, mxfp4_product="scaled")}
-PATHS_GEMV = {"gemv-bits16": dict(gemv_max_tokens=4, gemv_decode="bits16"),
-              "gemv-word32": dict(gemv_max_tokens=4, gemv_decode="word32"),
-              "gemv-word32x2": dict(gemv_max_tokens=4, gemv_decode="word32x2")}
+# Product paths: tensor cores with each MXFP4 product (our decode, "bits", or tl.dot_scaled,
+# "scaled"), and for M <= 4 register multiply-adds with each register-path decode (configs.py):
+# a decode added there is tuned without touching this file.
+PATHS_DOT = {f"dot-{p}": dict(gemv_max_tokens=0, mxfp4_product=p) for p in MXFP4_PRODUCTS}
+PATHS_GEMV = {f"gemv-{d}": dict(gemv_max_tokens=4, gemv_decode=d) for d in GEMV_DECODES}
 # Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
 # before the tiles of the winning path are swept.
 TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
