@@ -449,6 +449,7 @@ def triton_variants():
             "gemv-bits16": MoELaunchConfig(gemv_max_tokens=4),
             "gemv-word32": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32"),
             "gemv-word32x2": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32x2"),
+            "gemv-dp4a": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a"),
             "gemv-word32+dot-scaled": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32",
                                                       mxfp4_product="scaled")}
 
@@ -478,6 +479,14 @@ def run_variant(inputs, variant: str, **tiles):
 M_CHUNK = 16  # the Triton MoE's M_PAD: more tokens run in chunks of it
 
 
+def variant_tolerance(device: torch.device, variant: str) -> float:
+    """The suite's tolerance, except dp4a on a CPU: its int8 split of x and of the intermediate
+    activations errs by up to 2**-13 of each block of 32's largest magnitude, in norm 2**-13 *
+    sqrt(32) = 6.9e-4 of a row per split, two splits (impl/moe/triton_dp4a.py); on a GPU the
+    bf16 roundings of every variant dominate."""
+    return max(tolerance(device), 2e-3) if "dp4a" in variant else tolerance(device)
+
+
 @fuzz_settings(0.35)
 @given(data=st.data())
 def test_fuzz_triton_mxfp4_variants_match_reference(backend, moe_device, formats, data):
@@ -489,7 +498,8 @@ def test_fuzz_triton_mxfp4_variants_match_reference(backend, moe_device, formats
     variant = data.draw(st.sampled_from(sorted(triton_variants())), label="variant")
     inputs = make_inputs(case, device)
     out = run_variant(inputs, variant)
-    assert_rows_close(out, reference(inputs), tolerance(device), f"triton {variant} vs moe_reference, {case}")
+    assert_rows_close(out, reference(inputs), variant_tolerance(device, variant),
+                      f"triton {variant} vs moe_reference, {case}")
 
 
 @pytest.mark.parametrize("role", ["gate", "up", "down"])

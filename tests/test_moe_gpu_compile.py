@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (MXFP4, GEMV rows, word32 level, scaled): every product the launch configs can select.
 VARIANTS = [(True, 0, 0, False), (True, 0, 0, True), (True, 1, 0, False), (True, 4, 1, False), (True, 4, 2, False),
-            (False, 0, 0, False), (False, 4, 0, False)]
+            (True, 1, 3, False), (True, 4, 3, False), (False, 0, 0, False), (False, 4, 0, False)]
 TILES = [(32, 128)]
 MORE_TILES = [(16, 512), (64, 256), (16, 32)]
 
@@ -33,6 +33,7 @@ def _compile_all(tiles) -> int:
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(ROOT))
+    from impl.moe import triton_dp4a as td
     from impl.moe import triton_moe as tm
     from impl.moe import triton_routing as tr
     assert not tm.FP32_MATH, "compile with TRITON_INTERPRET=0"
@@ -56,15 +57,20 @@ def _compile_all(tiles) -> int:
 
     for (mx, rows, word32, scaled) in VARIANTS:
         for bn, bk in tiles:
+            if word32 == 3 and bn < 32:  # the dp4a decode splits gate_up outputs in blocks of 32
+                continue
             w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
             consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                           WORD32=word32, SCALED=scaled, FP32_MATH=False)
             label = f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk}"
             attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
-                    dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8"))
+                    dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
+                         xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
             attempt(f"moe_down_kernel {label}", tm.moe_down_kernel, consts,
                     dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_t,
-                         ws_ptr="*u8", partial_ptr="*fp32", counter_ptr="*i32"))
+                         ws_ptr="*u8", partial_ptr="*fp32", counter_ptr="*i32",
+                         act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
+    attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
     routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16")

@@ -392,13 +392,25 @@ MXFP4_VARIANTS = {
                                     "gemv-word32", "dot-bits"),
     "gemv-word32x2": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="word32x2"),
                       "gemv-word32x2", "dot-bits"),
+    "gemv-dp4a": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a"),
+                  "gemv-dp4a", "dot-bits"),
 }
+# The dp4a decode splits x and the intermediate activations into two int8 terms, each value to
+# within 2**-13 of its block of 32's largest magnitude (impl/moe/triton_dp4a.py): in norm at most
+# 2**-13 * sqrt(32) = 6.9e-4 of a row per split, two splits (seen: 1.5e-4). On a GPU the bf16
+# roundings of the other variants dominate (RTOL).
+DP4A_RTOL = max(RTOL, 2e-3)
+
+
+def variant_rtol(variant: str) -> float:
+    return DP4A_RTOL if "dp4a" in variant else RTOL
 
 
 VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gemv-word32") for m in (1, 2, 4, 16)]
                  + [("gemv-word32", 3), ("gemv-word32-large-blocks", 1), ("gemv-word32-large-blocks", 4),
                     ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)]
-                 + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)])
+                 + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
+                 + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -412,7 +424,7 @@ def test_mxfp4_variants_match_reference(variant, tokens):
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens + 2))
     with backends.record_provenance() as prov:
         out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 32), config=cfg)
-    assert_rows_close(out, ref)
+    assert_rows_close(out, ref, variant_rtol(variant) if tokens <= cfg.gemv_max_tokens else RTOL)
     expected = small if tokens <= cfg.gemv_max_tokens else large
     assert [e.config["product"] for e in prov.events if "product" in e.config] == [expected]
 
@@ -437,6 +449,13 @@ def test_mxfp4_variants_on_bf16_weights_change_nothing(variant):
 def test_launch_config_rejects_unknown_mxfp4_products(field, value):
     with pytest.raises(ValueError, match=rf"{field} must be one of \(.*\), got {value!r}"):
         MoELaunchConfig(**{field: value})
+
+
+def test_launch_config_rejects_dp4a_with_gate_up_blocks_under_32():
+    """The gate_up kernel splits its output for the dp4a down projection in whole blocks of 32."""
+    with pytest.raises(ValueError, match="gemv_decode 'dp4a' needs gate_up_block_n >= 32 .*got 16"):
+        MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=16)
+    MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=32, down_block_n=16)
 
 
 def test_tuned_configs_without_the_new_fields_load_with_the_defaults(tmp_path):
@@ -489,7 +508,7 @@ def test_word32_decode_every_code_and_scale(pairs):
     [[0, 1], [2, 3], [4, 5], [6, 7]],  # every expert by one token (a typical verify step)
     [[6, 2], [2, 6], [6, 2]],  # every expert by every token
 ], ids=["mixed", "all-single", "all-shared"])
-@pytest.mark.parametrize("variant", ["gemv-word32", "gemv-word32x2"])
+@pytest.mark.parametrize("variant", ["gemv-word32", "gemv-word32x2", "gemv-dp4a"])
 def test_word32_rows_of_single_token_experts(ids, variant):
     """word32 computes only the row of an expert chosen by exactly one token (its `tokens` mask
     has one bit): both that branch and the all-rows branch against the oracle."""
@@ -498,4 +517,4 @@ def test_word32_rows_of_single_token_experts(ids, variant):
     w_gate_up, w_down = make_weights(8, 64, 96, "mxfp4", seed=11)
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(12)) + 0.1
     x = torch.randn(ids.shape[0], 64, generator=torch.Generator().manual_seed(13))
-    assert_rows_close(*run_both(x, weights, ids, w_gate_up, w_down, config=cfg))
+    assert_rows_close(*run_both(x, weights, ids, w_gate_up, w_down, config=cfg), variant_rtol(variant))

@@ -24,9 +24,11 @@ MXFP4_PRODUCTS = ("bits", "scaled")
 # How MXFP4 weights are decoded on the register path (at most gemv_max_tokens tokens): "bits16"
 # builds bf16 per byte nibble by int16 ops; "word32" loads 32-bit words (8 codes each), builds the
 # fp32 bits of each code by a shift and a mask, and scales once per word instead of per code;
-# "word32x2" builds two codes' bits at once as the bf16 halves of a word, then widens each.
+# "word32x2" builds two codes' bits at once as the bf16 halves of a word, then widens each;
+# "dp4a" looks codes up as int8 (2 x E2M1) by byte permutes and multiplies them with the
+# activations split into int8 terms by exact integer dot products (impl/moe/triton_dp4a.py).
 # The word decodes by the value the kernels' WORD32 constexpr takes for them (0: not a word decode).
-WORD_DECODES = {"word32": 1, "word32x2": 2}
+WORD_DECODES = {"word32": 1, "word32x2": 2, "dp4a": 3}
 GEMV_DECODES = ("bits16", *WORD_DECODES)
 
 
@@ -60,6 +62,9 @@ class MoELaunchConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
+        if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
+            raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
+                             f"in blocks of 32), got {self.gate_up_block_n}")
 
 
 def m_bucket(m: int) -> int:

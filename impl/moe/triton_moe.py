@@ -28,10 +28,12 @@ import torch
 from impl import backends
 from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
+from impl.moe.triton_dp4a import ASM, _dp4a, _e2m1_word_to_int8x4, split_int8_kernel, store_split_int8
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
+SPLIT_BLOCK_K = 512  # columns of x a program of `split_int8_kernel` splits (the dp4a decode)
 TWO_POW_126 = tl.constexpr(2.0 ** 126)  # undoes the 2**-126 of `_e2m1_word_to_fp32`, exactly
 
 
@@ -293,6 +295,79 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
 
 
 @triton.jit
+def _dp4a_row(acc, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, r, M, ASM: tl.constexpr):
+    """acc [BLOCK_N, G] += this K step's block sums of split activation row r (planes at q_ptr,
+    scales at s_ptr; a row >= M reads 0) against the decoded weights d0, d1 [BLOCK_N, G, 4]."""
+    m = word_mask & (tl.zeros_like(offs_word) + r < M)
+    hi0 = tl.load(q_ptr + offs_word, mask=m, other=0)[None, :, :]
+    hi1 = tl.load(q_ptr + K // 8 + offs_word, mask=m, other=0)[None, :, :]
+    lo0 = tl.load(q_ptr + 2 * (K // 8) + offs_word, mask=m, other=0)[None, :, :]
+    lo1 = tl.load(q_ptr + 3 * (K // 8) + offs_word, mask=m, other=0)[None, :, :]
+    zero = tl.zeros_like(d0)
+    i_hi = _dp4a(d1, hi1, _dp4a(d0, hi0, zero, ASM), ASM)
+    i_lo = _dp4a(d1, lo1, _dp4a(d0, lo0, zero, ASM), ASM)
+    block = tl.sum(i_hi * 128 + i_lo, axis=2)  # [BLOCK_N, G], exact
+    xs = tl.load(s_ptr + blk, mask=blk_mask & (tl.zeros_like(blk) + r < M), other=0.0)
+    return acc + block.to(tl.float32) * xs[None, :] * wscale
+
+
+@triton.jit
+def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
+              M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
+    K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`); row r lands
+    in row first_row + r of the [M_PAD, BLOCK_N] fp32 result."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, G)
+    offs_w = tl.arange(0, 4)
+    acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        blk = k0 // 32 + offs_g
+        offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] words of 8 codes
+        blk_mask = blk < K // 32  # K is a multiple of 32: whole blocks are in or out
+        word_mask = blk_mask[:, None] & (offs_w < 4)[None, :]
+        words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_word[None, :, :],
+                        mask=n_mask[:, None, None] & blk_mask[None, :, None], other=0)
+        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + blk[None, :],
+                        mask=n_mask[:, None] & blk_mask[None, :], other=127)
+        wscale = _e8m0_to_fp32(codes)
+        d0, d1 = _e2m1_word_to_int8x4(words, ASM)
+        acc0 = _dp4a_row(acc0, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, 0, M, ASM)
+        if ROWS > 1:
+            acc1 = _dp4a_row(acc1, d0, d1, wscale, q_ptr + stride_qm, s_ptr + K // 32, K, offs_word, blk,
+                             word_mask, blk_mask, 1, M, ASM)
+        if ROWS > 2:
+            acc2 = _dp4a_row(acc2, d0, d1, wscale, q_ptr + 2 * stride_qm, s_ptr + 2 * (K // 32), K, offs_word,
+                             blk, word_mask, blk_mask, 2, M, ASM)
+            acc3 = _dp4a_row(acc3, d0, d1, wscale, q_ptr + 3 * stride_qm, s_ptr + 3 * (K // 32), K, offs_word,
+                             blk, word_mask, blk_mask, 3, M, ASM)
+    offs_m = tl.arange(0, M_PAD)
+    out = tl.where(offs_m[:, None] == first_row, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if ROWS > 1:
+        out += tl.where(offs_m[:, None] == first_row + 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+    if ROWS > 2:
+        out += tl.where(offs_m[:, None] == first_row + 2, tl.sum(acc2, axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 3, tl.sum(acc3, axis=1)[None, :], 0.0)
+    return out
+
+
+@triton.jit
+def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
+                M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                WORD32: tl.constexpr):
+    """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
+    as_ptr: scales) for WORD32 == 3, else `_gemv_word32` on bf16/fp32 activations."""
+    if WORD32 == 3:
+        return _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS)
+    return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
+                        M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2)
+
+
+@triton.jit
 def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
                   GEMV_ROWS: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
@@ -305,11 +380,12 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 
 
 @triton.jit
-def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
+def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
             M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
             GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
-    """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_word32` when WORD32 (MXFP4 W
-    given as int32 words, at most GEMV_ROWS tokens), else a K loop of `_tile_product`.
+    """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_words` when WORD32 (MXFP4 W
+    given as int32 words, at most GEMV_ROWS tokens; for WORD32 == 3 `a` is split into int8 planes
+    with scales at as_ptr, see impl.moe.triton_dp4a), else a K loop of `_tile_product`.
 
     `tokens` is the bit mask of the rows that chose this expert (-1: all rows). With WORD32 and
     exactly one such row (most experts of a verify step, where each is chosen by one token) only
@@ -321,14 +397,14 @@ def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, st
         if GEMV_ROWS > 1:
             if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
-                acc = _gemv_word32(a_ptr + t * stride_am, stride_am, 1, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
-                                   stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32 == 2)
+                acc = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
+                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32)
             else:
-                acc = _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                                   M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32 == 2)
+                acc = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
             return acc
-        return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                            M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32 == 2)
+        return _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
+                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -338,14 +414,14 @@ def _matmul(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, st
 
 
 @triton.jit
-def _swiglu_tile(x_ptr, stride_xm, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
+def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
                  SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
-        acc_g = _matmul(x_ptr, stride_xm, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
+        acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
                         M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
-        acc_u = _matmul(x_ptr, stride_xm, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
+        acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
                         M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
     else:
         offs_m = tl.arange(0, M_PAD)
@@ -397,17 +473,20 @@ def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slo
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
+def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_SHARED,
                        slot_expert_ptr, slot_tokens_ptr, num_slots,
                        w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
                        sg_ptr, su_ptr, stride_shn,
-                       act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
+                       act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr, stride_sam,
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The program after the last routed slot computes the shared expert instead. WORD32 and
-    SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4."""
+    SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4.
+    With the dp4a decode (WORD32 == 3) the routed experts read x split into int8 planes (xq_ptr,
+    row stride stride_xqm; scales xs_ptr) and write their activations split the same way (act_ptr
+    planes, act_s_ptr scales, slot strides stride_as / stride_ass), ready for the down kernel."""
     slot = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -418,22 +497,31 @@ def moe_gate_up_kernel(x_ptr, stride_xm, M, H, I, I_SHARED,
                 n_mask = offs_n < I
                 g_ptr = w_ptr + expert.to(tl.int64) * stride_we
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
-                act = _swiglu_tile(x_ptr, stride_xm, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
-                                   gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
-                                   tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
-                tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
-                         act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
+                tokens = tl.load(slot_tokens_ptr + slot)
+                if WORD32 == 3:
+                    act = _swiglu_tile(xq_ptr, stride_xqm, xs_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
+                                       gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
+                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                    tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
+                    store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
+                                     act, offs_m, offs_m < M_PAD, tl.program_id(1) * BLOCK_N, I, M_PAD, BLOCK_N)
+                else:
+                    act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
+                                       gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
+                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                    tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
+                             act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
         if tl.program_id(1) * BLOCK_N < I_SHARED:
             n_mask = offs_n < I_SHARED
-            act = _swiglu_tile(x_ptr, stride_xm, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
+            act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
                                stride_shn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_n[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
+def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr, stride_sam,
                     slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
                     w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
                     sd_ptr, stride_sdn, partial_ptr, stride_ps, counter_ptr,
@@ -444,7 +532,9 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or the shared
     expert for the slot after the last. Each writes an fp32 partial; the program that arrives last
     at a block (an atomic counter) sums the block's partials in slot order and writes the output
-    once in its dtype, then resets the counter for the next call: deterministic, no memset."""
+    once in its dtype, then resets the counter for the next call: deterministic, no memset.
+    With the dp4a decode (WORD32 == 3) the routed activations come split (planes at act_ptr,
+    scales at act_s_ptr), as the gate_up kernel wrote them."""
     hb = tl.program_id(0)
     slot = tl.program_id(1)
     arrivals = tl.num_programs(1)
@@ -459,14 +549,14 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, shared_act_ptr, stride_sam,
             ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
-            acc = _matmul(a_ptr, stride_am, M, I, w_e, ws_e, offs_n, n_mask, stride_wn, stride_sn, tokens,
+            acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn, stride_sn, tokens,
                           M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
-        acc = _matmul(shared_act_ptr, stride_sam, M, I_SHARED, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1,
+        acc = _matmul(shared_act_ptr, stride_sam, shared_act_ptr, M, I_SHARED, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1,
                       M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
@@ -601,11 +691,22 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
     product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
-    backends.note("moe", "triton", "moe_gate_up_kernel+moe_down_kernel", format=fmt,
-                  tokens=m, shared=shared is not None, config=cfg, product=product)
+    dp4a = word32 == WORD_DECODES["dp4a"]
+    backends.note("moe", "triton", ("split_int8_kernel+" if dp4a else "") + "moe_gate_up_kernel+moe_down_kernel",
+                  format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
-    act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
+    if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
+        xq = torch.empty(m, 4, hidden // 8, dtype=torch.int32, device=dev)
+        xs = torch.empty(m, hidden // 32, dtype=torch.float32, device=dev)
+        split_int8_kernel[(m, triton.cdiv(hidden, SPLIT_BLOCK_K))](x, x.stride(0), xq, xs, hidden,
+                                                                   BLOCK_K=SPLIT_BLOCK_K, num_warps=4)
+        act = torch.empty(num_slots, M_PAD, 4, inter // 8, dtype=torch.int32, device=dev)
+        act_s = torch.empty(num_slots, M_PAD, inter // 32, dtype=torch.float32, device=dev)
+    else:
+        xq, xs = x, x
+        act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
+        act_s = act
     shared_act = torch.empty(M_PAD, max(i_shared, 1), dtype=act_dtype, device=dev)
     out = torch.empty(m, hidden, dtype=x.dtype, device=dev)
     slot_expert, slot_weight, slot_tokens = slots.expert, slots.weight, slots.tokens
@@ -615,9 +716,9 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     su = shared.up if shared is not None else x
     grid_a = (num_slots + (shared is not None), triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
-        x, x.stride(0), m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
+        x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
-        act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
+        act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
         num_warps=cfg.gate_up_warps,
@@ -627,7 +728,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     grid_b = (triton.cdiv(hidden, cfg.down_block_n), num_slots + (shared is not None))
     partial = torch.empty(grid_b[1], M_PAD, hidden, dtype=torch.float32, device=dev)
     moe_down_kernel[grid_b](
-        act, act.stride(0), act.stride(1), shared_act, shared_act.stride(0),
+        act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         slot_expert, slot_weight, slot_tokens, num_slots,
         dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
         out, out.stride(0), m, hidden, inter, i_shared,

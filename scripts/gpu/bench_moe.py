@@ -8,7 +8,7 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
 Tuning (`tune`) is per (shape, format, M): first the product path (tensor cores with our MXFP4
 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the bf16 or 32-bit-word decode),
-each with two tile presets, then the winner's gate_up tiles, down tiles and (MXFP4) warps,
+each with three tile presets, then the winner's gate_up tiles, down tiles and (MXFP4) warps,
 within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
 default routing.
 
@@ -240,7 +240,8 @@ PATHS_GEMV = {f"gemv-{d}": dict(gemv_max_tokens=4, gemv_decode=d) for d in GEMV_
 # Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
 # before the tiles of the winning path are swept.
 TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
-                dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128)]
+                dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128),
+                dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256)]
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
@@ -248,15 +249,16 @@ SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2),
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
 
-def paths_for(fmt: str, m: int) -> dict:
+def paths_for(fmt: str, m: int, only: frozenset | None = None) -> dict:
     """The product paths worth timing at M tokens: the register path only up to 4 tokens, and the
-    MXFP4 decode choices only for MXFP4 weights."""
-    dot = PATHS_DOT if fmt == "mxfp4" else {"dot": PATHS_DOT["dot-bits"]}
-    gemv = (PATHS_GEMV if fmt == "mxfp4" else {"gemv": PATHS_GEMV["gemv-bits16"]}) if m <= 4 else {}
-    return {**dot, **gemv}
+    MXFP4 decode choices only for MXFP4 weights; `only` narrows the MXFP4 ones to those names."""
+    if fmt != "mxfp4":
+        return {"dot": PATHS_DOT["dot-bits"], **({"gemv": PATHS_GEMV["gemv-bits16"]} if m <= 4 else {})}
+    paths = {**PATHS_DOT, **(PATHS_GEMV if m <= 4 else {})}
+    return {k: v for k, v in paths.items() if only is None or k in only}
 
 
-def tune(block, cfg, fmt, m, rows, deadline: float = float("inf")) -> MoELaunchConfig:
+def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozenset | None = None) -> MoELaunchConfig:
     """Coordinate search for M tokens: each product path (see `paths_for`) with each tile preset,
     then, for the winner, the gate_up kernel's tiles, the down kernel's, and (MXFP4) the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
@@ -282,12 +284,13 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf")) -> MoELaunchC
 
     skipped = []
 
-    def consider(c, label, always=False):
+    def consider(fields, label, always=False):
         nonlocal best, best_us
         if not always and time.time() > deadline:
             skipped.append(label)
             return
         try:
+            c = MoELaunchConfig(**fields)  # some paths rule some tiles out (dp4a: gate_up blocks >= 32)
             us = measure(c)
         except Exception as e:  # e.g. out of shared memory for a large tile, or unsupported on this GPU
             log(f"  {label} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
@@ -297,16 +300,16 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf")) -> MoELaunchC
         if us < best_us:
             best, best_us = c, us
 
-    for name, path in paths_for(fmt, m).items():
+    for name, path in paths_for(fmt, m, only).items():
         for i, tiles in enumerate(TILE_PRESETS):
-            consider(MoELaunchConfig(**{**path, **tiles}), f"path {name} tiles {i}", always=True)
+            consider({**path, **tiles}, f"path {name} tiles {i}", always=True)
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     sweeps = (SWEEP_GATE_UP, SWEEP_DOWN) + ((SWEEP_WARPS,) if fmt == "mxfp4" else ())
     for sweep in sweeps:
         for params in sweep:
-            cand = dataclasses.replace(best, **params)
-            if cand != best:
+            cand = {**dataclasses.asdict(best), **params}
+            if cand != dataclasses.asdict(best):
                 consider(cand, str(params))
     if skipped:
         log(f"  past this tuning's time budget: skipped {len(skipped)} candidates ({skipped[0]} ...)")
@@ -314,6 +317,15 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf")) -> MoELaunchC
                      skipped=len(skipped)))
     log(f"tuned {cfg.name} {fmt} M={m}: experts {best_us:.1f} us with {best}")
     return best
+
+
+def parse_paths(value: str) -> frozenset | None:
+    names = frozenset(v for v in value.split(",") if v)
+    unknown = names - {*PATHS_DOT, *PATHS_GEMV}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown product paths {sorted(unknown)}; known: "
+                                         f"{', '.join([*PATHS_DOT, *PATHS_GEMV])}")
+    return names or None
 
 
 def tuned_buckets(m: int, ms: list[int]) -> set[int]:
@@ -331,6 +343,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--write-configs", action="store_true",
                     help="merge the tuned configs into impl/moe/tuned_configs.json (after each tuning)")
+    ap.add_argument("--paths", default="", type=parse_paths,
+                    help="comma-separated MXFP4 product paths the tuning tries (default: all of "
+                         f"{', '.join([*PATHS_DOT, *PATHS_GEMV])})")
     ap.add_argument("--tune-budget-s", type=float, default=180.0,
                     help="seconds for all tuning together, shared equally by the (shape, format, M) "
                          "tunings still to run; a tuning past its share keeps its best so far")
@@ -361,7 +376,7 @@ def main() -> None:
                     share = max(0.0, tune_end - time.time()) / tunings_left
                     tunings_left -= 1
                     try:
-                        cfg_m = tune(block, cfg, fmt, m, rows, deadline=time.time() + share)
+                        cfg_m = tune(block, cfg, fmt, m, rows, deadline=time.time() + share, only=args.paths)
                     except Exception as e:
                         log(f"tuning {cfg.name} {fmt} M={m} failed: {type(e).__name__}: {e}")
                         traceback.print_exc()
