@@ -429,6 +429,29 @@ def test_mxfp4_variants_match_reference(variant, tokens):
     assert [e.config["product"] for e in prov.events if "product" in e.config] == [expected]
 
 
+@pytest.mark.parametrize("fmt,decode,split,tokens", [
+    ("mxfp4", "word32x2", 2, 1), ("mxfp4", "word32x2", 8, 3), ("mxfp4", "dp4a", 4, 2), ("bf16", "bits16", 4, 4),
+    ("mxfp4", "word32x2", 4, 16),  # beyond gemv_max_tokens: tensor cores, one shared program
+])
+def test_shared_split_matches_reference(fmt, decode, split, tokens):
+    """shared_split programs share the shared expert (gate_up: rows of a block; down: K in whole
+    blocks of 32, here I_s = 160 = 5 blocks, so at a split of 4 or 8 some programs get a shorter
+    share and some none) and the result is the oracle's."""
+    cfg = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode=decode,
+                          shared_split=split)
+    w_gate_up, w_down = make_weights(6, 96, 64, fmt, seed=21)
+    weights, ids = random_routing(tokens, 2, 6, seed=22)
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(23))
+    out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 160), config=cfg)
+    assert_rows_close(out, ref, variant_rtol(decode) if tokens <= 4 else RTOL)
+
+
+@pytest.mark.parametrize("split", [0, 3, 16])
+def test_launch_config_rejects_other_shared_splits(split):
+    with pytest.raises(ValueError, match=f"shared_split must be 1, 2, 4 or 8, got {split}"):
+        MoELaunchConfig(shared_split=split)
+
+
 @pytest.mark.parametrize("variant", ["dot-scaled", "gemv-word32"])
 def test_mxfp4_variants_on_bf16_weights_change_nothing(variant):
     """The MXFP4 choices do not apply to plain weights: same result, the plain product recorded."""

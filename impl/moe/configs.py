@@ -46,6 +46,9 @@ class MoELaunchConfig:
     gemv_max_tokens: int = 0
     mxfp4_product: str = "bits"  # one of MXFP4_PRODUCTS
     gemv_decode: str = "bits16"  # one of GEMV_DECODES
+    # On the register path, programs per block of the shared expert's rows (gate_up) or per hidden
+    # block (down, splitting its K): its bf16 rows hold 4x the bytes of MXFP4 ones.
+    shared_split: int = 1
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):
@@ -62,6 +65,8 @@ class MoELaunchConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
+        if self.shared_split not in (1, 2, 4, 8):
+            raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
             raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
                              f"in blocks of 32), got {self.gate_up_block_n}")

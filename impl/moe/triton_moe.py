@@ -480,9 +480,12 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr, stride_sam,
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
-                       WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+                       WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
+                       SHARED_SPLIT: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
-    The program after the last routed slot computes the shared expert instead. WORD32 and
+    The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
+    BLOCK_N / SHARED_SPLIT of the block's rows: its bf16 rows hold 4x the bytes of MXFP4 ones, so
+    with MXFP4 experts whole blocks of it would be the kernel's longest programs. WORD32 and
     SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4.
     With the dp4a decode (WORD32 == 3) the routed experts read x split into int8 planes (xq_ptr,
     row stride stride_xqm; scales xs_ptr) and write their activations split the same way (act_ptr
@@ -512,12 +515,14 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                     tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
+        BLOCK_S: tl.constexpr = BLOCK_N // SHARED_SPLIT
+        offs_s = tl.program_id(1) * BLOCK_N + (slot - num_slots) * BLOCK_S + tl.arange(0, BLOCK_S)
         if tl.program_id(1) * BLOCK_N < I_SHARED:
-            n_mask = offs_n < I_SHARED
-            act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_n, n_mask,
-                               stride_shn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
-            tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_n[None, :],
-                     act.to(shared_act_ptr.dtype.element_ty), mask=n_mask[None, :])
+            s_mask = offs_s < I_SHARED
+            act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
+                               stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
+            tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
+                     act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
 
 
 @triton.jit
@@ -528,9 +533,11 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     out_ptr, stride_om, M, H, I, I_SHARED,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
-                    WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
-    """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or the shared
-    expert for the slot after the last. Each writes an fp32 partial; the program that arrives last
+                    WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
+                    SHARED_SPLIT: tl.constexpr):
+    """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
+    SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
+    its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
     at a block (an atomic counter) sums the block's partials in slot order and writes the output
     once in its dtype, then resets the counter for the next call: deterministic, no memset.
     With the dp4a decode (WORD32 == 3) the routed activations come split (planes at act_ptr,
@@ -556,8 +563,11 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
-        acc = _matmul(shared_act_ptr, stride_sam, shared_act_ptr, M, I_SHARED, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1,
-                      M_PAD, BLOCK_N, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
+        chunk = tl.cdiv(I_SHARED, 32 * SHARED_SPLIT) * 32
+        k_lo = (slot - num_slots) * chunk
+        acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(chunk, I_SHARED - k_lo),
+                      sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False,
+                      GEMV_ROWS, False, False, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -714,18 +724,20 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up, word32)
     sg = shared.gate if shared is not None else x
     su = shared.up if shared is not None else x
-    grid_a = (num_slots + (shared is not None), triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
+    # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
+    shared_slots = (cfg.shared_split if gemv_rows else 1) if shared is not None else 0
+    grid_a = (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        num_warps=cfg.gate_up_warps,
+        SHARED_SPLIT=max(shared_slots, 1), num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
     sd = shared.down if shared is not None else x
-    grid_b = (triton.cdiv(hidden, cfg.down_block_n), num_slots + (shared is not None))
+    grid_b = (triton.cdiv(hidden, cfg.down_block_n), num_slots + shared_slots)
     partial = torch.empty(grid_b[1], M_PAD, hidden, dtype=torch.float32, device=dev)
     moe_down_kernel[grid_b](
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
@@ -734,6 +746,6 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        num_warps=cfg.down_warps,
+        SHARED_SPLIT=max(shared_slots, 1), num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out
