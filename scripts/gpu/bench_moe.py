@@ -240,9 +240,9 @@ PATHS_DOT = {f"dot-{p}": dict(gemv_max_tokens=0, mxfp4_product=p) for p in MXFP4
 PATHS_GEMV = {f"gemv-{d}": dict(gemv_max_tokens=4, gemv_decode=d) for d in GEMV_DECODES}
 # Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
 # before the tiles of the winning path are swept.
-TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256, shared_split=2),
+TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
                 dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128),
-                dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256, shared_split=4)]
+                dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256)]
 SWEEP_SHARED = [dict(shared_split=s) for s in (1, 2, 4, 8)]
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
