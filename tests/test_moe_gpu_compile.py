@@ -73,16 +73,17 @@ def _compile_all(tiles) -> int:
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
     routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
-                        w_ptr="*fp32", x_ptr="*bf16")
+                        w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")
     meta = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, ROWS=1, M_PAD=tm.M_PAD,
                 E_PAD=512, K_PAD=8, S_PAD=8)
     attempt("router_topk_kernel 1 warp", tr.router_topk_kernel, meta, routing_ptrs, ("routed_scaling",), 1)
     attempt("router_topk_kernel softmax 4 rows", tr.router_topk_kernel,
             dict(meta, ROUTER=0, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, ROWS=4), routing_ptrs, ("routed_scaling",))
-    attempt("router_logits_kernel 4 rows", tr.router_logits_kernel, dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096),
-            routing_ptrs)
-    attempt("router_fused_kernel", tr.router_fused_kernel, dict(meta, BLOCK_E=4, BLOCK_K=1024), routing_ptrs,
-            ("routed_scaling",))
+    for split_x in (False, True):
+        attempt(f"router_logits_kernel 4 rows split_x={split_x}", tr.router_logits_kernel,
+                dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x), routing_ptrs)
+        attempt(f"router_fused_kernel split_x={split_x}", tr.router_fused_kernel,
+                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x), routing_ptrs, ("routed_scaling",))
     print("failures:", failures)
     return failures
 

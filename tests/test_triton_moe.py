@@ -541,3 +541,27 @@ def test_word32_rows_of_single_token_experts(ids, variant):
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(12)) + 0.1
     x = torch.randn(ids.shape[0], 64, generator=torch.Generator().manual_seed(13))
     assert_rows_close(*run_both(x, weights, ids, w_gate_up, w_down, config=cfg), variant_rtol(variant))
+
+
+def test_experts_on_x_split_elsewhere_match_their_own_split():
+    """moe_experts given x already split (as the router's logits kernel does in the layer) gives
+    bit for bit what it gives splitting x itself, without its split launch; `split_buffers`
+    offers buffers only when the dp4a decode will run."""
+    from impl.moe.triton_dp4a import split_int8_kernel
+    from impl.moe.triton_moe import moe_experts, split_buffers
+    cfg = MXFP4_VARIANTS["gemv-dp4a"][0]
+    w_gate_up, w_down = (on_device(w) for w in make_weights(6, 96, 64, "mxfp4", seed=31))
+    weights, ids = random_routing(2, 2, 6, seed=32)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    slots = slots_from_routing(weights.to(DEVICE), ids.to(DEVICE), 6)
+    assert split_buffers(x, 2, w_gate_up, w_down, MXFP4_VARIANTS["gemv-word32x2"][0]) is None
+    assert split_buffers(x[:1].expand(16, 96), 2, w_gate_up, w_down, cfg) is None  # 16 tokens: tensor cores
+    q, s = split_buffers(x, 2, w_gate_up, w_down, cfg)
+    split_int8_kernel[(2, 1)](x, x.stride(0), q, s, 96, BLOCK_K=128)
+    with backends.record_provenance() as prov:
+        given = moe_experts(x, slots, w_gate_up, w_down, config=cfg, x_split=(q, s))
+    assert [e.kernel for e in prov.events] == ["moe_gate_up_kernel+moe_down_kernel"]
+    with backends.record_provenance() as prov:
+        own = moe_experts(x, slots, w_gate_up, w_down, config=cfg)
+    assert [e.kernel for e in prov.events] == ["split_int8_kernel+moe_gate_up_kernel+moe_down_kernel"]
+    assert torch.equal(given, own)

@@ -89,3 +89,37 @@ def test_route_triton_rejects_bad_tiles(tiles):
     x, w = torch.randn(1, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
     with pytest.raises(ValueError, match="block_e must be a power of two and block_k a power of two >= 32"):
         route_triton(x, w, None, cfg, **tiles)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused"])
+def test_router_splits_x_as_the_moe_would(fused, tokens):
+    """With `x_split` the logits programs also split x for the dp4a MoE (blocks of 32 columns, a
+    program each in turn; here 5 blocks over 32 programs, and over 4 so that one takes two):
+    the same planes and scales, bit for bit, as the MoE's own split kernel; the routing itself is
+    unchanged."""
+    from impl.moe.triton_dp4a import split_int8_kernel
+    cfg = CONFIGS["sigmoid-e64-8groups-top4-k8"]
+    g = torch.Generator().manual_seed(7)
+    hidden = 160
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    w = (torch.randn(cfg.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE)
+    want_q = torch.empty(tokens, 4, hidden // 8, dtype=torch.int32, device=DEVICE)
+    want_s = torch.empty(tokens, hidden // 32, dtype=torch.float32, device=DEVICE)
+    split_int8_kernel[(tokens, 1)](x, x.stride(0), want_q, want_s, hidden, BLOCK_K=256)
+    _, want_w, want_ids = route_triton(x, w, None, cfg, fused=fused)
+    for block_e in (2, 16):
+        q, s = torch.full_like(want_q, -1), torch.full_like(want_s, float("nan"))
+        _, got_w, got_ids = route_triton(x, w, None, cfg, block_e=block_e, fused=fused, x_split=(q, s))
+        assert torch.equal(q, want_q) and torch.equal(s, want_s)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+
+
+def test_route_triton_rejects_malformed_split_buffers():
+    cfg = CONFIGS["softmax-e64-k6"]
+    x, w = torch.randn(2, 64, device=DEVICE), torch.randn(64, 64, device=DEVICE)
+    good = (torch.empty(2, 4, 8, dtype=torch.int32, device=DEVICE), torch.empty(2, 2, device=DEVICE))
+    route_triton(x, w, None, cfg, x_split=good)
+    for bad in [(good[0][:1], good[1]), (good[0].float(), good[1]), (good[0], good[1][:, :1])]:
+        with pytest.raises(ValueError, match="x_split must be contiguous int32 planes"):
+            route_triton(x, w, None, cfg, x_split=bad)

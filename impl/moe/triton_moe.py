@@ -683,34 +683,58 @@ def moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate
     return moe_experts(x, slots_from_routing(weights, ids, experts), w_gate_up, w_down, shared, config)
 
 
-def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
-                config: MoELaunchConfig | None = None) -> torch.Tensor:
-    """The expert kernels for at most M_PAD tokens whose routing is already grouped in `slots`."""
+def _plan(m: int, top_k: int, w_gate_up, w_down, device, config: MoELaunchConfig | None):
+    """(launch config, format, GEMV rows (0: tensor cores), word decode level) for M tokens."""
     mxfp4 = isinstance(w_gate_up, MXFP4Tensor)
     if mxfp4 != isinstance(w_down, MXFP4Tensor):
         raise TypeError("gate_up and down weights must both be MXFP4 or both be plain tensors")
     experts, _, hidden = w_gate_up.shape
-    inter = w_down.shape[-1]
-    m, top_k, num_slots = slots.num_tokens, slots.top_k, slots.num_slots
     fmt = "mxfp4" if mxfp4 else "bf16"
-    cfg = config or lookup(experts, hidden, inter, top_k, m, fmt, x.device)
-    i_shared = shared.gate.shape[0] if shared is not None else 0
+    cfg = config or lookup(experts, hidden, w_down.shape[-1], top_k, m, fmt, device)
     # A few tokens: register multiply-adds; more: tensor cores (tokens padded to M_PAD rows).
     gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
     word32 = WORD_DECODES.get(cfg.gemv_decode, 0) if mxfp4 and gemv_rows > 0 else 0
+    return cfg, fmt, gemv_rows, word32
+
+
+def split_buffers(x: torch.Tensor, top_k: int, w_gate_up, w_down,
+                  config: MoELaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Empty (planes, scales) for x split as the dp4a decode reads it, when `moe_experts` will run
+    that decode for these tokens and weights (else None): whoever reads x before the MoE (the
+    router's logits kernel) can fill them, saving the MoE's split launch."""
+    m, hidden = x.shape
+    if _plan(m, top_k, w_gate_up, w_down, x.device, config)[3] != WORD_DECODES["dp4a"]:
+        return None
+    return (torch.empty(m, 4, hidden // 8, dtype=torch.int32, device=x.device),
+            torch.empty(m, hidden // 32, dtype=torch.float32, device=x.device))
+
+
+def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
+                config: MoELaunchConfig | None = None,
+                x_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The expert kernels for at most M_PAD tokens whose routing is already grouped in `slots`.
+    `x_split`: x already split for the dp4a decode, in buffers from `split_buffers` (ignored by
+    the other decodes)."""
+    m, top_k, num_slots = slots.num_tokens, slots.top_k, slots.num_slots
+    cfg, fmt, gemv_rows, word32 = _plan(m, top_k, w_gate_up, w_down, x.device, config)
+    mxfp4 = fmt == "mxfp4"
+    hidden = w_gate_up.shape[-1]
+    inter = w_down.shape[-1]
+    i_shared = shared.gate.shape[0] if shared is not None else 0
     scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
     product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
     dp4a = word32 == WORD_DECODES["dp4a"]
-    backends.note("moe", "triton", ("split_int8_kernel+" if dp4a else "") + "moe_gate_up_kernel+moe_down_kernel",
+    split_here = dp4a and x_split is None
+    backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
                   format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
-        xq = torch.empty(m, 4, hidden // 8, dtype=torch.int32, device=dev)
-        xs = torch.empty(m, hidden // 32, dtype=torch.float32, device=dev)
-        split_int8_kernel[(m, triton.cdiv(hidden, SPLIT_BLOCK_K))](x, x.stride(0), xq, xs, hidden,
-                                                                   BLOCK_K=SPLIT_BLOCK_K, num_warps=4)
+        xq, xs = x_split or split_buffers(x, top_k, w_gate_up, w_down, cfg)
+        if split_here:
+            split_int8_kernel[(m, triton.cdiv(hidden, SPLIT_BLOCK_K))](x, x.stride(0), xq, xs, hidden,
+                                                                       BLOCK_K=SPLIT_BLOCK_K, num_warps=4)
         act = torch.empty(num_slots, M_PAD, 4, inter // 8, dtype=torch.int32, device=dev)
         act_s = torch.empty(num_slots, M_PAD, inter // 32, dtype=torch.float32, device=dev)
     else:

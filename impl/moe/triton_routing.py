@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from impl.moe.triton_dp4a import store_split_int8
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
 from impl.triton_env import tl, triton
 
@@ -21,12 +22,22 @@ ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
 
 @triton.jit
-def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H,
-                         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr,
+                         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """logits[:, block] = x Wr[block]^T as fp32 multiply-adds (a GEMV per token: no tensor-core
     padding to 16 rows, and no tf32 rounding). Each weight tile is loaded once and met by the
     tokens one at a time, so the tile (and the number of K steps, each a memory round trip) does
-    not shrink as tokens are added."""
+    not shrink as tokens are added.
+    SPLIT_X: the programs also split x for the MoE's dp4a decode (impl.moe.triton_dp4a), a block
+    of 32 columns each in turn, into planes xq_ptr [M, 4, H/8] and scales xs_ptr [M, H/32]: the
+    MoE's own split launch is saved."""
+    if SPLIT_X:
+        offs_r = tl.arange(0, ROWS)
+        for c in range(tl.program_id(0) * 32, H, tl.num_programs(0) * 32):
+            offs_c = c + tl.arange(0, 32)
+            a = tl.load(x_ptr + offs_r[:, None] * stride_xm + offs_c[None, :], mask=(offs_r < M)[:, None],
+                        other=0.0).to(tl.float32)
+            store_split_int8(xq_ptr, H // 2, xs_ptr, H // 32, a, offs_r, offs_r < M, c, H, ROWS, 32)
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_m = tl.arange(0, ROWS)
     acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
@@ -83,8 +94,8 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
 @triton.jit
 def router_fused_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, counter_ptr, bias_ptr, ids_ptr, weights_ptr,
                         slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
-                        M, E, H, TOP_K, num_slots, routed_scaling,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        M, E, H, TOP_K, num_slots, routed_scaling, xq_ptr, xs_ptr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
                         ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
                         M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
@@ -92,7 +103,8 @@ def router_fused_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, counter_
     `router_logits_kernel`; the program that arrives last (an atomic counter, as the MoE's down
     kernel does) reads all logits back past L1 and does `router_topk_kernel`'s work, then resets
     the counter for the next call. Saves a launch per layer."""
-    router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, ROWS, BLOCK_E, BLOCK_K)
+    router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr, ROWS, BLOCK_E,
+                         BLOCK_K, SPLIT_X)
     tl.debug_barrier()  # every thread's logits are written before the release below
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr,
@@ -179,12 +191,14 @@ def fused_routing_supported(router_config) -> bool:
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
                  block_e: int = 2, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
-                 logits_warps: int = 4) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+                 logits_warps: int = 4, x_split: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
     (weights fp32 [M, k], ids int32 [M, k]) they were built from. `fused`: one launch
     (`router_fused_kernel`) instead of two; `topk_warps`: warps of the one-program top-k kernel
     (fewer warps, fewer block-wide barriers in its k rounds of reductions); `logits_warps`: of
-    the logits kernel (and of the fused one, top-k included)."""
+    the logits kernel (and of the fused one, top-k included). `x_split` (from
+    `triton_moe.split_buffers`): buffers the logits kernel fills with x split for the dp4a MoE."""
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:
@@ -201,6 +215,13 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"block_e must be a power of two and block_k a power of two >= 32, got {block_e}, {block_k}")
     top_k = config.top_k
     dev = x.device
+    xq = xs = x  # read only when SPLIT_X
+    if x_split is not None:
+        xq, xs = x_split
+        if (xq.shape != (m, 4, hidden // 8) or xs.shape != (m, hidden // 32) or xq.dtype != torch.int32
+                or xs.dtype != torch.float32 or not (xq.is_contiguous() and xs.is_contiguous())):
+            raise ValueError(f"x_split must be contiguous int32 planes [{m}, 4, {hidden // 8}] and fp32 scales "
+                             f"[{m}, {hidden // 32}], got {xq.dtype} {tuple(xq.shape)} and {xs.dtype} {tuple(xs.shape)}")
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
     rows = triton.next_power_of_2(m)
     # Few experts per program, so that E / block_e programs (256 at E = 512) stream the router
@@ -226,12 +247,12 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     if fused:
         router_fused_kernel[grid](
             x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
-            m, experts, hidden, top_k, slots.num_slots, scaling, BLOCK_E=block_e, BLOCK_K=block_k, **topk_meta,
-            num_warps=logits_warps)
+            m, experts, hidden, top_k, slots.num_slots, scaling, xq, xs, BLOCK_E=block_e, BLOCK_K=block_k,
+            SPLIT_X=x_split is not None, **topk_meta, num_warps=logits_warps)
         return slots, weights, ids
     router_logits_kernel[grid](
-        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden,
-        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=logits_warps)
+        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden, xq, xs,
+        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_X=x_split is not None, num_warps=logits_warps)
     router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
                              num_warps=topk_warps)
     return slots, weights, ids

@@ -42,7 +42,7 @@ from impl.moe.gather import moe_gather  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
 from impl.moe.shared import SharedExpert  # noqa: E402
-from impl.moe.triton_moe import moe_experts  # noqa: E402
+from impl.moe.triton_moe import moe_experts, split_buffers  # noqa: E402
 from impl.moe.triton_routing import route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
 from impl.graphs import capture_graph  # noqa: E402
@@ -177,13 +177,17 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     sh = shared_of(block)
     gate = block.gate
 
-    def ours(x):
-        slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg)
-        return moe_experts(x, slots, gu, dn, sh, tuned_cfg)
+    def ours(x, split_in_router=True):
+        # As the backend's layer: with the dp4a decode the router's logits kernel splits x.
+        x_split = split_buffers(x, cfg.top_k, gu, dn, tuned_cfg) if split_in_router else None
+        slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split)
+        return moe_experts(x, slots, gu, dn, sh, tuned_cfg, x_split=x_split)
 
     contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs],
                   "triton (ours), routing only": [
                       lambda x=x: route_triton(x, gate.weight, gate.e_score_correction_bias, cfg) for x in xs]}
+    if split_buffers(xs[0], cfg.top_k, gu, dn, tuned_cfg) is not None:
+        contenders["triton (ours), x split in own launch"] = [lambda x=x: ours(x, False) for x in xs]
     if routing_variants:
         for name, kw in ROUTING_VARIANTS.items():
             with torch.no_grad():
