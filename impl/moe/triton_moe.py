@@ -14,9 +14,11 @@ wasted arithmetic is free, the weight bytes are what cost. Up to `gemv_max_token
 products are register multiply-adds instead. MXFP4 has two decodes on each path, chosen by the
 launch configuration (tuned per shape, format and M bucket): on the tensor-core path our integer
 decode + tl.dot ("bits") or tl.dot_scaled ("scaled"); on the register path a bf16 decode per
-byte ("bits16") or an fp32 decode per 32-bit word of 8 codes, one code ("word32") or two codes
-("word32x2") per set of shifts and masks. Provenance records
-which one ran as `product`.
+byte ("bits16"), an fp32 decode per 32-bit word of 8 codes, one code ("word32") or two codes
+("word32x2") per set of shifts and masks, or exact int8 dot products ("dp4a",
+impl/moe/triton_dp4a.py: x split into int8 terms by `split_int8_kernel`, or by the router's
+logits kernel in a whole layer; the gate_up kernel writes its output split the same way).
+Provenance records which one ran as `product`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
 SPLIT_BLOCK_K = 512  # columns of x a program of `split_int8_kernel` splits (the dp4a decode)
 TWO_POW_126 = tl.constexpr(2.0 ** 126)  # undoes the 2**-126 of `_e2m1_word_to_fp32`, exactly
+DP4A = tl.constexpr(WORD_DECODES["dp4a"])  # the kernels' WORD32 level of the dp4a decode
 
 
 @triton.jit
@@ -359,8 +362,8 @@ def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, s
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                 WORD32: tl.constexpr):
     """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
-    as_ptr: scales) for WORD32 == 3, else `_gemv_word32` on bf16/fp32 activations."""
-    if WORD32 == 3:
+    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations."""
+    if WORD32 == DP4A:
         return _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
                           first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS)
     return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
@@ -384,7 +387,7 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
             M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
             GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_words` when WORD32 (MXFP4 W
-    given as int32 words, at most GEMV_ROWS tokens; for WORD32 == 3 `a` is split into int8 planes
+    given as int32 words, at most GEMV_ROWS tokens; for WORD32 == DP4A `a` is split into int8 planes
     with scales at as_ptr, see impl.moe.triton_dp4a), else a K loop of `_tile_product`.
 
     `tokens` is the bit mask of the rows that chose this expert (-1: all rows). With WORD32 and
@@ -487,7 +490,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
     BLOCK_N / SHARED_SPLIT of the block's rows: its bf16 rows hold 4x the bytes of MXFP4 ones, so
     with MXFP4 experts whole blocks of it would be the kernel's longest programs. WORD32 and
     SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4.
-    With the dp4a decode (WORD32 == 3) the routed experts read x split into int8 planes (xq_ptr,
+    With the dp4a decode (WORD32 == DP4A) the routed experts read x split into int8 planes (xq_ptr,
     row stride stride_xqm; scales xs_ptr) and write their activations split the same way (act_ptr
     planes, act_s_ptr scales, slot strides stride_as / stride_ass), ready for the down kernel."""
     slot = tl.program_id(0)
@@ -501,7 +504,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 g_ptr = w_ptr + expert.to(tl.int64) * stride_we
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
                 tokens = tl.load(slot_tokens_ptr + slot)
-                if WORD32 == 3:
+                if WORD32 == DP4A:
                     act = _swiglu_tile(xq_ptr, stride_xqm, xs_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                        gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
                                        BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
@@ -540,7 +543,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
     at a block (an atomic counter) sums the block's partials in slot order and writes the output
     once in its dtype, then resets the counter for the next call: deterministic, no memset.
-    With the dp4a decode (WORD32 == 3) the routed activations come split (planes at act_ptr,
+    With the dp4a decode (WORD32 == DP4A) the routed activations come split (planes at act_ptr,
     scales at act_s_ptr), as the gate_up kernel wrote them."""
     hb = tl.program_id(0)
     slot = tl.program_id(1)
@@ -703,7 +706,7 @@ def split_buffers(x: torch.Tensor, top_k: int, w_gate_up, w_down,
     that decode for these tokens and weights (else None): whoever reads x before the MoE (the
     router's logits kernel) can fill them, saving the MoE's split launch."""
     m, hidden = x.shape
-    if _plan(m, top_k, w_gate_up, w_down, x.device, config)[3] != WORD_DECODES["dp4a"]:
+    if _plan(m, top_k, w_gate_up, w_down, x.device, config)[3] != DP4A.value:
         return None
     return (torch.empty(m, 4, hidden // 8, dtype=torch.int32, device=x.device),
             torch.empty(m, hidden // 32, dtype=torch.float32, device=x.device))
@@ -724,7 +727,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
     product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
-    dp4a = word32 == WORD_DECODES["dp4a"]
+    dp4a = word32 == DP4A.value
     split_here = dp4a and x_split is None
     backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
                   format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product)
