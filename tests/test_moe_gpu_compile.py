@@ -61,7 +61,8 @@ def _compile_all(tiles) -> int:
                 continue
             w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
             consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
-                          WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1)
+                          WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
+                          GEMV_STAGES=3 if rows else 1)
             label = f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk}"
             attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
                     dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",

@@ -394,6 +394,11 @@ MXFP4_VARIANTS = {
                       "gemv-word32x2", "dot-bits"),
     "gemv-dp4a": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a"),
                   "gemv-dp4a", "dot-bits"),
+    # Register-path K loops software-pipelined 3 deep (on a GPU; the interpreter runs them plainly).
+    "gemv-dp4a-pipelined": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4,
+                                            gemv_decode="dp4a", gemv_stages=3), "gemv-dp4a", "dot-bits"),
+    "gemv-word32x2-pipelined": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4,
+                                                gemv_decode="word32x2", gemv_stages=3), "gemv-word32x2", "dot-bits"),
 }
 # The dp4a decode splits x and the intermediate activations into two int8 terms, each value to
 # within 2**-13 of its block of 32's largest magnitude (impl/moe/triton_dp4a.py): in norm at most
@@ -410,7 +415,8 @@ VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gem
                  + [("gemv-word32", 3), ("gemv-word32-large-blocks", 1), ("gemv-word32-large-blocks", 4),
                     ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)]
                  + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
-                 + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)])
+                 + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)]
+                 + [("gemv-dp4a-pipelined", 1), ("gemv-word32x2-pipelined", 4)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -444,6 +450,12 @@ def test_shared_split_matches_reference(fmt, decode, split, tokens):
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(23))
     out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 160), config=cfg)
     assert_rows_close(out, ref, variant_rtol(decode) if tokens <= 4 else RTOL)
+
+
+@pytest.mark.parametrize("stages", [0, 5])
+def test_launch_config_rejects_other_gemv_stages(stages):
+    with pytest.raises(ValueError, match=f"gemv_stages must be 1, 2, 3 or 4, got {stages}"):
+        MoELaunchConfig(gemv_stages=stages)
 
 
 @pytest.mark.parametrize("split", [0, 3, 16])

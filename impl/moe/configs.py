@@ -49,6 +49,9 @@ class MoELaunchConfig:
     # On the register path, programs per block of the shared expert's rows (gate_up) or per hidden
     # block (down, splitting its K): its bf16 rows hold 4x the bytes of MXFP4 ones.
     shared_split: int = 1
+    # Software-pipelining depth of the register path's K loops (1: none, the loads of a step are
+    # waited for before its arithmetic; more: the next steps' loads in flight meanwhile).
+    gemv_stages: int = 1
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):
@@ -65,6 +68,8 @@ class MoELaunchConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
+        if self.gemv_stages not in (1, 2, 3, 4):
+            raise ValueError(f"gemv_stages must be 1, 2, 3 or 4, got {self.gemv_stages}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:

@@ -234,7 +234,7 @@ def _fma_rows(part0, part1, part2, part3, w, a_ptr, stride_am, a_offs, word_mask
 @triton.jit
 def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                 PAIRS: tl.constexpr):
+                 PAIRS: tl.constexpr, STAGES: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for MXFP4 W given as int32 words (w_ptr, stride_wn in
     words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
     k = 8 w + i). Per code: one shift-and-mask pair (PAIRS: two codes per pair,
@@ -252,7 +252,7 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
     acc1 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         blk = k0 // 32 + offs_g  # [G] scale blocks
         offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] word columns
         # K is a multiple of 32: whole blocks are in or out, so the masks are constant along a
@@ -316,7 +316,8 @@ def _dp4a_row(acc, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, b
 
 @triton.jit
 def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-              M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+               STAGES: tl.constexpr):
     """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
     K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`); row r lands
     in row first_row + r of the [M_PAD, BLOCK_N] fp32 result."""
@@ -327,7 +328,7 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
     acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         blk = k0 // 32 + offs_g
         offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] words of 8 codes
         blk_mask = blk < K // 32  # K is a multiple of 32: whole blocks are in or out
@@ -360,14 +361,16 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
 @triton.jit
 def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                WORD32: tl.constexpr):
+                WORD32: tl.constexpr, STAGES: tl.constexpr):
     """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
-    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations."""
+    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations. STAGES:
+    the K loop's software-pipelining depth (1: none; more: the next steps' loads in flight, by
+    asynchronous copies into shared memory, while this step multiplies)."""
     if WORD32 == DP4A:
         return _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS)
+                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, STAGES)
     return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-                        M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2)
+                        M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2, STAGES)
 
 
 @triton.jit
@@ -385,7 +388,8 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 @triton.jit
 def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
             M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
+            GEMV_STAGES: tl.constexpr):
     """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_words` when WORD32 (MXFP4 W
     given as int32 words, at most GEMV_ROWS tokens; for WORD32 == DP4A `a` is split into int8 planes
     with scales at as_ptr, see impl.moe.triton_dp4a), else a K loop of `_tile_product`.
@@ -401,16 +405,18 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
             if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
                 acc = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
-                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32)
+                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32,
+                                  GEMV_STAGES)
             else:
                 acc = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
+                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, GEMV_STAGES)
             return acc
         return _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
+                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, GEMV_STAGES)
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The register path's depth is GEMV_STAGES; the tensor-core path keeps the kernel's num_stages.
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=GEMV_STAGES if GEMV_ROWS > 0 else None):
         acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
                              stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
     return acc
@@ -420,17 +426,17 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
 def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
-                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, GEMV_STAGES: tl.constexpr):
     if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
         acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
         acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
     else:
         offs_m = tl.arange(0, M_PAD)
         acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=GEMV_STAGES if GEMV_ROWS > 0 else None):
             acc_g += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn,
                                    stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
             acc_u += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
@@ -484,7 +490,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                       SHARED_SPLIT: tl.constexpr):
+                       SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows: its bf16 rows hold 4x the bytes of MXFP4 ones, so
@@ -507,14 +513,14 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 if WORD32 == DP4A:
                     act = _swiglu_tile(xq_ptr, stride_xqm, xs_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                        gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
-                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
                                      act, offs_m, offs_m < M_PAD, tl.program_id(1) * BLOCK_N, I, M_PAD, BLOCK_N)
                 else:
                     act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                        gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
-                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
                     tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
@@ -523,7 +529,8 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
         if tl.program_id(1) * BLOCK_N < I_SHARED:
             s_mask = offs_s < I_SHARED
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
-                               stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
+                               stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH,
+                               GEMV_STAGES)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
 
@@ -537,7 +544,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                    SHARED_SPLIT: tl.constexpr):
+                    SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
     its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
@@ -559,8 +566,9 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
             ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
-            acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                          M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+            acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn,
+                          stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
+                          GEMV_STAGES)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
@@ -570,7 +578,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
         k_lo = (slot - num_slots) * chunk
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False,
-                      GEMV_ROWS, False, False, FP32_MATH)
+                      GEMV_ROWS, False, False, FP32_MATH, GEMV_STAGES)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -760,7 +768,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), num_warps=cfg.gate_up_warps,
+        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
     sd = shared.down if shared is not None else x
@@ -773,6 +781,6 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), num_warps=cfg.down_warps,
+        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out

@@ -8,8 +8,8 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
 Tuning (`tune`) is per (shape, format, M): first the product path (tensor cores with our MXFP4
 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the bf16 or 32-bit-word decode),
-each with three tile presets, then the winner's gate_up tiles, down tiles, (register path) shared
-expert split and (MXFP4) warps,
+each with three tile presets, then the winner's gate_up tiles, down tiles, (register path)
+pipelining depth and shared expert split, and (MXFP4) warps,
 within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
 default routing.
 
@@ -248,6 +248,7 @@ TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, d
                 dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128),
                 dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256)]
 SWEEP_SHARED = [dict(shared_split=s) for s in (1, 2, 4, 8)]
+SWEEP_GEMV_STAGES = [dict(gemv_stages=s) for s in (1, 2, 3)]
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
@@ -266,8 +267,8 @@ def paths_for(fmt: str, m: int, only: frozenset | None = None) -> dict:
 
 def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozenset | None = None) -> MoELaunchConfig:
     """Coordinate search for M tokens: each product path (see `paths_for`) with each tile preset,
-    then, for the winner, the gate_up kernel's tiles, the down kernel's, (register path, with a
-    shared expert) the shared expert's split, and (MXFP4) the warps.
+    then, for the winner, the gate_up kernel's tiles, the down kernel's, (register path) the K
+    loops' pipelining depth and (with a shared expert) its split, and (MXFP4) the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining tile candidates are skipped (the path stage always
@@ -312,8 +313,9 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
             consider({**path, **tiles}, f"path {name} tiles {i}", always=True)
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
-    sweeps = ((SWEEP_GATE_UP, SWEEP_DOWN) + ((SWEEP_SHARED,) if best.gemv_max_tokens >= m and sh is not None else ())
-              + ((SWEEP_WARPS,) if fmt == "mxfp4" else ()))
+    gemv = best.gemv_max_tokens >= m
+    sweeps = ((SWEEP_GATE_UP, SWEEP_DOWN) + ((SWEEP_GEMV_STAGES,) if gemv else ())
+              + ((SWEEP_SHARED,) if gemv and sh is not None else ()) + ((SWEEP_WARPS,) if fmt == "mxfp4" else ()))
     for sweep in sweeps:
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
