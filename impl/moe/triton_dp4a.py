@@ -1,11 +1,13 @@
 """MXFP4 products as exact integer dot products (PTX `dp4a`): the "dp4a" decode of the Triton
 MoE's register path (`gemv_decode="dp4a"`, at most 4 tokens).
 
-Why: the fp32 register paths ("word32", "word32x2") spend about five instructions a code (the
-decode's shifts and masks, a rescale, a multiply-add, an activation load and widening; SASS in
-notes/moe-h200.md). Here a code costs about 1.4: two times an E2M1 value is an integer in
-[-12, 12], so one byte permute (`prmt`) looks up four codes at once in a table held in two
-registers, and one `dp4a` multiplies four such bytes by four int8 activations and adds them.
+Why: the fp32 register paths ("word32", "word32x2") spend about ten instructions a code in their
+compiled sm_90 loop (the decode's shifts and masks, a rescale, a multiply-add, activation loads
+and widening; notes/moe-h200.md). Two times an E2M1 value is an integer in [-12, 12], so byte
+permutes (`prmt`) look four codes up at a time in tables held in registers (three permutes per
+four codes: the positive table, the negative one, a pick by the sign bits), and one `dp4a`
+multiplies four such bytes by four int8 activations and adds them: about five instructions a
+code in the compiled loop, address arithmetic included.
 
 Numerics. The weights are exact (2 x E2M1). Each activation row is split, per block of 32 along
 K, into two int8 terms: a ~ s * (hi + lo / 128), s = 2**(e - 6) for e the exponent of the block's
