@@ -577,3 +577,19 @@ def test_experts_on_x_split_elsewhere_match_their_own_split():
         own = moe_experts(x, slots, w_gate_up, w_down, config=cfg)
     assert [e.kernel for e in prov.events] == ["split_int8_kernel+moe_gate_up_kernel+moe_down_kernel"]
     assert torch.equal(given, own)
+
+
+def test_dp4a_nan_in_an_input_row_reaches_exactly_that_row():
+    """The dp4a decode splits x per token and block of 32: a NaN in token 1's row gives that
+    block a NaN scale, so token 1's outputs are all NaN (as the oracle's), and no other token's
+    (each token's split is its own)."""
+    cfg = MXFP4_VARIANTS["gemv-dp4a"][0]
+    w_gate_up, w_down = make_weights(6, 96, 64, "mxfp4", seed=41)
+    weights, ids = random_routing(3, 2, 6, seed=42)
+    ids[1] = ids[0]  # token 1 shares token 0's experts: one slot computes both rows
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(43))
+    x[1, 50] = float("nan")
+    out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 32), config=cfg)
+    assert out[1].isnan().all() and ref[1].isnan().all()
+    assert out[[0, 2]].isfinite().all()
+    assert_rows_close(out[[0, 2]], ref[[0, 2]], DP4A_RTOL)
