@@ -577,6 +577,8 @@ def test_experts_on_x_split_elsewhere_match_their_own_split():
         own = moe_experts(x, slots, w_gate_up, w_down, config=cfg)
     assert [e.kernel for e in prov.events] == ["split_int8_kernel+moe_gate_up_kernel+moe_down_kernel"]
     assert torch.equal(given, own)
+    with pytest.raises(ValueError, match=r"x_split must be contiguous int32 planes \[2, 4, 12\]"):
+        moe_experts(x, slots, w_gate_up, w_down, config=cfg, x_split=(q[:1], s[:1]))
 
 
 def test_dp4a_nan_in_an_input_row_reaches_exactly_that_row():

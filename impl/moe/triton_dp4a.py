@@ -29,9 +29,27 @@ emulated bit for bit with integer ops, so CI runs the same tables and selectors 
 
 from __future__ import annotations
 
+import torch
+
 from impl.triton_env import INTERPRET, tl, triton
 
 ASM = tl.constexpr(not INTERPRET)  # the PTX instructions themselves (not the interpreter's emulation)
+
+
+def empty_split(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for m rows of k columns split: int32 planes [m, 4, k/8], fp32 scales [m, k/32]."""
+    return (torch.empty(m, 4, k // 8, dtype=torch.int32, device=device),
+            torch.empty(m, k // 32, dtype=torch.float32, device=device))
+
+
+def check_split(split: tuple[torch.Tensor, torch.Tensor], m: int, k: int, device) -> None:
+    """A clear error unless `split` is (planes, scales) as `empty_split(m, k, device)` makes them."""
+    q, s = split
+    if (q.shape != (m, 4, k // 8) or s.shape != (m, k // 32) or q.dtype != torch.int32 or s.dtype != torch.float32
+            or not (q.is_contiguous() and s.is_contiguous()) or q.device != device or s.device != device):
+        raise ValueError(f"x_split must be contiguous int32 planes [{m}, 4, {k // 8}] and fp32 scales [{m}, {k // 32}] "
+                         f"on {device}, got {q.dtype} {tuple(q.shape)} on {q.device} and {s.dtype} {tuple(s.shape)} "
+                         f"on {s.device}")
 
 
 def _int32(v: int) -> int:

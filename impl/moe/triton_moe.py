@@ -30,7 +30,8 @@ import torch
 from impl import backends
 from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
-from impl.moe.triton_dp4a import ASM, _dp4a, _e2m1_word_to_int8x4, split_int8_kernel, store_split_int8
+from impl.moe.triton_dp4a import (ASM, _dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
+                                  store_split_int8)
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
@@ -287,13 +288,22 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
         if ROWS > 2:
             acc2 += part2 * scale
             acc3 += part3 * scale
+    return _rows_tile(tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
+                      tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1), first_row, ROWS,
+                      M_PAD)
+
+
+@triton.jit
+def _rows_tile(r0, r1, r2, r3, first_row, ROWS: tl.constexpr, M_PAD: tl.constexpr):
+    """[M_PAD, BLOCK_N] fp32 holding the first ROWS of the [BLOCK_N] rows r0..r3 at rows first_row..,
+    zeros elsewhere (the rows not used are never computed)."""
     offs_m = tl.arange(0, M_PAD)
-    out = tl.where(offs_m[:, None] == first_row, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
+    out = tl.where(offs_m[:, None] == first_row, r0[None, :], 0.0)
     if ROWS > 1:
-        out += tl.where(offs_m[:, None] == first_row + 1, tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 1, r1[None, :], 0.0)
     if ROWS > 2:
-        out += tl.where(offs_m[:, None] == first_row + 2, tl.sum(tl.sum(acc2, axis=2), axis=1)[None, :], 0.0)
-        out += tl.where(offs_m[:, None] == first_row + 3, tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 2, r2[None, :], 0.0)
+        out += tl.where(offs_m[:, None] == first_row + 3, r3[None, :], 0.0)
     return out
 
 
@@ -348,14 +358,8 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
                              blk, word_mask, blk_mask, 2, M, ASM)
             acc3 = _dp4a_row(acc3, d0, d1, wscale, q_ptr + 3 * stride_qm, s_ptr + 3 * (K // 32), K, offs_word,
                              blk, word_mask, blk_mask, 3, M, ASM)
-    offs_m = tl.arange(0, M_PAD)
-    out = tl.where(offs_m[:, None] == first_row, tl.sum(acc0, axis=1)[None, :], 0.0)
-    if ROWS > 1:
-        out += tl.where(offs_m[:, None] == first_row + 1, tl.sum(acc1, axis=1)[None, :], 0.0)
-    if ROWS > 2:
-        out += tl.where(offs_m[:, None] == first_row + 2, tl.sum(acc2, axis=1)[None, :], 0.0)
-        out += tl.where(offs_m[:, None] == first_row + 3, tl.sum(acc3, axis=1)[None, :], 0.0)
-    return out
+    return _rows_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                      first_row, ROWS, M_PAD)
 
 
 @triton.jit
@@ -716,8 +720,7 @@ def split_buffers(x: torch.Tensor, top_k: int, w_gate_up, w_down,
     m, hidden = x.shape
     if _plan(m, top_k, w_gate_up, w_down, x.device, config)[3] != DP4A.value:
         return None
-    return (torch.empty(m, 4, hidden // 8, dtype=torch.int32, device=x.device),
-            torch.empty(m, hidden // 32, dtype=torch.float32, device=x.device))
+    return empty_split(m, hidden, x.device)
 
 
 def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
@@ -742,7 +745,9 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
-        xq, xs = x_split or split_buffers(x, top_k, w_gate_up, w_down, cfg)
+        if x_split is not None:
+            check_split(x_split, m, hidden, dev)
+        xq, xs = x_split or empty_split(m, hidden, dev)
         if split_here:
             split_int8_kernel[(m, triton.cdiv(hidden, SPLIT_BLOCK_K))](x, x.stride(0), xq, xs, hidden,
                                                                        BLOCK_K=SPLIT_BLOCK_K, num_warps=4)

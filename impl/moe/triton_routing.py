@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from impl.moe.triton_dp4a import store_split_int8
+from impl.moe.triton_dp4a import check_split, store_split_int8
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
 from impl.triton_env import tl, triton
 
@@ -217,11 +217,8 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     dev = x.device
     xq = xs = x  # read only when SPLIT_X
     if x_split is not None:
+        check_split(x_split, m, hidden, dev)
         xq, xs = x_split
-        if (xq.shape != (m, 4, hidden // 8) or xs.shape != (m, hidden // 32) or xq.dtype != torch.int32
-                or xs.dtype != torch.float32 or not (xq.is_contiguous() and xs.is_contiguous())):
-            raise ValueError(f"x_split must be contiguous int32 planes [{m}, 4, {hidden // 8}] and fp32 scales "
-                             f"[{m}, {hidden // 32}], got {xq.dtype} {tuple(xq.shape)} and {xs.dtype} {tuple(xs.shape)}")
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
     rows = triton.next_power_of_2(m)
     # Few experts per program, so that E / block_e programs (256 at E = 512) stream the router
