@@ -10,6 +10,7 @@ correctly everywhere they were tried.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,9 @@ def fallback(hidden: int, intermediate: int) -> MoELaunchConfig:
     return MoELaunchConfig()
 
 
+@functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
+    """The name tuned configs are keyed by (cached: a layer looks its config up on every call)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
