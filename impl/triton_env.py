@@ -8,6 +8,7 @@ arithmetic wrongly, so kernels take `FP32_MATH` as a constexpr and upcast before
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,4 +22,18 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP32_MATH = INTERPRET
 
-__all__ = ["FP32_MATH", "INTERPRET", "tl", "triton"]
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str:
+    """The name tuned launch configs are keyed by: the CUDA device's, or "cpu" (cached: kernels
+    look their configs up on every call)."""
+    if device.type != "cuda":
+        return "cpu"
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["FP32_MATH", "INTERPRET", "device_name", "tl", "triton"]

@@ -48,7 +48,7 @@ import torch
 
 from impl.head.configs import DOT_ROWS, GemvConfig, lookup
 from impl.quant.fp8 import dequantize_fp8
-from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
+from impl.triton_env import FP32_MATH, INTERPRET, device_name, tl, triton
 
 __all__ = ["ACTIVATION_DTYPES", "OUTPUT_DTYPES", "fp8_gemv", "fp8_gemv_kernel", "fp8_gemv_reference",
            "kernel_path", "launch_config"]
@@ -196,18 +196,9 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def _device_name(device: torch.device) -> str:
-    return _cuda_name(device.index or 0) if device.type == "cuda" else "cpu"
-
-
 def launch_config(n: int, k: int, m: int, device: torch.device) -> tuple[GemvConfig, str]:
     """The configuration `fp8_gemv` uses for this call, and the lookup rule that chose it."""
-    return lookup(n, k, m, _device_name(device), interpreter=INTERPRET)
+    return lookup(n, k, m, device_name(device), interpreter=INTERPRET)
 
 
 def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> None:

@@ -10,12 +10,13 @@ correctly everywhere they were tried.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from impl.triton_env import device_name
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 # How MXFP4 weights meet the activations on the tensor-core path (more tokens than gemv_max_tokens):
@@ -109,12 +110,6 @@ TUNED: dict[tuple, MoELaunchConfig] = load_tuned()
 def fallback(hidden: int, intermediate: int) -> MoELaunchConfig:
     """For shapes nobody tuned: the defaults (every shape of the fuzz suite runs with them)."""
     return MoELaunchConfig()
-
-
-@functools.lru_cache(maxsize=None)
-def device_name(device: torch.device) -> str:
-    """The name tuned configs are keyed by (cached: a layer looks its config up on every call)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def lookup(experts: int, hidden: int, intermediate: int, top_k: int, m: int, fmt: str,
