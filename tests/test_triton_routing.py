@@ -123,3 +123,7 @@ def test_route_triton_rejects_malformed_split_buffers():
     for bad in [(good[0][:1], good[1]), (good[0].float(), good[1]), (good[0], good[1][:, :1])]:
         with pytest.raises(ValueError, match="x_split must be contiguous int32 planes .* on "):
             route_triton(x, w, None, cfg, x_split=bad)
+    x40 = torch.randn(2, 40, device=DEVICE)  # not whole blocks of 32
+    with pytest.raises(ValueError, match="x_split needs the hidden size to be a multiple of 32, .* got 40"):
+        route_triton(x40, torch.randn(64, 40, device=DEVICE), None, cfg,
+                     x_split=(torch.empty(2, 4, 5, dtype=torch.int32, device=DEVICE), torch.empty(2, 1, device=DEVICE)))

@@ -45,6 +45,8 @@ def empty_split(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 def check_split(split: tuple[torch.Tensor, torch.Tensor], m: int, k: int, device) -> None:
     """A clear error unless `split` is (planes, scales) as `empty_split(m, k, device)` makes them."""
     q, s = split
+    if k % 32:
+        raise ValueError(f"x_split needs the hidden size to be a multiple of 32, whole blocks; got {k}")
     if (q.shape != (m, 4, k // 8) or s.shape != (m, k // 32) or q.dtype != torch.int32 or s.dtype != torch.float32
             or not (q.is_contiguous() and s.is_contiguous()) or q.device != device or s.device != device):
         raise ValueError(f"x_split must be contiguous int32 planes [{m}, 4, {k // 8}] and fp32 scales [{m}, {k // 32}] "

@@ -513,18 +513,19 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 n_mask = offs_n < I
                 g_ptr = w_ptr + expert.to(tl.int64) * stride_we
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
-                tokens = tl.load(slot_tokens_ptr + slot)
+                if WORD32 == DP4A:  # x as its int8 split
+                    a_ptr, stride_a, as_ptr = xq_ptr, stride_xqm, xs_ptr
+                else:
+                    a_ptr, stride_a, as_ptr = x_ptr, stride_xm, x_ptr
+                act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
+                                   gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
+                                   tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
+                                   SCALED, FP32_MATH, GEMV_STAGES)
                 if WORD32 == DP4A:
-                    act = _swiglu_tile(xq_ptr, stride_xqm, xs_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
-                                       gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
-                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
                                      act, offs_m, offs_m < M_PAD, tl.program_id(1) * BLOCK_N, I, M_PAD, BLOCK_N)
                 else:
-                    act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
-                                       gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn, tokens, M_PAD,
-                                       BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
                     tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
