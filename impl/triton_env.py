@@ -21,6 +21,8 @@ import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP32_MATH = INTERPRET
+# Inline PTX in kernels (the interpreter runs an emulation, or nothing for mere hints, instead).
+ASM = tl.constexpr(not INTERPRET)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,4 +38,4 @@ def device_name(device: torch.device) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["FP32_MATH", "INTERPRET", "device_name", "tl", "triton"]
+__all__ = ["ASM", "FP32_MATH", "INTERPRET", "device_name", "tl", "triton"]

@@ -62,8 +62,11 @@ def _compile_all(tiles) -> int:
             w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
             consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                           WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
-                          GEMV_STAGES=3 if rows else 1)
-            label = f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk}"
+                          GEMV_STAGES=3 if rows else 1, L2_PREFETCH=True, PDL=True)
+            if (mx, rows, word32) == (True, 1, 3):  # the committed configs' setting, on the dp4a path
+                consts.update(L2_PREFETCH=False, PDL=False)
+            label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} "
+                     f"prefetch/pdl={consts['PDL']}")
             attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
                     dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
                          xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
@@ -76,15 +79,15 @@ def _compile_all(tiles) -> int:
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")
     meta = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, ROWS=1, M_PAD=tm.M_PAD,
-                E_PAD=512, K_PAD=8, S_PAD=8)
+                E_PAD=512, K_PAD=8, S_PAD=8, PDL=True)
     attempt("router_topk_kernel 1 warp", tr.router_topk_kernel, meta, routing_ptrs, ("routed_scaling",), 1)
     attempt("router_topk_kernel softmax 4 rows", tr.router_topk_kernel,
             dict(meta, ROUTER=0, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, ROWS=4), routing_ptrs, ("routed_scaling",))
     for split_x in (False, True):
-        attempt(f"router_logits_kernel 4 rows split_x={split_x}", tr.router_logits_kernel,
-                dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x), routing_ptrs)
-        attempt(f"router_fused_kernel split_x={split_x}", tr.router_fused_kernel,
-                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x), routing_ptrs, ("routed_scaling",))
+        attempt(f"router_logits_kernel 4 rows split_x={split_x} pdl={split_x}", tr.router_logits_kernel,
+                dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x, PDL=split_x), routing_ptrs)
+        attempt(f"router_fused_kernel split_x={split_x} pdl={not split_x}", tr.router_fused_kernel,
+                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x), routing_ptrs, ("routed_scaling",))
     print("failures:", failures)
     return failures
 

@@ -399,6 +399,10 @@ MXFP4_VARIANTS = {
                                             gemv_decode="dp4a", gemv_stages=3), "gemv-dp4a", "dot-bits"),
     "gemv-word32x2-pipelined": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4,
                                                 gemv_decode="word32x2", gemv_stages=3), "gemv-word32x2", "dot-bits"),
+    # Each program's weight slab asked for in L2 at its start, and the launches overlapping (PDL;
+    # both hints the interpreter skips: on CPU this checks the kernels' other code is unchanged).
+    "gemv-dp4a-overlap": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
+                                          l2_prefetch=True, pdl=True), "gemv-dp4a", "dot-bits"),
 }
 # The dp4a decode splits x and the intermediate activations into two int8 terms, each value to
 # within 2**-13 of its block of 32's largest magnitude (impl/moe/triton_dp4a.py): in norm at most
@@ -416,7 +420,8 @@ VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gem
                     ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)]
                  + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
                  + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)]
-                 + [("gemv-dp4a-pipelined", 1), ("gemv-word32x2-pipelined", 4)])
+                 + [("gemv-dp4a-pipelined", 1), ("gemv-word32x2-pipelined", 4)]
+                 + [("gemv-dp4a-overlap", m) for m in (1, 3, 16)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -452,10 +457,41 @@ def test_shared_split_matches_reference(fmt, decode, split, tokens):
     assert_rows_close(out, ref, variant_rtol(decode) if tokens <= 4 else RTOL)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
+    """The whole layer (router kernels + expert kernels) under a tuned config with L2 prefetch and
+    PDL (on a GPU: each launch starting while the one before finishes) against the oracle
+    backend on the same block; the router is told to overlap too (provenance)."""
+    from impl.model.config import get_config
+    from impl.moe.random_layer import random_moe_block
+    cfg = get_config("tiny")
+    tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, l2_prefetch=True, pdl=True,
+                            **(dict(gemv_decode="dp4a") if fmt == "mxfp4" else {}))
+    for bucket in (1, 2):
+        monkeypatch.setitem(configs.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
+                                            bucket, fmt, configs.device_name(DEVICE)), tuned)
+    ours, oracle = (random_moe_block(cfg, fmt, DEVICE, backend, seed=5, dtype=torch.float32)
+                    for backend in ("triton", "reference"))
+    for tokens in (1, 2):
+        x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+        with backends.record_provenance() as prov, torch.no_grad():
+            out = ours(x)
+            ref = oracle(x)
+        assert [e.config.get("pdl") for e in prov.events if "router" in e.kernel] == [True]
+        assert [e.config["config"] for e in prov.events if "config" in e.config] == [tuned]
+        assert_rows_close(out.cpu(), ref.cpu(), variant_rtol("dp4a" if fmt == "mxfp4" else fmt))
+
+
 @pytest.mark.parametrize("stages", [0, 5])
 def test_launch_config_rejects_other_gemv_stages(stages):
     with pytest.raises(ValueError, match=f"gemv_stages must be 1, 2, 3 or 4, got {stages}"):
         MoELaunchConfig(gemv_stages=stages)
+
+
+@pytest.mark.parametrize("field", ["l2_prefetch", "pdl"])
+def test_launch_config_rejects_non_bool_overlap_flags(field):
+    with pytest.raises(TypeError, match=f"{field} must be a bool, got 1"):
+        MoELaunchConfig(**{field: 1})
 
 
 @pytest.mark.parametrize("split", [0, 3, 16])

@@ -33,6 +33,9 @@ VARIANTS = {
     "topk-1-warp": dict(topk_warps=1),
     "fused-1-warp": dict(fused=True, logits_warps=1),
     "k-tiles-of-32": dict(block_k=32),  # several K steps of the logits loop (the default takes one)
+    # Programmatic dependent launches (on a GPU; the interpreter runs launches in order anyway).
+    "pdl": dict(pdl=True),
+    "fused-pdl": dict(fused=True, pdl=True),
 }
 
 

@@ -54,6 +54,12 @@ class MoELaunchConfig:
     # Software-pipelining depth of the register path's K loops (1: none, the loads of a step are
     # waited for before its arithmetic; more: the next steps' loads in flight meanwhile).
     gemv_stages: int = 1
+    # Each expert-kernel program asks for its whole weight slab in L2 when it starts
+    # (impl/moe/triton_overlap.py), instead of a K step's worth at a time.
+    l2_prefetch: bool = False
+    # Programmatic dependent launch: each kernel of the layer starts while the one before it
+    # finishes, doing what does not depend on it (prefetches, the shared expert's gate_up).
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):
@@ -74,6 +80,9 @@ class MoELaunchConfig:
             raise ValueError(f"gemv_stages must be 1, 2, 3 or 4, got {self.gemv_stages}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
+        for name in ("l2_prefetch", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
             raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
                              f"in blocks of 32), got {self.gate_up_block_n}")

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from impl.triton_env import INTERPRET, tl, triton
-
-ASM = tl.constexpr(not INTERPRET)  # the PTX instructions themselves (not the interpreter's emulation)
+from impl.triton_env import ASM, tl, triton
 
 
 def empty_split(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,10 +30,11 @@ import torch
 from impl import backends
 from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
-from impl.moe.triton_dp4a import (ASM, _dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
+from impl.moe.triton_dp4a import (_dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
                                   store_split_int8)
+from impl.moe.triton_overlap import pdl_release, pdl_wait, prefetch_l2
 from impl.quant.mxfp4 import MXFP4Tensor
-from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
+from impl.triton_env import ASM, FP32_MATH, INTERPRET, tl, triton
 
 M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of M_PAD
 SPLIT_BLOCK_K = 512  # columns of x a program of `split_int8_kernel` splits (the dp4a decode)
@@ -494,7 +495,8 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                       SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr):
+                       SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows: its bf16 rows hold 4x the bytes of MXFP4 ones, so
@@ -504,15 +506,25 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
     row stride stride_xqm; scales xs_ptr) and write their activations split the same way (act_ptr
     planes, act_s_ptr scales, slot strides stride_as / stride_ass), ready for the down kernel."""
     slot = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     if slot < num_slots:
+        pdl_wait(PDL)  # the slots come from the launch before this one
+        pdl_release(PDL)
         expert = tl.load(slot_expert_ptr + slot)
         if expert >= 0:
-            if tl.program_id(1) * BLOCK_N < I:
+            if n0 < I:
                 n_mask = offs_n < I
                 g_ptr = w_ptr + expert.to(tl.int64) * stride_we
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
+                if L2_PREFETCH:  # this program's gate rows, then its up rows (and their scales)
+                    n1 = tl.minimum(n0 + BLOCK_N, I)
+                    for half in tl.static_range(2):
+                        prefetch_l2(g_ptr + (half * I + n0) * stride_wn, g_ptr + (half * I + n1) * stride_wn, ASM)
+                        if MXFP4:
+                            prefetch_l2(gs_ptr + (half * I + n0) * stride_sn, gs_ptr + (half * I + n1) * stride_sn,
+                                        ASM)
                 if WORD32 == DP4A:  # x as its int8 split
                     a_ptr, stride_a, as_ptr = xq_ptr, stride_xqm, xs_ptr
                 else:
@@ -529,10 +541,17 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                     tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
+        # Reads x and the shared weights only (two or more launches old): starts before the slots.
+        pdl_release(PDL)
         BLOCK_S: tl.constexpr = BLOCK_N // SHARED_SPLIT
-        offs_s = tl.program_id(1) * BLOCK_N + (slot - num_slots) * BLOCK_S + tl.arange(0, BLOCK_S)
-        if tl.program_id(1) * BLOCK_N < I_SHARED:
+        s0 = n0 + (slot - num_slots) * BLOCK_S
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        if n0 < I_SHARED:
             s_mask = offs_s < I_SHARED
+            if L2_PREFETCH:
+                s1 = tl.minimum(s0 + BLOCK_S, I_SHARED)
+                prefetch_l2(sg_ptr + s0 * stride_shn, sg_ptr + s1 * stride_shn, ASM)
+                prefetch_l2(su_ptr + s0 * stride_shn, su_ptr + s1 * stride_shn, ASM)
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
                                stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH,
                                GEMV_STAGES)
@@ -549,7 +568,8 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                    SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr):
+                    SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
     its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
@@ -564,11 +584,21 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     n_mask = offs_n < H
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    n1 = tl.minimum(hb * BLOCK_N + BLOCK_N, H)
     if slot < num_slots:
+        # The slots are two launches old: this program's weights can stream before the gate_up
+        # kernel's activations are complete.
         expert = tl.load(slot_expert_ptr + slot)
+        w_e = w_ptr + expert.to(tl.int64) * stride_we
+        ws_e = ws_ptr + expert.to(tl.int64) * stride_se
         if expert >= 0:
-            w_e = w_ptr + expert.to(tl.int64) * stride_we
-            ws_e = ws_ptr + expert.to(tl.int64) * stride_se
+            if L2_PREFETCH:
+                prefetch_l2(w_e + hb * BLOCK_N * stride_wn, w_e + n1 * stride_wn, ASM)
+                if MXFP4:
+                    prefetch_l2(ws_e + hb * BLOCK_N * stride_sn, ws_e + n1 * stride_sn, ASM)
+        pdl_wait(PDL)
+        pdl_release(PDL)
+        if expert >= 0:
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
             acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn,
@@ -581,6 +611,10 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     elif HAS_SHARED:
         chunk = tl.cdiv(I_SHARED, 32 * SHARED_SPLIT) * 32
         k_lo = (slot - num_slots) * chunk
+        if L2_PREFETCH and SHARED_SPLIT == 1:  # whole rows: one contiguous range
+            prefetch_l2(sd_ptr + hb * BLOCK_N * stride_sdn, sd_ptr + n1 * stride_sdn, ASM)
+        pdl_wait(PDL)
+        pdl_release(PDL)
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False,
                       GEMV_ROWS, False, False, FP32_MATH, GEMV_STAGES)
@@ -713,6 +747,13 @@ def _plan(m: int, top_k: int, w_gate_up, w_down, device, config: MoELaunchConfig
     return cfg, fmt, gemv_rows, word32
 
 
+def launch_config(x: torch.Tensor, top_k: int, w_gate_up, w_down,
+                  config: MoELaunchConfig | None = None) -> MoELaunchConfig:
+    """The launch config `moe_experts` runs for these tokens and weights (the router follows its
+    `pdl`)."""
+    return _plan(x.shape[0], top_k, w_gate_up, w_down, x.device, config)[0]
+
+
 def split_buffers(x: torch.Tensor, top_k: int, w_gate_up, w_down,
                   config: MoELaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Empty (planes, scales) for x split as the dp4a decode reads it, when `moe_experts` will run
@@ -745,6 +786,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
                   format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
+    pdl = cfg.pdl and not INTERPRET  # the interpreter runs launches one after another anyway
     if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)
@@ -774,7 +816,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, num_warps=cfg.gate_up_warps,
+        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, L2_PREFETCH=cfg.l2_prefetch, PDL=pdl,
+        launch_pdl=pdl, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
     sd = shared.down if shared is not None else x
@@ -787,6 +830,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, num_warps=cfg.down_warps,
+        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, L2_PREFETCH=cfg.l2_prefetch, PDL=pdl,
+        launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out

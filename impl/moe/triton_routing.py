@@ -16,21 +16,29 @@ import torch
 
 from impl.moe.triton_dp4a import check_split, store_split_int8
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
-from impl.triton_env import tl, triton
+from impl.moe.triton_overlap import pdl_release, pdl_wait, prefetch_l2
+from impl.triton_env import ASM, INTERPRET, tl, triton
 
 ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
 
 @triton.jit
 def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr,
-                         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr):
+                         ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
+                         PDL: tl.constexpr):
     """logits[:, block] = x Wr[block]^T as fp32 multiply-adds (a GEMV per token: no tensor-core
     padding to 16 rows, and no tf32 rounding). Each weight tile is loaded once and met by the
     tokens one at a time, so the tile (and the number of K steps, each a memory round trip) does
     not shrink as tokens are added.
     SPLIT_X: the programs also split x for the MoE's dp4a decode (impl.moe.triton_dp4a), a block
     of 32 columns each in turn, into planes xq_ptr [M, 4, H/8] and scales xs_ptr [M, H/32]: the
-    MoE's own split launch is saved."""
+    MoE's own split launch is saved.
+    PDL: the program's router rows are asked for in L2 before waiting for x's writer."""
+    if PDL:
+        e0 = tl.program_id(0) * BLOCK_E
+        prefetch_l2(w_ptr + e0 * stride_we, w_ptr + tl.minimum(e0 + BLOCK_E, E) * stride_we, ASM)
+        pdl_wait(PDL)
+        pdl_release(PDL)
     if SPLIT_X:
         offs_r = tl.arange(0, ROWS)
         for c in range(tl.program_id(0) * 32, H, tl.num_programs(0) * 32):
@@ -83,9 +91,12 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
                        M, E, TOP_K, num_slots, routed_scaling,
                        ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
-                       M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+                       M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                       PDL: tl.constexpr):
     """One program; tiles of ROWS = next_power_of_2(M) tokens (1 at decode), so a decode step
     does 1/16 of the work of a padded verify step."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
     _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
                     M, E, TOP_K, num_slots, routed_scaling, ROUTER, RENORMALIZE, HAS_BIAS, N_GROUP, TOPK_GROUP,
                     ROWS, M_PAD, E_PAD, K_PAD, S_PAD, "")
@@ -98,13 +109,14 @@ def router_fused_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, counter_
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
                         ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
-                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr):
+                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                        PDL: tl.constexpr):
     """Both routing steps in one launch: each program computes its experts' logits as
     `router_logits_kernel`; the program that arrives last (an atomic counter, as the MoE's down
     kernel does) reads all logits back past L1 and does `router_topk_kernel`'s work, then resets
     the counter for the next call. Saves a launch per layer."""
     router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr, ROWS, BLOCK_E,
-                         BLOCK_K, SPLIT_X)
+                         BLOCK_K, SPLIT_X, PDL)
     tl.debug_barrier()  # every thread's logits are written before the release below
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr,
@@ -191,14 +203,15 @@ def fused_routing_supported(router_config) -> bool:
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
                  block_e: int = 2, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
-                 logits_warps: int = 4, x_split: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+                 logits_warps: int = 4, x_split: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 pdl: bool = False) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
     (weights fp32 [M, k], ids int32 [M, k]) they were built from. `fused`: one launch
     (`router_fused_kernel`) instead of two; `topk_warps`: warps of the one-program top-k kernel
     (fewer warps, fewer block-wide barriers in its k rounds of reductions); `logits_warps`: of
     the logits kernel (and of the fused one, top-k included). `x_split` (from
-    `triton_moe.split_buffers`): buffers the logits kernel fills with x split for the dp4a MoE."""
+    `triton_moe.split_buffers`): buffers the logits kernel fills with x split for the dp4a MoE.
+    `pdl`: programmatic dependent launches (impl/moe/triton_overlap.py), as the MoE's `pdl`."""
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:
@@ -238,20 +251,21 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     topk_meta = dict(ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=bias is not None,
                      N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
                      ROWS=rows, M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
-                     S_PAD=triton.next_power_of_2(slots.num_slots))
+                     S_PAD=triton.next_power_of_2(slots.num_slots), PDL=pdl and not INTERPRET)
     scaling = float(config.routed_scaling_factor if sigmoid else 1.0)
     grid = (triton.cdiv(experts, block_e),)
     if fused:
         router_fused_kernel[grid](
             x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
             m, experts, hidden, top_k, slots.num_slots, scaling, xq, xs, BLOCK_E=block_e, BLOCK_K=block_k,
-            SPLIT_X=x_split is not None, **topk_meta, num_warps=logits_warps)
+            SPLIT_X=x_split is not None, **topk_meta, num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
         return slots, weights, ids
     router_logits_kernel[grid](
         x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden, xq, xs,
-        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_X=x_split is not None, num_warps=logits_warps)
+        ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_X=x_split is not None, PDL=topk_meta["PDL"],
+        num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
     router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
-                             num_warps=topk_warps)
+                             num_warps=topk_warps, launch_pdl=topk_meta["PDL"])
     return slots, weights, ids
 
 

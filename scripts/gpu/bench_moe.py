@@ -5,12 +5,13 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
+        [--paths gemv-dp4a,...] [--sweeps tiles,stages,shared,warps,overlap] [--from-committed]
 
-Tuning (`tune`) is per (shape, format, M): first the product path (tensor cores with our MXFP4
-decode or tl.dot_scaled; for M <= 4 also register GEMVs with the bf16 or 32-bit-word decode),
-each with three tile presets, then the winner's gate_up tiles, down tiles, (register path)
-pipelining depth and shared expert split, and (MXFP4) warps,
-within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
+Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
+(tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
+bf16 or 32-bit-word decode), each with three tile presets (or only the committed config), then
+the winner's gate_up tiles, down tiles, (register path) pipelining depth and shared expert
+split, (MXFP4) warps, and L2 prefetch and launch overlap, within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
 default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
@@ -37,12 +38,12 @@ import triton  # noqa: E402
 
 from impl.model.config import get_config  # noqa: E402
 from impl.moe.configs import (GEMV_DECODES, MXFP4_PRODUCTS, TUNED_PATH, MoELaunchConfig,  # noqa: E402
-                              device_name, m_bucket, save_tuned)
+                              device_name, lookup, m_bucket, save_tuned)
 from impl.moe.gather import moe_gather  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
 from impl.moe.shared import SharedExpert  # noqa: E402
-from impl.moe.triton_moe import moe_experts, split_buffers  # noqa: E402
+from impl.moe.triton_moe import launch_config, moe_experts, split_buffers  # noqa: E402
 from impl.moe.triton_routing import route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
 from impl.graphs import capture_graph  # noqa: E402
@@ -168,6 +169,18 @@ ROUTING_VARIANTS = {"fused": dict(fused=True), "top-k 1 warp": dict(topk_warps=1
                     "8 experts a program": dict(block_e=8)}
 
 
+def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
+    """The whole layer as the backend runs it (routing kernels, then the expert kernels), with an
+    explicit launch config (None: the committed one): with the dp4a decode the router's logits
+    kernel splits x, and the router overlaps its launches as the config's `pdl` says."""
+    gu, dn = block.experts.weights()
+    gate = block.gate
+    x_split = split_buffers(x, cfg.top_k, gu, dn, launch_cfg) if split_in_router else None
+    pdl = launch_config(x, cfg.top_k, gu, dn, launch_cfg).pdl
+    slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=pdl)
+    return moe_experts(x, slots, gu, dn, shared_of(block), launch_cfg, x_split=x_split)
+
+
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):
     xs = inputs(cfg, m)
     distinct = distinct_experts(block, xs)
@@ -178,10 +191,7 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     gate = block.gate
 
     def ours(x, split_in_router=True):
-        # As the backend's layer: with the dp4a decode the router's logits kernel splits x.
-        x_split = split_buffers(x, cfg.top_k, gu, dn, tuned_cfg) if split_in_router else None
-        slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split)
-        return moe_experts(x, slots, gu, dn, sh, tuned_cfg, x_split=x_split)
+        return layer_call(block, cfg, x, tuned_cfg, split_in_router)
 
     contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs],
                   "triton (ours), routing only": [
@@ -253,6 +263,10 @@ SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
+SWEEP_OVERLAP = [dict(l2_prefetch=True), dict(pdl=True), dict(l2_prefetch=True, pdl=True)]
+# The sweeps by name (`--sweeps`), in the order a tuning runs them.
+SWEEPS = {"tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "stages": (SWEEP_GEMV_STAGES,), "shared": (SWEEP_SHARED,),
+          "warps": (SWEEP_WARPS,), "overlap": (SWEEP_OVERLAP,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
 
@@ -265,30 +279,29 @@ def paths_for(fmt: str, m: int, only: frozenset | None = None) -> dict:
     return {k: v for k, v in paths.items() if only is None or k in only}
 
 
-def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozenset | None = None) -> MoELaunchConfig:
-    """Coordinate search for M tokens: each product path (see `paths_for`) with each tile preset,
-    then, for the winner, the gate_up kernel's tiles, the down kernel's, (register path) the K
-    loops' pipelining depth and (with a shared expert) its split, and (MXFP4) the warps.
+def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozenset | None = None,
+         sweeps: tuple = tuple(SWEEPS), from_committed: bool = False) -> MoELaunchConfig:
+    """Coordinate search for M tokens, timing the whole layer (routing included, so that the
+    launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
+    `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in
+    `SWEEPS` order: the gate_up and down tiles, (register path) the K loops' pipelining depth and
+    (with a shared expert) its split, (MXFP4) the warps, and the L2 prefetch and PDL flags.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
-    Past `deadline` (time.time()) the remaining tile candidates are skipped (the path stage always
+    Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
     runs whole) and the best so far wins."""
     xs = inputs(cfg, m)
-    gu, dn = block.experts.weights()
     sh = shared_of(block)
-    gate = block.gate
-    slots = [route_triton(x, gate.weight, gate.e_score_correction_bias, cfg)[0] for x in xs]
     with torch.no_grad():
-        expected = moe_experts(xs[0], slots[0], gu, dn, sh, MoELaunchConfig()).float()
+        expected = layer_call(block, cfg, xs[0], MoELaunchConfig()).float()
     best, best_us = None, float("inf")
 
     def measure(c):
         with torch.no_grad():
-            err = rel_err(moe_experts(xs[0], slots[0], gu, dn, sh, c), expected)
+            err = rel_err(layer_call(block, cfg, xs[0], c), expected)
             if not err <= TUNE_REL_ERR:
                 raise ValueError(f"output differs from the default config's by {err:.2e}")
-            return graph_us([lambda x=x, s=s: moe_experts(x, s, gu, dn, sh, c) for x, s in zip(xs, slots)],
-                            warmup=10, rep=80)
+            return graph_us([lambda x=x: layer_call(block, cfg, x, c) for x in xs], warmup=10, rep=80)
 
     skipped = []
 
@@ -304,28 +317,31 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
             log(f"  {label} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
             return
         log(f"  {label}: {us:.1f} us")
-        rows.append(dict(kind="tune-step", shape=cfg.name, fmt=fmt, M=m, label=label, experts_us=us))
+        rows.append(dict(kind="tune-step", shape=cfg.name, fmt=fmt, M=m, label=label, layer_us=us))
         if us < best_us:
             best, best_us = c, us
 
-    for name, path in paths_for(fmt, m, only).items():
-        for i, tiles in enumerate(TILE_PRESETS):
-            consider({**path, **tiles}, f"path {name} tiles {i}", always=True)
+    if from_committed:
+        committed = lookup(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, m, fmt, DEV)
+        consider(dataclasses.asdict(committed), "committed", always=True)
+    else:
+        for name, path in paths_for(fmt, m, only).items():
+            for i, tiles in enumerate(TILE_PRESETS):
+                consider({**path, **tiles}, f"path {name} tiles {i}", always=True)
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    sweeps = ((SWEEP_GATE_UP, SWEEP_DOWN) + ((SWEEP_GEMV_STAGES,) if gemv else ())
-              + ((SWEEP_SHARED,) if gemv and sh is not None else ()) + ((SWEEP_WARPS,) if fmt == "mxfp4" else ()))
-    for sweep in sweeps:
+    applies = {"stages": gemv, "shared": gemv and sh is not None, "warps": fmt == "mxfp4"}
+    for sweep in (sw for name in SWEEPS if name in sweeps and applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
             if cand != dataclasses.asdict(best):
                 consider(cand, str(params))
     if skipped:
         log(f"  past this tuning's time budget: skipped {len(skipped)} candidates ({skipped[0]} ...)")
-    rows.append(dict(kind="tuned", shape=cfg.name, fmt=fmt, M=m, experts_us=best_us, config=best.__dict__,
+    rows.append(dict(kind="tuned", shape=cfg.name, fmt=fmt, M=m, layer_us=best_us, config=best.__dict__,
                      skipped=len(skipped)))
-    log(f"tuned {cfg.name} {fmt} M={m}: experts {best_us:.1f} us with {best}")
+    log(f"tuned {cfg.name} {fmt} M={m}: layer {best_us:.1f} us with {best}")
     return best
 
 
@@ -336,6 +352,14 @@ def parse_paths(value: str) -> frozenset | None:
         raise argparse.ArgumentTypeError(f"unknown product paths {sorted(unknown)}; known: "
                                          f"{', '.join([*PATHS_DOT, *PATHS_GEMV])}")
     return names or None
+
+
+def parse_sweeps(value: str) -> tuple:
+    names = tuple(v for v in value.split(",") if v)
+    unknown = set(names) - set(SWEEPS)
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown or no sweeps {sorted(unknown)}; known: {', '.join(SWEEPS)}")
+    return names
 
 
 def tuned_buckets(m: int, ms: list[int]) -> set[int]:
@@ -356,6 +380,10 @@ def main() -> None:
     ap.add_argument("--paths", default="", type=parse_paths,
                     help="comma-separated MXFP4 product paths the tuning tries (default: all of "
                          f"{', '.join([*PATHS_DOT, *PATHS_GEMV])})")
+    ap.add_argument("--sweeps", default=",".join(SWEEPS), type=parse_sweeps,
+                    help="comma-separated sweeps after the path stage (default: %(default)s)")
+    ap.add_argument("--from-committed", action="store_true",
+                    help="start the sweeps from the committed config instead of the path stage")
     ap.add_argument("--tune-budget-s", type=float, default=180.0,
                     help="seconds for all tuning together, shared equally by the (shape, format, M) "
                          "tunings still to run; a tuning past its share keeps its best so far")
@@ -386,7 +414,8 @@ def main() -> None:
                     share = max(0.0, tune_end - time.time()) / tunings_left
                     tunings_left -= 1
                     try:
-                        cfg_m = tune(block, cfg, fmt, m, rows, deadline=time.time() + share, only=args.paths)
+                        cfg_m = tune(block, cfg, fmt, m, rows, deadline=time.time() + share, only=args.paths,
+                                     sweeps=args.sweeps, from_committed=args.from_committed)
                     except Exception as e:
                         log(f"tuning {cfg.name} {fmt} M={m} failed: {type(e).__name__}: {e}")
                         traceback.print_exc()
