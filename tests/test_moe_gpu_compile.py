@@ -62,11 +62,8 @@ def _compile_all(tiles) -> int:
             w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
             consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                           WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
-                          GEMV_STAGES=3 if rows else 1, L2_PREFETCH=True, PDL=True)
-            if (mx, rows, word32) == (True, 1, 3):  # the committed configs' setting, on the dp4a path
-                consts.update(L2_PREFETCH=False, PDL=False)
-            label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} "
-                     f"prefetch/pdl={consts['PDL']}")
+                          PDL=word32 != 2)  # (launched without PDL, the kernels compile as they did before it)
+            label = f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']}"
             attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
                     dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
                          xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))

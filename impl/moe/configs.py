@@ -51,14 +51,8 @@ class MoELaunchConfig:
     # On the register path, programs per block of the shared expert's rows (gate_up) or per hidden
     # block (down, splitting its K): its bf16 rows hold 4x the bytes of MXFP4 ones.
     shared_split: int = 1
-    # Software-pipelining depth of the register path's K loops (1: none, the loads of a step are
-    # waited for before its arithmetic; more: the next steps' loads in flight meanwhile).
-    gemv_stages: int = 1
-    # Each expert-kernel program asks for its whole weight slab in L2 when it starts
-    # (impl/moe/triton_overlap.py), instead of a K step's worth at a time.
-    l2_prefetch: bool = False
-    # Programmatic dependent launch: each kernel of the layer starts while the one before it
-    # finishes, doing what does not depend on it (prefetches, the shared expert's gate_up).
+    # Programmatic dependent launch (impl/moe/triton_pdl.py): each kernel of the layer, router
+    # included, starts while the one before it finishes (the shared expert's gate_up meanwhile).
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -76,13 +70,10 @@ class MoELaunchConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
-        if self.gemv_stages not in (1, 2, 3, 4):
-            raise ValueError(f"gemv_stages must be 1, 2, 3 or 4, got {self.gemv_stages}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("l2_prefetch", "pdl"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"pdl must be a bool, got {self.pdl!r}")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
             raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
                              f"in blocks of 32), got {self.gate_up_block_n}")

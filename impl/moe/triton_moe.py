@@ -32,7 +32,7 @@ from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
 from impl.moe.triton_dp4a import (_dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
                                   store_split_int8)
-from impl.moe.triton_overlap import pdl_release, pdl_wait, prefetch_l2
+from impl.moe.triton_pdl import pdl_release, pdl_wait
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import ASM, FP32_MATH, INTERPRET, tl, triton
 
@@ -236,7 +236,7 @@ def _fma_rows(part0, part1, part2, part3, w, a_ptr, stride_am, a_offs, word_mask
 @triton.jit
 def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                 PAIRS: tl.constexpr, STAGES: tl.constexpr):
+                 PAIRS: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for MXFP4 W given as int32 words (w_ptr, stride_wn in
     words: the packed bytes viewed as int32, 8 codes a word, little-endian so code i of word w is
     k = 8 w + i). Per code: one shift-and-mask pair (PAIRS: two codes per pair,
@@ -254,7 +254,7 @@ def _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_w
     acc1 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, G, 4), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, K, BLOCK_K):
         blk = k0 // 32 + offs_g  # [G] scale blocks
         offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] word columns
         # K is a multiple of 32: whole blocks are in or out, so the masks are constant along a
@@ -327,8 +327,7 @@ def _dp4a_row(acc, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, b
 
 @triton.jit
 def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-               STAGES: tl.constexpr):
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
     K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`); row r lands
     in row first_row + r of the [M_PAD, BLOCK_N] fp32 result."""
@@ -339,7 +338,7 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
     acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in range(0, K, BLOCK_K):
         blk = k0 // 32 + offs_g
         offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] words of 8 codes
         blk_mask = blk < K // 32  # K is a multiple of 32: whole blocks are in or out
@@ -366,16 +365,14 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
 @triton.jit
 def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                WORD32: tl.constexpr, STAGES: tl.constexpr):
+                WORD32: tl.constexpr):
     """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
-    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations. STAGES:
-    the K loop's software-pipelining depth (1: none; more: the next steps' loads in flight, by
-    asynchronous copies into shared memory, while this step multiplies)."""
+    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations."""
     if WORD32 == DP4A:
         return _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, STAGES)
+                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS)
     return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-                        M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2, STAGES)
+                        M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2)
 
 
 @triton.jit
@@ -393,8 +390,7 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 @triton.jit
 def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
             M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-            GEMV_STAGES: tl.constexpr):
+            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_words` when WORD32 (MXFP4 W
     given as int32 words, at most GEMV_ROWS tokens; for WORD32 == DP4A `a` is split into int8 planes
     with scales at as_ptr, see impl.moe.triton_dp4a), else a K loop of `_tile_product`.
@@ -410,18 +406,16 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
             if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
                 acc = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
-                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32,
-                                  GEMV_STAGES)
+                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32)
             else:
                 acc = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, GEMV_STAGES)
+                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
             return acc
         return _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, GEMV_STAGES)
+                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    # The register path's depth is GEMV_STAGES; the tensor-core path keeps the kernel's num_stages.
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=GEMV_STAGES if GEMV_ROWS > 0 else None):
+    for k0 in range(0, K, BLOCK_K):
         acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
                              stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
     return acc
@@ -431,17 +425,17 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
 def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
-                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, GEMV_STAGES: tl.constexpr):
+                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
         acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
         acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, GEMV_STAGES)
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
     else:
         offs_m = tl.arange(0, M_PAD)
         acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=GEMV_STAGES if GEMV_ROWS > 0 else None):
+        for k0 in range(0, K, BLOCK_K):
             acc_g += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn,
                                    stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
             acc_u += _tile_product(x_ptr, stride_xm, offs_m, M, k0, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
@@ -495,8 +489,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                       SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr,
-                       PDL: tl.constexpr):
+                       SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows: its bf16 rows hold 4x the bytes of MXFP4 ones, so
@@ -518,13 +511,6 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 n_mask = offs_n < I
                 g_ptr = w_ptr + expert.to(tl.int64) * stride_we
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
-                if L2_PREFETCH:  # this program's gate rows, then its up rows (and their scales)
-                    n1 = tl.minimum(n0 + BLOCK_N, I)
-                    for half in tl.static_range(2):
-                        prefetch_l2(g_ptr + (half * I + n0) * stride_wn, g_ptr + (half * I + n1) * stride_wn, ASM)
-                        if MXFP4:
-                            prefetch_l2(gs_ptr + (half * I + n0) * stride_sn, gs_ptr + (half * I + n1) * stride_sn,
-                                        ASM)
                 if WORD32 == DP4A:  # x as its int8 split
                     a_ptr, stride_a, as_ptr = xq_ptr, stride_xqm, xs_ptr
                 else:
@@ -532,7 +518,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
                                    tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
-                                   SCALED, FP32_MATH, GEMV_STAGES)
+                                   SCALED, FP32_MATH)
                 if WORD32 == DP4A:
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
@@ -548,13 +534,8 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
         offs_s = s0 + tl.arange(0, BLOCK_S)
         if n0 < I_SHARED:
             s_mask = offs_s < I_SHARED
-            if L2_PREFETCH:
-                s1 = tl.minimum(s0 + BLOCK_S, I_SHARED)
-                prefetch_l2(sg_ptr + s0 * stride_shn, sg_ptr + s1 * stride_shn, ASM)
-                prefetch_l2(su_ptr + s0 * stride_shn, su_ptr + s1 * stride_shn, ASM)
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
-                               stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH,
-                               GEMV_STAGES)
+                               stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
 
@@ -568,8 +549,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                    SHARED_SPLIT: tl.constexpr, GEMV_STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr,
-                    PDL: tl.constexpr):
+                    SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
     its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
@@ -584,26 +564,17 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     n_mask = offs_n < H
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    n1 = tl.minimum(hb * BLOCK_N + BLOCK_N, H)
+    pdl_wait(PDL)  # the gate_up kernel's activations
+    pdl_release(PDL)
     if slot < num_slots:
-        # The slots are two launches old: this program's weights can stream before the gate_up
-        # kernel's activations are complete.
         expert = tl.load(slot_expert_ptr + slot)
-        w_e = w_ptr + expert.to(tl.int64) * stride_we
-        ws_e = ws_ptr + expert.to(tl.int64) * stride_se
         if expert >= 0:
-            if L2_PREFETCH:
-                prefetch_l2(w_e + hb * BLOCK_N * stride_wn, w_e + n1 * stride_wn, ASM)
-                if MXFP4:
-                    prefetch_l2(ws_e + hb * BLOCK_N * stride_sn, ws_e + n1 * stride_sn, ASM)
-        pdl_wait(PDL)
-        pdl_release(PDL)
-        if expert >= 0:
+            w_e = w_ptr + expert.to(tl.int64) * stride_we
+            ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
             acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn,
-                          stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
-                          GEMV_STAGES)
+                          stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
@@ -611,13 +582,9 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     elif HAS_SHARED:
         chunk = tl.cdiv(I_SHARED, 32 * SHARED_SPLIT) * 32
         k_lo = (slot - num_slots) * chunk
-        if L2_PREFETCH and SHARED_SPLIT == 1:  # whole rows: one contiguous range
-            prefetch_l2(sd_ptr + hb * BLOCK_N * stride_sdn, sd_ptr + n1 * stride_sdn, ASM)
-        pdl_wait(PDL)
-        pdl_release(PDL)
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False,
-                      GEMV_ROWS, False, False, FP32_MATH, GEMV_STAGES)
+                      GEMV_ROWS, False, False, FP32_MATH)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -816,7 +783,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, L2_PREFETCH=cfg.l2_prefetch, PDL=pdl,
+        SHARED_SPLIT=max(shared_slots, 1), PDL=pdl,
         launch_pdl=pdl, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
@@ -830,7 +797,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), GEMV_STAGES=cfg.gemv_stages, L2_PREFETCH=cfg.l2_prefetch, PDL=pdl,
+        SHARED_SPLIT=max(shared_slots, 1), PDL=pdl,
         launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out

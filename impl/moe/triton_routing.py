@@ -16,8 +16,8 @@ import torch
 
 from impl.moe.triton_dp4a import check_split, store_split_int8
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
-from impl.moe.triton_overlap import pdl_release, pdl_wait, prefetch_l2
-from impl.triton_env import ASM, INTERPRET, tl, triton
+from impl.moe.triton_pdl import pdl_release, pdl_wait
+from impl.triton_env import INTERPRET, tl, triton
 
 ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
@@ -32,13 +32,9 @@ def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H
     not shrink as tokens are added.
     SPLIT_X: the programs also split x for the MoE's dp4a decode (impl.moe.triton_dp4a), a block
     of 32 columns each in turn, into planes xq_ptr [M, 4, H/8] and scales xs_ptr [M, H/32]: the
-    MoE's own split launch is saved.
-    PDL: the program's router rows are asked for in L2 before waiting for x's writer."""
-    if PDL:
-        e0 = tl.program_id(0) * BLOCK_E
-        prefetch_l2(w_ptr + e0 * stride_we, w_ptr + tl.minimum(e0 + BLOCK_E, E) * stride_we, ASM)
-        pdl_wait(PDL)
-        pdl_release(PDL)
+    MoE's own split launch is saved."""
+    pdl_wait(PDL)  # x's writer
+    pdl_release(PDL)
     if SPLIT_X:
         offs_r = tl.arange(0, ROWS)
         for c in range(tl.program_id(0) * 32, H, tl.num_programs(0) * 32):
@@ -143,8 +139,10 @@ def _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr,
         row_max = tl.where(offs_m < M, tl.max(logits, axis=1), 0.0)  # padded rows are all -inf
         denom = tl.maximum(tl.sum(tl.exp(logits - row_max[:, None]), axis=1), 1e-30)
         choice = tl.where(live, tl.exp(logits - row_max[:, None]) / denom[:, None], float("-inf"))
+        scores = choice
     else:  # sigmoid; the correction bias moves the choice, not the weights
-        choice = 1.0 / (1.0 + tl.exp(-logits))
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+        choice = scores
         if HAS_BIAS:
             choice = choice + tl.load(bias_ptr + offs_e, mask=offs_e < E, other=0.0)[None, :]
         choice = tl.where(live, choice, float("-inf"))
@@ -171,26 +169,26 @@ def _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr,
         best = tl.max(keys, axis=1)
         ids = tl.where(offs_k[None, :] == j, _key_index(best, E_PAD)[:, None], ids)
         keys = tl.where(keys == best[:, None], MIN_KEY, keys)
-    # The chosen experts' scores, recomputed from their logits by the same expressions as above
-    # (bit-identical; the choice may include the correction bias, the weights do not).
+    # The chosen experts' scores (without the correction bias), gathered from registers.
     in_k = offs_k[None, :] < TOP_K
-    picked = tl.load(logits_ptr + offs_m[:, None] * E + ids, mask=(offs_m[:, None] < M) & in_k, other=0.0,
-                     cache_modifier=CACHE)
-    if ROUTER == 0:
-        weights = tl.exp(picked - row_max[:, None]) / denom[:, None]
-    else:
-        weights = 1.0 / (1.0 + tl.exp(-picked))
-    weights = tl.where(in_k, weights, 0.0)
+    weights = tl.where(in_k, tl.gather(scores, ids, axis=1), 0.0)
     if RENORMALIZE:
         weights = weights / (tl.sum(tl.where(in_k, weights, 0.0), axis=1)[:, None] + 1e-20)
     weights = weights * routed_scaling
     valid = (offs_m[:, None] < M) & in_k
     tl.store(ids_ptr + offs_m[:, None] * TOP_K + offs_k[None, :], ids, mask=valid)
     tl.store(weights_ptr + offs_m[:, None] * TOP_K + offs_k[None, :], weights, mask=valid)
-    P: tl.constexpr = ROWS * K_PAD
-    write_slots(tl.reshape(ids, (P,)), tl.reshape(weights, (P,)), tl.reshape(valid, (P,)),
-                tl.arange(0, P) // K_PAD, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
-                P, S_PAD, M_PAD)
+    if ROWS == 1:  # a decode step: its k experts are distinct, so slot j is choice j (no grouping)
+        tl.store(slot_expert_ptr + offs_k, tl.reshape(ids, (K_PAD,)), mask=offs_k < TOP_K)
+        tl.store(slot_tokens_ptr + offs_k, tl.full((K_PAD,), 1, tl.int32), mask=offs_k < TOP_K)
+        offs_t = tl.arange(0, M_PAD)
+        tl.store(slot_weight_ptr + offs_k[:, None] * M_PAD + offs_t[None, :],
+                 tl.where(offs_t[None, :] == 0, tl.reshape(weights, (K_PAD, 1)), 0.0), mask=(offs_k < TOP_K)[:, None])
+    else:
+        P: tl.constexpr = ROWS * K_PAD
+        write_slots(tl.reshape(ids, (P,)), tl.reshape(weights, (P,)), tl.reshape(valid, (P,)),
+                    tl.arange(0, P) // K_PAD, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
+                    P, S_PAD, M_PAD)
 
 
 def fused_routing_supported(router_config) -> bool:
@@ -211,7 +209,7 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     (fewer warps, fewer block-wide barriers in its k rounds of reductions); `logits_warps`: of
     the logits kernel (and of the fused one, top-k included). `x_split` (from
     `triton_moe.split_buffers`): buffers the logits kernel fills with x split for the dp4a MoE.
-    `pdl`: programmatic dependent launches (impl/moe/triton_overlap.py), as the MoE's `pdl`."""
+    `pdl`: programmatic dependent launches (impl/moe/triton_pdl.py), as the MoE's `pdl`."""
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:

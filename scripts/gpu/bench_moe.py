@@ -5,13 +5,13 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
-        [--paths gemv-dp4a,...] [--sweeps tiles,stages,shared,warps,overlap] [--from-committed]
+        [--paths gemv-dp4a,...] [--sweeps tiles,shared,warps,pdl] [--from-committed]
 
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
 bf16 or 32-bit-word decode), each with three tile presets (or only the committed config), then
-the winner's gate_up tiles, down tiles, (register path) pipelining depth and shared expert
-split, (MXFP4) warps, and L2 prefetch and launch overlap, within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
+the winner's gate_up tiles, down tiles, (register path) shared expert split, (MXFP4) warps, and
+launches overlapping (PDL) or not, within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
 default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
@@ -258,15 +258,14 @@ TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, d
                 dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128),
                 dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256)]
 SWEEP_SHARED = [dict(shared_split=s) for s in (1, 2, 4, 8)]
-SWEEP_GEMV_STAGES = [dict(gemv_stages=s) for s in (1, 2, 3)]
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
-SWEEP_OVERLAP = [dict(l2_prefetch=True), dict(pdl=True), dict(l2_prefetch=True, pdl=True)]
+SWEEP_PDL = [dict(pdl=True), dict(pdl=False)]
 # The sweeps by name (`--sweeps`), in the order a tuning runs them.
-SWEEPS = {"tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "stages": (SWEEP_GEMV_STAGES,), "shared": (SWEEP_SHARED,),
-          "warps": (SWEEP_WARPS,), "overlap": (SWEEP_OVERLAP,)}
+SWEEPS = {"tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "shared": (SWEEP_SHARED,), "warps": (SWEEP_WARPS,),
+          "pdl": (SWEEP_PDL,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
 
@@ -284,8 +283,8 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in
-    `SWEEPS` order: the gate_up and down tiles, (register path) the K loops' pipelining depth and
-    (with a shared expert) its split, (MXFP4) the warps, and the L2 prefetch and PDL flags.
+    `SWEEPS` order: the gate_up and down tiles, (register path, with a shared expert) its split,
+    (MXFP4) the warps, and launches overlapping (PDL) or not.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
@@ -331,7 +330,7 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    applies = {"stages": gemv, "shared": gemv and sh is not None, "warps": fmt == "mxfp4"}
+    applies = {"shared": gemv and sh is not None, "warps": fmt == "mxfp4"}
     for sweep in (sw for name in SWEEPS if name in sweeps and applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
