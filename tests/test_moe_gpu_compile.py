@@ -63,11 +63,12 @@ def _compile_all(tiles) -> int:
             consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                           WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
                           PDL=word32 != 2)  # (launched without PDL, the kernels compile as they did before it)
+            down_consts = dict(consts, PREFETCH=consts["PDL"] and rows > 0)
             label = f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']}"
             attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
                     dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
                          xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
-            attempt(f"moe_down_kernel {label}", tm.moe_down_kernel, consts,
+            attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']}", tm.moe_down_kernel, down_consts,
                     dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_t,
                          ws_ptr="*u8", partial_ptr="*fp32", counter_ptr="*i32",
                          act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
@@ -82,9 +83,10 @@ def _compile_all(tiles) -> int:
             dict(meta, ROUTER=0, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, ROWS=4), routing_ptrs, ("routed_scaling",))
     for split_x in (False, True):
         attempt(f"router_logits_kernel 4 rows split_x={split_x} pdl={split_x}", tr.router_logits_kernel,
-                dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x, PDL=split_x), routing_ptrs)
+                dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x, PDL=split_x, PREFETCH=split_x), routing_ptrs)
         attempt(f"router_fused_kernel split_x={split_x} pdl={not split_x}", tr.router_fused_kernel,
-                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x), routing_ptrs, ("routed_scaling",))
+                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x, PREFETCH=not split_x), routing_ptrs,
+                ("routed_scaling",))
     print("failures:", failures)
     return failures
 

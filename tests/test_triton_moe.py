@@ -396,7 +396,7 @@ MXFP4_VARIANTS = {
                   "gemv-dp4a", "dot-bits"),
     # Launches overlapping (PDL, on a GPU; the interpreter runs launches in order anyway).
     "gemv-dp4a-pdl": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
-                                      pdl=True), "gemv-dp4a", "dot-bits"),
+                                      pdl=True, pdl_prefetch=True), "gemv-dp4a", "dot-bits"),
 }
 # The dp4a decode splits x and the intermediate activations into two int8 terms, each value to
 # within 2**-13 of its block of 32's largest magnitude (impl/moe/triton_dp4a.py): in norm at most
@@ -459,7 +459,7 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
     from impl.model.config import get_config
     from impl.moe.random_layer import random_moe_block
     cfg = get_config("tiny")
-    tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True,
+    tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True, pdl_prefetch=True,
                             **(dict(gemv_decode="dp4a") if fmt == "mxfp4" else {}))
     for bucket in (1, 2):
         monkeypatch.setitem(configs.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
@@ -471,14 +471,21 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
         with backends.record_provenance() as prov, torch.no_grad():
             out = ours(x)
             ref = oracle(x)
-        assert [e.config.get("pdl") for e in prov.events if "router" in e.kernel] == [True]
+        assert [(e.config.get("pdl"), e.config.get("prefetch")) for e in prov.events if "router" in e.kernel] == [
+            (True, True)]
         assert [e.config["config"] for e in prov.events if "config" in e.config] == [tuned]
         assert_rows_close(out.cpu(), ref.cpu(), variant_rtol("dp4a" if fmt == "mxfp4" else fmt))
 
 
-def test_launch_config_rejects_a_non_bool_pdl():
-    with pytest.raises(TypeError, match="pdl must be a bool, got 1"):
-        MoELaunchConfig(pdl=1)
+@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch"])
+def test_launch_config_rejects_non_bool_pdl_flags(field):
+    with pytest.raises(TypeError, match=f"{field} must be a bool, got 1"):
+        MoELaunchConfig(**{field: 1})
+
+
+def test_pdl_prefetch_needs_pdl():
+    with pytest.raises(ValueError, match="pdl_prefetch needs pdl"):
+        MoELaunchConfig(pdl_prefetch=True)
 
 
 @pytest.mark.parametrize("split", [0, 3, 16])

@@ -35,7 +35,7 @@ VARIANTS = {
     "k-tiles-of-32": dict(block_k=32),  # several K steps of the logits loop (the default takes one)
     # Programmatic dependent launches (on a GPU; the interpreter runs launches in order anyway).
     "pdl": dict(pdl=True),
-    "fused-pdl": dict(fused=True, pdl=True),
+    "fused-pdl": dict(fused=True, pdl=True, prefetch=True),
 }
 
 
@@ -84,6 +84,13 @@ def test_route_triton_rejects_bad_warps():
     x, w = torch.randn(1, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
     with pytest.raises(ValueError, match="topk_warps and logits_warps must be 1, 2, 4 or 8, got 3, 4"):
         route_triton(x, w, None, cfg, topk_warps=3)
+
+
+def test_route_triton_rejects_prefetch_without_pdl():
+    cfg = CONFIGS["softmax-e64-k6"]
+    x, w = torch.randn(1, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="prefetch needs pdl"):
+        route_triton(x, w, None, cfg, prefetch=True)
 
 
 @pytest.mark.parametrize("tiles", [dict(block_e=3), dict(block_e=0), dict(block_k=48), dict(block_k=16)])

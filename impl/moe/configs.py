@@ -54,6 +54,9 @@ class MoELaunchConfig:
     # Programmatic dependent launch (impl/moe/triton_pdl.py): each kernel of the layer, router
     # included, starts while the one before it finishes (the shared expert's gate_up meanwhile).
     pdl: bool = False
+    # With pdl: while a program waits for the launch before it, it asks for its weights in L2
+    # (down kernel: its expert's rows; router: its experts' rows).
+    pdl_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k"):
@@ -72,8 +75,11 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        if not isinstance(self.pdl, bool):
-            raise TypeError(f"pdl must be a bool, got {self.pdl!r}")
+        for name in ("pdl", "pdl_prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.pdl_prefetch and not self.pdl:
+            raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
             raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
                              f"in blocks of 32), got {self.gate_up_block_n}")

@@ -32,7 +32,7 @@ from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
 from impl.moe.triton_dp4a import (_dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
                                   store_split_int8)
-from impl.moe.triton_pdl import pdl_release, pdl_wait
+from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import ASM, FP32_MATH, INTERPRET, tl, triton
 
@@ -549,7 +549,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                    SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                    SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
     its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
@@ -564,6 +564,18 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     n_mask = offs_n < H
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:  # this program's weight rows, while the gate_up kernel runs (the slots are older)
+        n1 = tl.minimum(hb * BLOCK_N + BLOCK_N, H)
+        if slot < num_slots:
+            e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+            if e >= 0:
+                prefetch_l2(w_ptr + e * stride_we + hb * BLOCK_N * stride_wn, w_ptr + e * stride_we + n1 * stride_wn,
+                            ASM)
+                if MXFP4:
+                    prefetch_l2(ws_ptr + e * stride_se + hb * BLOCK_N * stride_sn,
+                                ws_ptr + e * stride_se + n1 * stride_sn, ASM)
+        elif HAS_SHARED and SHARED_SPLIT == 1:  # whole rows of the shared expert: one range
+            prefetch_l2(sd_ptr + hb * BLOCK_N * stride_sdn, sd_ptr + n1 * stride_sdn, ASM)
     pdl_wait(PDL)  # the gate_up kernel's activations
     pdl_release(PDL)
     if slot < num_slots:
@@ -797,7 +809,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), PDL=pdl,
+        SHARED_SPLIT=max(shared_slots, 1), PDL=pdl, PREFETCH=pdl and cfg.pdl_prefetch,
         launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out

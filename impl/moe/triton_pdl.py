@@ -12,11 +12,17 @@ Rules every PDL kernel here follows (what makes the early start safe):
   two launches), so the launch after it starts only once everything before this one completed.
 Launched without PDL (and under the interpreter, where launches run one after another) both are
 skipped at compile time.
+
+While it waits, a program can ask for its weights in L2 (`prefetch_l2`, the config's
+`pdl_prefetch`): the down kernel's weights then stream while the gate_up kernel, bound by its
+instructions more than by memory, still runs; the router's while the previous layer finishes.
 """
 
 from __future__ import annotations
 
 from impl.triton_env import tl, triton
+
+PREFETCH_LINES = tl.constexpr(128)  # 128-byte lines a program asks for per step of `prefetch_l2`
 
 
 @triton.jit
@@ -24,6 +30,19 @@ def pdl_wait(PDL: tl.constexpr):
     """Wait until the previous launch has completed and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(start_ptr, end_ptr, ASM: tl.constexpr):
+    """Ask for the bytes [start_ptr, end_ptr) in L2, one `prefetch.global.L2` per 128-byte line
+    spread over the program's threads (a hint: nothing waits for it; a no-op when not ASM)."""
+    if ASM:
+        start = start_ptr.to(tl.int64)
+        nbytes = (end_ptr.to(tl.int64) - start).to(tl.int32)
+        for off in range(0, nbytes, 128 * PREFETCH_LINES):
+            line = tl.minimum(off + tl.arange(0, PREFETCH_LINES) * 128, nbytes - 1)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [start + line],
+                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

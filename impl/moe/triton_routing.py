@@ -16,8 +16,8 @@ import torch
 
 from impl.moe.triton_dp4a import check_split, store_split_int8
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
-from impl.moe.triton_pdl import pdl_release, pdl_wait
-from impl.triton_env import INTERPRET, tl, triton
+from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2
+from impl.triton_env import ASM, INTERPRET, tl, triton
 
 ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
@@ -25,14 +25,18 @@ ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 @triton.jit
 def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr,
                          ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """logits[:, block] = x Wr[block]^T as fp32 multiply-adds (a GEMV per token: no tensor-core
     padding to 16 rows, and no tf32 rounding). Each weight tile is loaded once and met by the
     tokens one at a time, so the tile (and the number of K steps, each a memory round trip) does
     not shrink as tokens are added.
     SPLIT_X: the programs also split x for the MoE's dp4a decode (impl.moe.triton_dp4a), a block
     of 32 columns each in turn, into planes xq_ptr [M, 4, H/8] and scales xs_ptr [M, H/32]: the
-    MoE's own split launch is saved."""
+    MoE's own split launch is saved.
+    PREFETCH (with PDL): the program's router rows are asked for in L2 while x's writer finishes."""
+    if PREFETCH:
+        e0 = tl.program_id(0) * BLOCK_E
+        prefetch_l2(w_ptr + e0 * stride_we, w_ptr + tl.minimum(e0 + BLOCK_E, E) * stride_we, ASM)
     pdl_wait(PDL)  # x's writer
     pdl_release(PDL)
     if SPLIT_X:
@@ -106,13 +110,13 @@ def router_fused_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, counter_
                         ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
                         M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Both routing steps in one launch: each program computes its experts' logits as
     `router_logits_kernel`; the program that arrives last (an atomic counter, as the MoE's down
     kernel does) reads all logits back past L1 and does `router_topk_kernel`'s work, then resets
     the counter for the next call. Saves a launch per layer."""
     router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr, ROWS, BLOCK_E,
-                         BLOCK_K, SPLIT_X, PDL)
+                         BLOCK_K, SPLIT_X, PDL, PREFETCH)
     tl.debug_barrier()  # every thread's logits are written before the release below
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr,
@@ -202,14 +206,16 @@ def fused_routing_supported(router_config) -> bool:
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
                  block_e: int = 2, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
                  logits_warps: int = 4, x_split: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 pdl: bool = False) -> tuple[Slots, torch.Tensor, torch.Tensor]:
+                 pdl: bool = False, prefetch: bool = False) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
     (weights fp32 [M, k], ids int32 [M, k]) they were built from. `fused`: one launch
     (`router_fused_kernel`) instead of two; `topk_warps`: warps of the one-program top-k kernel
     (fewer warps, fewer block-wide barriers in its k rounds of reductions); `logits_warps`: of
     the logits kernel (and of the fused one, top-k included). `x_split` (from
     `triton_moe.split_buffers`): buffers the logits kernel fills with x split for the dp4a MoE.
-    `pdl`: programmatic dependent launches (impl/moe/triton_pdl.py), as the MoE's `pdl`."""
+    `pdl`: programmatic dependent launches (impl/moe/triton_pdl.py), as the MoE's `pdl`; `prefetch`
+    (with `pdl`): the logits programs ask for their router rows in L2 while waiting, as the MoE's
+    `pdl_prefetch`."""
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:
@@ -220,6 +226,8 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     if not fused_routing_supported(config):
         raise ValueError(f"fused routing needs power-of-two groups and experts per group, got "
                          f"{config.num_experts} experts in {config.n_group} groups")
+    if prefetch and not pdl:
+        raise ValueError("prefetch needs pdl (it prefetches while waiting for the launch before)")
     if topk_warps not in (1, 2, 4, 8) or logits_warps not in (1, 2, 4, 8):
         raise ValueError(f"topk_warps and logits_warps must be 1, 2, 4 or 8, got {topk_warps}, {logits_warps}")
     if block_e < 1 or block_e & (block_e - 1) or (block_k is not None and (block_k < 32 or block_k & (block_k - 1))):
@@ -256,12 +264,13 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
         router_fused_kernel[grid](
             x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
             m, experts, hidden, top_k, slots.num_slots, scaling, xq, xs, BLOCK_E=block_e, BLOCK_K=block_k,
-            SPLIT_X=x_split is not None, **topk_meta, num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
+            SPLIT_X=x_split is not None, **topk_meta, PREFETCH=prefetch and topk_meta["PDL"], num_warps=logits_warps,
+            launch_pdl=topk_meta["PDL"])
         return slots, weights, ids
     router_logits_kernel[grid](
         x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden, xq, xs,
         ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_X=x_split is not None, PDL=topk_meta["PDL"],
-        num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
+        PREFETCH=prefetch and topk_meta["PDL"], num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
     router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
                              num_warps=topk_warps, launch_pdl=topk_meta["PDL"])
     return slots, weights, ids

@@ -176,8 +176,9 @@ def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
     gu, dn = block.experts.weights()
     gate = block.gate
     x_split = split_buffers(x, cfg.top_k, gu, dn, launch_cfg) if split_in_router else None
-    pdl = launch_config(x, cfg.top_k, gu, dn, launch_cfg).pdl
-    slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=pdl)
+    lc = launch_config(x, cfg.top_k, gu, dn, launch_cfg)
+    slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=lc.pdl,
+                               prefetch=lc.pdl_prefetch)
     return moe_experts(x, slots, gu, dn, shared_of(block), launch_cfg, x_split=x_split)
 
 
@@ -262,7 +263,8 @@ SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
-SWEEP_PDL = [dict(pdl=True), dict(pdl=False)]
+SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
+             dict(pdl=False, pdl_prefetch=False)]
 # The sweeps by name (`--sweeps`), in the order a tuning runs them.
 SWEEPS = {"tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "shared": (SWEEP_SHARED,), "warps": (SWEEP_WARPS,),
           "pdl": (SWEEP_PDL,)}
