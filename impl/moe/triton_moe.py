@@ -527,7 +527,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                     tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
     elif HAS_SHARED:
-        # Reads x and the shared weights only (two or more launches old): starts before the slots.
+        # Reads x and the shared weights only (two or more launches old): computes before the slots.
         pdl_release(PDL)
         BLOCK_S: tl.constexpr = BLOCK_N // SHARED_SPLIT
         s0 = n0 + (slot - num_slots) * BLOCK_S
@@ -536,6 +536,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
             s_mask = offs_s < I_SHARED
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
                                stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
+            pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
 

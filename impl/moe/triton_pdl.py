@@ -7,9 +7,11 @@ gate_up kernel's shared-expert programs, which need only x, run during the route
 
 Rules every PDL kernel here follows (what makes the early start safe):
 - before its `pdl_wait` a program only reads data written two or more launches earlier (weights,
-  x) and writes nothing the launch just before it reads;
-- it calls `pdl_release` only after its `pdl_wait` (or, never waiting, reads nothing newer than
-  two launches), so the launch after it starts only once everything before this one completed.
+  x, the slots in the down kernel) and writes nothing at all: a buffer this launch writes may be
+  memory the caching allocator took back from one the launch before still reads (the router's
+  logits, freed when `route_triton` returns);
+- each launch has programs that wait before they release (`pdl_release`), so the launch after it
+  starts only once everything before this one has completed: "two launches earlier" is done.
 Launched without PDL (and under the interpreter, where launches run one after another) both are
 skipped at compile time.
 

@@ -258,19 +258,20 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
                      N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
                      ROWS=rows, M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
                      S_PAD=triton.next_power_of_2(slots.num_slots), PDL=pdl and not INTERPRET)
+    prefetch = prefetch and topk_meta["PDL"]
     scaling = float(config.routed_scaling_factor if sigmoid else 1.0)
     grid = (triton.cdiv(experts, block_e),)
     if fused:
         router_fused_kernel[grid](
             x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
             m, experts, hidden, top_k, slots.num_slots, scaling, xq, xs, BLOCK_E=block_e, BLOCK_K=block_k,
-            SPLIT_X=x_split is not None, **topk_meta, PREFETCH=prefetch and topk_meta["PDL"], num_warps=logits_warps,
+            SPLIT_X=x_split is not None, **topk_meta, PREFETCH=prefetch, num_warps=logits_warps,
             launch_pdl=topk_meta["PDL"])
         return slots, weights, ids
     router_logits_kernel[grid](
         x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden, xq, xs,
         ROWS=rows, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_X=x_split is not None, PDL=topk_meta["PDL"],
-        PREFETCH=prefetch and topk_meta["PDL"], num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
+        PREFETCH=prefetch, num_warps=logits_warps, launch_pdl=topk_meta["PDL"])
     router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
                              num_warps=topk_warps, launch_pdl=topk_meta["PDL"])
     return slots, weights, ids
