@@ -175,11 +175,11 @@ def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
     kernel splits x, and the router overlaps its launches as the config's `pdl` says."""
     gu, dn = block.experts.weights()
     gate = block.gate
-    x_split = split_buffers(x, cfg.top_k, gu, dn, launch_cfg) if split_in_router else None
     lc = launch_config(x, cfg.top_k, gu, dn, launch_cfg)
+    x_split = split_buffers(x, cfg.top_k, gu, dn, lc) if split_in_router else None
     slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=lc.pdl,
                                prefetch=lc.pdl_prefetch)
-    return moe_experts(x, slots, gu, dn, shared_of(block), launch_cfg, x_split=x_split)
+    return moe_experts(x, slots, gu, dn, shared_of(block), lc, x_split=x_split)
 
 
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):
