@@ -1,7 +1,10 @@
 """The MoE and routing kernels compiled for the H200 (sm_90) on any machine: Triton's NVIDIA
 backend and ptxas ship in its wheel, so no GPU is needed to find out what the GPU compiler
 rejects while the interpreter accepts it (a value whose shape changes across loops, an op the
-interpreter emulates but sm_90 lacks). The interpreter cannot be on for this, so the kernels
+interpreter emulates but sm_90 lacks). Kernels compiled for programmatic dependent launch are
+also checked to write nothing to global memory before they wait (`writes_before_wait`, with a
+planted kernel as its negative control): the CPU cannot run PDL, so this is where a premature
+write would be caught. The interpreter cannot be on for this, so the kernels
 are compiled in a child process with TRITON_INTERPRET=0. One tile per product variant; the
 local Triton may be newer than the GPU's, so a pass here is necessary, not sufficient.
 
@@ -12,6 +15,7 @@ line per kernel; `all` adds more tiles.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +29,59 @@ VARIANTS = [(True, 0, 0, False), (True, 0, 0, True), (True, 1, 0, False), (True,
             (True, 1, 3, False), (True, 4, 3, False), (False, 0, 0, False), (False, 4, 0, False)]
 TILES = [(32, 128)]
 MORE_TILES = [(16, 512), (64, 256), (16, 32)]
+
+
+_LABEL = re.compile(r"^(\$\w+):")
+_BRANCH = re.compile(r"^(@!?%p\w*\s+)?bra(\.uni)?\s+(\$\w+);")
+_GLOBAL_WRITE = re.compile(r"^(@!?%p\w*\s+)?(st\.global|atom\.global|red\.global)")
+
+
+def writes_before_wait(ptx: str) -> list[str]:
+    """The global stores and atomics in `ptx` that some path from the kernel's entry reaches
+    before any `griddepcontrol.wait` (impl/moe/triton_pdl.py: before its wait a PDL program writes
+    nothing). A must-analysis over the PTX's basic blocks: a block starts waited only if every
+    predecessor ends waited."""
+    body = ptx[ptx.index("{", ptx.index(".entry")) + 1:]
+    lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("//")]
+    blocks, labels = [[]], {}
+    for ln in lines:  # split at labels and after branches
+        m = _LABEL.match(ln)
+        if m:
+            if blocks[-1]:
+                blocks.append([])
+            labels[m.group(1)] = len(blocks) - 1
+            continue
+        blocks[-1].append(ln)
+        if _BRANCH.match(ln) or ln.startswith(("ret;", "exit;")):
+            blocks.append([])
+    succ = []
+    for i, blk in enumerate(blocks):
+        last = blk[-1] if blk else ""
+        m = _BRANCH.match(last)
+        out = [labels[m.group(3)]] if m and m.group(3) in labels else []
+        unconditional = (m and not m.group(1)) or last.startswith(("ret;", "exit;"))
+        if not unconditional and i + 1 < len(blocks):
+            out.append(i + 1)
+        succ.append(out)
+    waited_in = [True] * len(blocks)  # optimistic start, then lowered to the fixed point
+    waited_in[0] = False
+    changed = True
+    while changed:
+        changed = False
+        for i, blk in enumerate(blocks):
+            w = waited_in[i] or any("griddepcontrol.wait" in ln for ln in blk)
+            for j in succ[i]:
+                if waited_in[j] and not w and j != 0:
+                    waited_in[j] = False
+                    changed = True
+    offending = []
+    for i, blk in enumerate(blocks):
+        w = waited_in[i]
+        for ln in blk:
+            w = w or "griddepcontrol.wait" in ln
+            if not w and _GLOBAL_WRITE.match(ln):
+                offending.append(ln)
+    return offending
 
 
 def _compile_all(tiles) -> int:
@@ -42,14 +99,19 @@ def _compile_all(tiles) -> int:
     def compile_one(fn, consts, ptr_types, floats=(), num_warps=4):
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
                else "fp32" if n in floats else "i32" for n in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, consts), target=target, options=dict(num_warps=num_warps, num_stages=3))
+        return triton.compile(ASTSource(fn, sig, consts), target=target,
+                              options=dict(num_warps=num_warps, num_stages=3))
 
     failures = 0
 
-    def attempt(label, *args, **kwargs):
+    def attempt(label, fn, consts, *args, **kwargs):
+        """Compile; a PDL kernel must also write nothing before it waits (writes_before_wait)."""
         nonlocal failures
         try:
-            compile_one(*args, **kwargs)
+            compiled = compile_one(fn, consts, *args, **kwargs)
+            early = writes_before_wait(compiled.asm["ptx"]) if consts.get("PDL") else []
+            if early:
+                raise AssertionError(f"global writes before griddepcontrol.wait: {early[:3]}")
             print("OK  ", label, flush=True)
         except Exception as e:  # report every failing case, not just the first
             failures += 1
@@ -87,6 +149,14 @@ def _compile_all(tiles) -> int:
         attempt(f"router_fused_kernel split_x={split_x} pdl={not split_x}", tr.router_fused_kernel,
                 dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x, PREFETCH=not split_x), routing_ptrs,
                 ("routed_scaling",))
+    # Negative control of the PDL check: it flags the planted early write, and only that.
+    sys.path.insert(0, str(ROOT / "tests"))
+    import pdl_planted
+    for fn, planted in ((pdl_planted.writes_after_waiting, False), (pdl_planted.writes_before_waiting, True)):
+        early = writes_before_wait(compile_one(fn, dict(PDL=True), dict(out_ptr="*fp32")).asm["ptx"])
+        ok = bool(early) == planted
+        failures += not ok
+        print("OK  " if ok else "FAIL", f"PDL check on {fn.__name__}: flagged {early}", flush=True)
     print("failures:", failures)
     return failures
 
