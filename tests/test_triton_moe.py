@@ -483,6 +483,23 @@ def test_launch_config_rejects_non_bool_pdl_flags(field):
         MoELaunchConfig(**{field: 1})
 
 
+def test_pdl_on_a_gpu_older_than_sm90_is_a_clear_error(monkeypatch):
+    """A launch config asking for PDL on a GPU without it fails by name, not deep in ptxas; on
+    sm_90 it is used; under the interpreter it is never used."""
+    from impl.moe import triton_pdl
+    if triton_pdl.INTERPRET:
+        assert triton_pdl.use_pdl(True, torch.device("cpu")) is False
+    monkeypatch.setattr(triton_pdl, "INTERPRET", False)
+    with pytest.raises(ValueError, match="pdl needs an sm_90 or newer GPU .*got cpu"):
+        triton_pdl.use_pdl(True, torch.device("cpu"))
+    monkeypatch.setattr(triton_pdl.torch.cuda, "get_device_name", lambda index=None: "Fake A100")
+    monkeypatch.setattr(triton_pdl, "_capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match="pdl needs an sm_90 or newer GPU .*got Fake A100"):
+        triton_pdl.use_pdl(True, torch.device("cuda", 0))
+    monkeypatch.setattr(triton_pdl, "_capability", lambda index: (9, 0))
+    assert triton_pdl.use_pdl(True, torch.device("cuda", 0)) and not triton_pdl.use_pdl(False, torch.device("cuda", 0))
+
+
 def test_pdl_prefetch_needs_pdl():
     with pytest.raises(ValueError, match="pdl_prefetch needs pdl"):
         MoELaunchConfig(pdl_prefetch=True)

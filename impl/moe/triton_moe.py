@@ -32,7 +32,7 @@ from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
 from impl.moe.triton_dp4a import (_dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
                                   store_split_int8)
-from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2
+from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import ASM, FP32_MATH, INTERPRET, tl, triton
 
@@ -565,25 +565,22 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     n_mask = offs_n < H
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:  # this program's weight rows, while the gate_up kernel runs (the slots are older)
+    # The slots are two launches old: read before waiting for the gate_up kernel's activations.
+    expert = tl.load(slot_expert_ptr + slot, mask=slot < num_slots, other=-1)
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    ws_e = ws_ptr + expert.to(tl.int64) * stride_se
+    if PREFETCH:  # this program's weight rows, while the gate_up kernel runs
         n1 = tl.minimum(hb * BLOCK_N + BLOCK_N, H)
-        if slot < num_slots:
-            e = tl.load(slot_expert_ptr + slot).to(tl.int64)
-            if e >= 0:
-                prefetch_l2(w_ptr + e * stride_we + hb * BLOCK_N * stride_wn, w_ptr + e * stride_we + n1 * stride_wn,
-                            ASM)
-                if MXFP4:
-                    prefetch_l2(ws_ptr + e * stride_se + hb * BLOCK_N * stride_sn,
-                                ws_ptr + e * stride_se + n1 * stride_sn, ASM)
-        elif HAS_SHARED and SHARED_SPLIT == 1:  # whole rows of the shared expert: one range
+        if expert >= 0:
+            prefetch_l2(w_e + hb * BLOCK_N * stride_wn, w_e + n1 * stride_wn, ASM)
+            if MXFP4:
+                prefetch_l2(ws_e + hb * BLOCK_N * stride_sn, ws_e + n1 * stride_sn, ASM)
+        elif slot >= num_slots and HAS_SHARED and SHARED_SPLIT == 1:  # whole shared rows: one range
             prefetch_l2(sd_ptr + hb * BLOCK_N * stride_sdn, sd_ptr + n1 * stride_sdn, ASM)
     pdl_wait(PDL)  # the gate_up kernel's activations
     pdl_release(PDL)
     if slot < num_slots:
-        expert = tl.load(slot_expert_ptr + slot)
         if expert >= 0:
-            w_e = w_ptr + expert.to(tl.int64) * stride_we
-            ws_e = ws_ptr + expert.to(tl.int64) * stride_se
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
             acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn,
@@ -766,7 +763,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
                   format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
-    pdl = cfg.pdl and not INTERPRET  # the interpreter runs launches one after another anyway
+    pdl = use_pdl(cfg.pdl, dev)
     if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)

@@ -22,9 +22,32 @@ instructions more than by memory, still runs; the router's while the previous la
 
 from __future__ import annotations
 
-from impl.triton_env import tl, triton
+import functools
+
+import torch
+
+from impl.triton_env import INTERPRET, tl, triton
 
 PREFETCH_LINES = tl.constexpr(128)  # 128-byte lines a program asks for per step of `prefetch_l2`
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def use_pdl(requested: bool, device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: as requested on a GPU, which must be sm_90 or
+    newer (a clear error otherwise); never under the interpreter (launches run in order there)."""
+    if not requested or INTERPRET:
+        return False
+    if device.type != "cuda":
+        raise ValueError(f"pdl needs an sm_90 or newer GPU (programmatic dependent launch), got {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _capability(index) < (9, 0):
+        raise ValueError(f"pdl needs an sm_90 or newer GPU (programmatic dependent launch), got "
+                         f"{torch.cuda.get_device_name(index)}")
+    return True
 
 
 @triton.jit

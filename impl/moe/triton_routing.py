@@ -16,8 +16,8 @@ import torch
 
 from impl.moe.triton_dp4a import check_split, store_split_int8
 from impl.moe.triton_moe import M_PAD, Slots, write_slots
-from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2
-from impl.triton_env import ASM, INTERPRET, tl, triton
+from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl
+from impl.triton_env import ASM, tl, triton
 
 ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
@@ -257,7 +257,7 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     topk_meta = dict(ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=bias is not None,
                      N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
                      ROWS=rows, M_PAD=M_PAD, E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
-                     S_PAD=triton.next_power_of_2(slots.num_slots), PDL=pdl and not INTERPRET)
+                     S_PAD=triton.next_power_of_2(slots.num_slots), PDL=use_pdl(pdl, dev))
     prefetch = prefetch and topk_meta["PDL"]
     scaling = float(config.routed_scaling_factor if sigmoid else 1.0)
     grid = (triton.cdiv(experts, block_e),)
