@@ -4,7 +4,11 @@ rejects while the interpreter accepts it (a value whose shape changes across loo
 interpreter emulates but sm_90 lacks). Kernels compiled for programmatic dependent launch are
 also checked to write nothing to global memory before they wait (`writes_before_wait`, with a
 planted kernel as its negative control): the CPU cannot run PDL, so this is where a premature
-write would be caught. The interpreter cannot be on for this, so the kernels
+write would be caught. And the K loops of the register paths that were written to stay inside
+each thread (dp4a, plain weights) are checked to hold no barrier in the compiled code
+(`loop_barriers`, with a planted kernel too): a layout conversion through shared memory per K
+step, which a changed load shape or Triton version can bring back, cost these loops a third of
+their instructions and stalled every warp of the program twice a step. The interpreter cannot be on for this, so the kernels
 are compiled in a child process with TRITON_INTERPRET=0. One tile per product variant; the
 local Triton may be newer than the GPU's, so a pass here is necessary, not sufficient.
 
@@ -34,6 +38,9 @@ MORE_TILES = [(16, 512), (64, 256), (16, 32)]
 _LABEL = re.compile(r"^(\$\w+):")
 _BRANCH = re.compile(r"^(@!?%p\w*\s+)?bra(\.uni)?\s+(\$\w+);")
 _GLOBAL_WRITE = re.compile(r"^(@!?%p\w*\s+)?(st\.global|atom\.global|red\.global)")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*)")
+_SASS_BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
 
 
 def writes_before_wait(ptx: str) -> list[str]:
@@ -84,6 +91,36 @@ def writes_before_wait(ptx: str) -> list[str]:
     return offending
 
 
+def loop_barriers(cubin: bytes) -> list[str]:
+    """The barriers (BAR) inside the loops of a compiled kernel: every instruction between a
+    backward branch's target and the branch, read from the SASS that the Triton wheel's nvdisasm
+    prints for the cubin."""
+    import tempfile
+
+    import triton
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    labels, instrs, pending = {}, [], []
+    for line in sass.splitlines():
+        if m := _SASS_LABEL.match(line):
+            pending.append(m.group(1))
+        elif m := _SASS_INSTR.match(line):
+            addr = int(m.group(1), 16)
+            labels.update((p, addr) for p in pending)
+            pending = []
+            instrs.append((addr, m.group(2)))
+    found = []
+    for addr, text in instrs:
+        m = _SASS_BRANCH.search(text)
+        if m and labels.get(m.group(1), addr + 1) <= addr:  # a backward branch: a loop
+            start = labels[m.group(1)]
+            found += [f"{a:#06x} {t.split(';')[0].strip()}" for a, t in instrs if start <= a <= addr and "BAR." in t]
+    return found
+
+
 def _compile_all(tiles) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -99,41 +136,55 @@ def _compile_all(tiles) -> int:
     def compile_one(fn, consts, ptr_types, floats=(), num_warps=4):
         sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
                else "fp32" if n in floats else "i32" for n in fn.arg_names}
-        return triton.compile(ASTSource(fn, sig, consts), target=target,
+        # As a launch specializes them for the presets' shapes: pointers 16-byte aligned, strides
+        # multiples of 16 elements.
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                   if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))}
+        return triton.compile(ASTSource(fn, sig, consts, aligned), target=target,
                               options=dict(num_warps=num_warps, num_stages=3))
 
     failures = 0
 
-    def attempt(label, fn, consts, *args, **kwargs):
-        """Compile; a PDL kernel must also write nothing before it waits (writes_before_wait)."""
+    def attempt(label, fn, consts, *args, barrier_free=False, **kwargs):
+        """Compile; a PDL kernel must also write nothing before it waits (writes_before_wait), and
+        a `barrier_free` one hold no barrier in its loops (loop_barriers)."""
         nonlocal failures
         try:
             compiled = compile_one(fn, consts, *args, **kwargs)
             early = writes_before_wait(compiled.asm["ptx"]) if consts.get("PDL") else []
             if early:
                 raise AssertionError(f"global writes before griddepcontrol.wait: {early[:3]}")
+            bars = loop_barriers(compiled.asm["cubin"]) if barrier_free else []
+            if bars:
+                raise AssertionError(f"barriers inside K loops: {bars[:4]}")
             print("OK  ", label, flush=True)
         except Exception as e:  # report every failing case, not just the first
             failures += 1
             print("FAIL", label, type(e).__name__, str(e)[-800:], flush=True)
 
-    for (mx, rows, word32, scaled) in VARIANTS:
+    for i, (mx, rows, word32, scaled) in enumerate(VARIANTS):
         for bn, bk in tiles:
             if word32 == 3 and bn < 32:  # the dp4a decode splits gate_up outputs in blocks of 32
                 continue
             w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
             consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                           WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
+                          SHARED_BLOCK_K=64 if rows else bk, EVEN=i % 2 == 0,  # masked and unmasked loads
                           PDL=word32 != 2)  # (launched without PDL, the kernels compile as they did before it)
+            # Register paths whose loops stay inside each thread: dp4a, and plain weights (the
+            # shared expert of every register path is plain, so with one row all its loops are).
+            barrier_free = rows > 0 and (word32 == 3 or not mx)
             down_consts = dict(consts, PREFETCH=consts["PDL"] and rows > 0)
             label = f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']}"
             attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
                     dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
-                         xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
+                         xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"),
+                    barrier_free=barrier_free)
             attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']}", tm.moe_down_kernel, down_consts,
                     dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_t,
                          ws_ptr="*u8", partial_ptr="*fp32", counter_ptr="*i32",
-                         act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"))
+                         act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"),
+                    barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
     routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
@@ -149,14 +200,19 @@ def _compile_all(tiles) -> int:
         attempt(f"router_fused_kernel split_x={split_x} pdl={not split_x}", tr.router_fused_kernel,
                 dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x, PREFETCH=not split_x), routing_ptrs,
                 ("routed_scaling",))
-    # Negative control of the PDL check: it flags the planted early write, and only that.
+    # Negative controls of the static checks: each flags its planted defect, and only that.
     sys.path.insert(0, str(ROOT / "tests"))
-    import pdl_planted
-    for fn, planted in ((pdl_planted.writes_after_waiting, False), (pdl_planted.writes_before_waiting, True)):
+    import planted_kernels as pk
+    for fn, planted in ((pk.writes_after_waiting, False), (pk.writes_before_waiting, True)):
         early = writes_before_wait(compile_one(fn, dict(PDL=True), dict(out_ptr="*fp32")).asm["ptx"])
         ok = bool(early) == planted
         failures += not ok
         print("OK  " if ok else "FAIL", f"PDL check on {fn.__name__}: flagged {early}", flush=True)
+    for fn, planted in ((pk.reduces_after_the_loop, False), (pk.reduces_every_step, True)):
+        bars = loop_barriers(compile_one(fn, {}, dict(w_ptr="*fp32", out_ptr="*fp32")).asm["cubin"])
+        ok = bool(bars) == planted
+        failures += not ok
+        print("OK  " if ok else "FAIL", f"loop barrier check on {fn.__name__}: flagged {bars}", flush=True)
     print("failures:", failures)
     return failures
 

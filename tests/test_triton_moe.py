@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from impl import backends
-from impl.moe import configs
+from impl.moe import configs, triton_moe
 from impl.moe.configs import MoELaunchConfig, fallback, lookup, m_bucket
 from impl.moe.reference import moe_reference
 from impl.moe.shared import SharedExpert
@@ -448,6 +448,48 @@ def test_shared_split_matches_reference(fmt, decode, split, tokens):
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(23))
     out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 160), config=cfg)
     assert_rows_close(out, ref, variant_rtol(decode) if tokens <= 4 else RTOL)
+
+
+@pytest.mark.parametrize("fmt,decode,split,tokens", [
+    ("mxfp4", "dp4a", 1, 1), ("mxfp4", "dp4a", 2, 3), ("mxfp4", "dp4a", 1, 4), ("bf16", "bits16", 1, 1),
+    ("bf16", "bits16", 2, 3), ("fp32", "bits16", 1, 4),
+])
+def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, tokens):
+    """Shapes every tile divides (as the presets' do), so the register paths load without masks
+    (`_even_tiles`), with the shared expert in K tiles of its own: against the oracle."""
+    cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, down_block_k=32,
+                          gemv_max_tokens=4, gemv_decode=decode, shared_split=split, shared_block_k=32)
+    hidden, inter, i_shared = 128, 64, 64
+    assert triton_moe._even_tiles(cfg, hidden, inter, i_shared, split, (32, 32)) == (True, True)
+    w_gate_up, w_down = make_weights(6, hidden, inter, fmt, seed=31)
+    weights, ids = random_routing(tokens, 2, 6, seed=32)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(33))
+    with backends.record_provenance() as prov:
+        out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(hidden, i_shared), config=cfg)
+    assert_rows_close(out, ref, variant_rtol(decode))
+    assert [e.config["config"].shared_block_k for e in prov.events if "product" in e.config] == [32]
+
+
+def test_even_tiles_needs_every_tile_whole():
+    """The no-mask rule: every routed and shared tile of a kernel inside its weight."""
+    cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=512, down_block_n=32, down_block_k=256,
+                          shared_block_k=128)
+    even = triton_moe._even_tiles
+    assert even(cfg, 2560, 768, 768, 1, (128, 128)) == (True, True)  # Ling-3.0-flash
+    assert even(cfg, 4096, 1024, 1024, 1, (128, 128)) == (True, True)  # Ling-flash-2.0
+    assert even(cfg, 2560, 768, 0, 1, (128, 128)) == (True, True)  # no shared expert
+    assert even(cfg, 2304, 768, 768, 1, (128, 128)) == (False, True)  # H not a multiple of the gate_up K tile
+    assert even(cfg, 2560, 784, 768, 1, (128, 128)) == (False, False)  # I: gate_up rows and down K
+    assert even(cfg, 2560, 768, 112, 1, (128, 128)) == (False, False)  # shared rows and shared K
+    assert even(cfg, 2560, 768, 96, 1, (128, 128)) == (True, False)  # shared K 96: not whole tiles of 128
+    assert even(cfg, 2560, 768, 768, 4, (128, 64)) == (True, True)  # shared K shares of 192: 3 tiles of 64
+    assert even(cfg, 2560, 768, 768, 4, (128, 128)) == (True, False)  # ... but 1.5 tiles of 128
+
+
+@pytest.mark.parametrize("value", [16, 48, -32])
+def test_launch_config_rejects_bad_shared_k_tiles(value):
+    with pytest.raises(ValueError, match=f"shared_block_k must be a power of two >= 32.*got {value}"):
+        MoELaunchConfig(shared_block_k=value)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])

@@ -51,6 +51,10 @@ class MoELaunchConfig:
     # On the register path, programs per block of the shared expert's rows (gate_up) or per hidden
     # block (down, splitting its K): its bf16 rows hold 4x the bytes of MXFP4 ones.
     shared_split: int = 1
+    # On the register path, the shared expert's K tile in both kernels (0: the routed experts' K
+    # tiles). Its bf16 rows are 4x the bytes of MXFP4 ones: at the routed tiles its loop would set
+    # the kernel's register count, i.e. how many programs an SM holds.
+    shared_block_k: int = 0
     # Programmatic dependent launch (impl/moe/triton_pdl.py): each kernel of the layer, router
     # included, starts while the one before it finishes (the shared expert's gate_up meanwhile).
     pdl: bool = False
@@ -59,8 +63,10 @@ class MoELaunchConfig:
     pdl_prefetch: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("gate_up_block_k", "down_block_k"):
+        for name in ("gate_up_block_k", "down_block_k", "shared_block_k"):
             v = getattr(self, name)
+            if name == "shared_block_k" and v == 0:
+                continue
             if v < 32 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 32 (one MXFP4 scale block), got {v}")
         if self.gemv_max_tokens not in (0, 1, 2, 4):

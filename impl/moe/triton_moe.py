@@ -147,43 +147,31 @@ def _tile_dot(a_ptr, stride_am, offs_m, m_mask, k0, K, w_ptr, ws_ptr, offs_n, n_
 
 @triton.jit
 def _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-               ROWS: tl.constexpr):
-    """The same product as `_tile_dot` for the first ROWS (<= 4) tokens, as fp32 multiply-adds
-    in registers: no tensor-core operand layout to convert the decoded weights into. MXFP4 tiles
-    are loaded as [BLOCK_N, groups, 16 bytes], so each 32-element scale multiplies a partial sum
-    once instead of every element."""
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """The MXFP4 product of `_tile_dot` for the first ROWS (<= 4) tokens, as fp32 multiply-adds
+    in registers ("bits16"): no tensor-core operand layout to convert the decoded weights into.
+    Tiles are loaded as [BLOCK_N, groups, 16 bytes], so each 32-element scale multiplies a
+    partial sum once instead of every element."""
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    if MXFP4:
-        G: tl.constexpr = BLOCK_K // 32
-        offs_g = k0 // 32 + tl.arange(0, G)
-        offs_t = tl.arange(0, 16)
-        offs_j = offs_g[:, None] * 16 + offs_t[None, :]  # [G, 16] byte columns
-        j_mask = offs_j < K // 2
-        packed = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_j[None, :, :],
-                         mask=n_mask[:, None, None] & j_mask[None, :, :], other=0)
-        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
-                        mask=n_mask[:, None] & (offs_g[None, :] < K // 32), other=127)
-        scale = _e8m0_to_fp32(codes)
-        lo = _e2m1_to_bf16(packed & 0xF).to(tl.float32)
-        hi = _e2m1_to_bf16(packed >> 4).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            a_mask = j_mask & (tl.zeros_like(offs_j) + r < M)
-            a_even = tl.load(a_ptr + r * stride_am + 2 * offs_j, mask=a_mask, other=0.0).to(tl.float32)
-            a_odd = tl.load(a_ptr + r * stride_am + 2 * offs_j + 1, mask=a_mask, other=0.0).to(tl.float32)
-            part = tl.sum(lo * a_even[None, :, :] + hi * a_odd[None, :, :], axis=2)  # [BLOCK_N, G]
-            row = tl.sum(part * scale, axis=1)
-            acc += tl.where(offs_m[:, None] == r, row[None, :], 0.0)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            a = tl.load(a_ptr + r * stride_am + offs_k, mask=k_mask & (tl.zeros_like(offs_k) + r < M),
-                        other=0.0).to(tl.float32)
-            row = tl.sum(w * a[None, :], axis=1)
-            acc += tl.where(offs_m[:, None] == r, row[None, :], 0.0)
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = k0 // 32 + tl.arange(0, G)
+    offs_t = tl.arange(0, 16)
+    offs_j = offs_g[:, None] * 16 + offs_t[None, :]  # [G, 16] byte columns
+    j_mask = offs_j < K // 2
+    packed = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_j[None, :, :],
+                     mask=n_mask[:, None, None] & j_mask[None, :, :], other=0)
+    codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
+                    mask=n_mask[:, None] & (offs_g[None, :] < K // 32), other=127)
+    scale = _e8m0_to_fp32(codes)
+    lo = _e2m1_to_bf16(packed & 0xF).to(tl.float32)
+    hi = _e2m1_to_bf16(packed >> 4).to(tl.float32)
+    for r in tl.static_range(ROWS):
+        a_mask = j_mask & (tl.zeros_like(offs_j) + r < M)
+        a_even = tl.load(a_ptr + r * stride_am + 2 * offs_j, mask=a_mask, other=0.0).to(tl.float32)
+        a_odd = tl.load(a_ptr + r * stride_am + 2 * offs_j + 1, mask=a_mask, other=0.0).to(tl.float32)
+        part = tl.sum(lo * a_even[None, :, :] + hi * a_odd[None, :, :], axis=2)  # [BLOCK_N, G]
+        row = tl.sum(part * scale, axis=1)
+        acc += tl.where(offs_m[:, None] == r, row[None, :], 0.0)
     return acc
 
 
@@ -309,25 +297,95 @@ def _rows_tile(r0, r1, r2, r3, first_row, ROWS: tl.constexpr, M_PAD: tl.constexp
 
 
 @triton.jit
-def _dp4a_row(acc, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, r, M, ASM: tl.constexpr):
+def _plain_row(a_ptr, offs_k, k_mask, offs_n, r: tl.constexpr, M):
+    """Row r of the activations at offs_k as fp32 (0 past row M - 1; row 0 always exists),
+    broadcast to the weight tile [offs_n, offs_k]: loaded in the tile's shape, it gets the tile's
+    layout, so the loop needs no layout conversion (the thread's repeated reads of the same
+    address are one load)."""
+    offs = offs_k[None, :] + 0 * offs_n[:, None]
+    mask = k_mask[None, :] & ((tl.zeros_like(offs) + r < M) | (r == 0))
+    return tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, first_row,
+                M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                TWO: tl.constexpr, EVEN: tl.constexpr):
+    """a[:ROWS] @ W[offs_n]^T over all of K for plain (bf16/fp16/fp32) weights, and the same with
+    W2 when TWO (gate and up rows in one loop: both tiles' loads in flight at once). Products
+    accumulate elementwise in [BLOCK_N, BLOCK_K] fp32 tiles that are summed along K once, after
+    the loop: no cross-thread reduction (shuffles, shared memory, barriers) inside it. EVEN: K is
+    a multiple of BLOCK_K (no K mask). Returns the two [M_PAD, BLOCK_N] results (the second is
+    zeros unless TWO); row r of `a` lands in row first_row + r."""
+    g0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    g1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    g2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    g3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    u0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    u1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    u2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    u3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = (offs_k < K) | EVEN
+        w_off = offs_n[:, None] * stride_wn + offs_k[None, :]
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+        w2 = w
+        if TWO:
+            w2 = tl.load(w2_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
+        a = _plain_row(a_ptr, offs_k, k_mask, offs_n, 0, M)
+        g0 += w * a
+        if TWO:
+            u0 += w2 * a
+        if ROWS > 1:
+            a = _plain_row(a_ptr + stride_am, offs_k, k_mask, offs_n, 1, M)
+            g1 += w * a
+            if TWO:
+                u1 += w2 * a
+        if ROWS > 2:
+            a = _plain_row(a_ptr + 2 * stride_am, offs_k, k_mask, offs_n, 2, M)
+            g2 += w * a
+            if TWO:
+                u2 += w2 * a
+            a = _plain_row(a_ptr + 3 * stride_am, offs_k, k_mask, offs_n, 3, M)
+            g3 += w * a
+            if TWO:
+                u3 += w2 * a
+    gate = _rows_tile(tl.sum(g0, axis=1), tl.sum(g1, axis=1), tl.sum(g2, axis=1), tl.sum(g3, axis=1), first_row,
+                      ROWS, M_PAD)
+    up = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if TWO:
+        up = _rows_tile(tl.sum(u0, axis=1), tl.sum(u1, axis=1), tl.sum(u2, axis=1), tl.sum(u3, axis=1), first_row,
+                        ROWS, M_PAD)
+    return gate, up
+
+
+@triton.jit
+def _dp4a_row(acc, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, r: tl.constexpr, M,
+              ASM: tl.constexpr):
     """acc [BLOCK_N, G] += this K step's block sums of split activation row r (planes at q_ptr,
-    scales at s_ptr; a row >= M reads 0) against the decoded weights d0, d1 [BLOCK_N, G, 4]."""
-    m = word_mask & (tl.zeros_like(offs_word) + r < M)
+    scales at s_ptr; a row >= M reads 0, row 0 always exists) against the decoded weights d0, d1
+    [BLOCK_N, G, 4]."""
+    row_ok = (tl.zeros_like(blk) + r < M) | (r == 0)
+    m = word_mask & row_ok[:, None]
+    plane = tl.multiple_of(K // 8, 4)  # K is a multiple of 32: every plane starts 16-byte aligned
     hi0 = tl.load(q_ptr + offs_word, mask=m, other=0)[None, :, :]
-    hi1 = tl.load(q_ptr + K // 8 + offs_word, mask=m, other=0)[None, :, :]
-    lo0 = tl.load(q_ptr + 2 * (K // 8) + offs_word, mask=m, other=0)[None, :, :]
-    lo1 = tl.load(q_ptr + 3 * (K // 8) + offs_word, mask=m, other=0)[None, :, :]
+    hi1 = tl.load(q_ptr + plane + offs_word, mask=m, other=0)[None, :, :]
+    lo0 = tl.load(q_ptr + 2 * plane + offs_word, mask=m, other=0)[None, :, :]
+    lo1 = tl.load(q_ptr + 3 * plane + offs_word, mask=m, other=0)[None, :, :]
     zero = tl.zeros_like(d0)
     i_hi = _dp4a(d1, hi1, _dp4a(d0, hi0, zero, ASM), ASM)
     i_lo = _dp4a(d1, lo1, _dp4a(d0, lo0, zero, ASM), ASM)
     block = tl.sum(i_hi * 128 + i_lo, axis=2)  # [BLOCK_N, G], exact
-    xs = tl.load(s_ptr + blk, mask=blk_mask & (tl.zeros_like(blk) + r < M), other=0.0)
+    xs = tl.load(s_ptr + blk, mask=blk_mask & row_ok, other=0.0)
     return acc + block.to(tl.float32) * xs[None, :] * wscale
 
 
 @triton.jit
 def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+               EVEN: tl.constexpr):
     """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
     K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`); row r lands
     in row first_row + r of the [M_PAD, BLOCK_N] fp32 result."""
@@ -341,12 +399,19 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
     for k0 in range(0, K, BLOCK_K):
         blk = k0 // 32 + offs_g
         offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] words of 8 codes
-        blk_mask = blk < K // 32  # K is a multiple of 32: whole blocks are in or out
+        blk_mask = (blk < K // 32) | EVEN  # K is a multiple of 32: whole blocks are in or out
         word_mask = blk_mask[:, None] & (offs_w < 4)[None, :]
-        words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + offs_word[None, :, :],
-                        mask=n_mask[:, None, None] & blk_mask[None, :, None], other=0)
-        codes = tl.load(ws_ptr + offs_n[:, None] * stride_sn + blk[None, :],
-                        mask=n_mask[:, None] & blk_mask[None, :], other=127)
+        # Layouts, so that the loop needs no shared memory and no barrier: the words are loaded as
+        # rows of 4G contiguous words (lanes along a row, 16 bytes each), and the scales with no
+        # known alignment, so one byte a lane, lanes along a row as well: that puts scale (n, g)
+        # in the thread holding block g of row n, as the block sums below are (checked on the
+        # sm_90 build: tests/test_moe_gpu_compile.py).
+        offs_kw = k0 // 8 + tl.arange(0, G * 4)
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_kw[None, :],
+                        mask=n_mask[:, None] & (offs_kw < K // 8)[None, :], other=0)
+        words = tl.reshape(words, (BLOCK_N, G, 4))
+        offs_s = tl.multiple_of(offs_n[:, None] * stride_sn + blk[None, :], [1, 1])
+        codes = tl.load(ws_ptr + offs_s, mask=n_mask[:, None] & blk_mask[None, :], other=127)
         wscale = _e8m0_to_fp32(codes)
         d0, d1 = _e2m1_word_to_int8x4(words, ASM)
         acc0 = _dp4a_row(acc0, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, 0, M, ASM)
@@ -365,12 +430,12 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, str
 @triton.jit
 def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                WORD32: tl.constexpr):
+                WORD32: tl.constexpr, EVEN: tl.constexpr):
     """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
     as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations."""
     if WORD32 == DP4A:
         return _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS)
+                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, EVEN)
     return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
                         M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2)
 
@@ -379,10 +444,12 @@ def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, s
 def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
                   GEMV_ROWS: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
-    """`_tile_gemv` for GEMV_ROWS > 0 (a few tokens), `_tile_dot` (tensor cores) otherwise."""
+    """`_tile_gemv` for GEMV_ROWS > 0 (a few tokens; MXFP4 weights, plain ones go through
+    `_gemv_plain`), `_tile_dot` (tensor cores) otherwise."""
     if GEMV_ROWS > 0:
+        tl.static_assert(MXFP4)
         return _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
-                          stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS)
+                          stride_sn, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS)
     return _tile_dot(a_ptr, stride_am, offs_m, offs_m < M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
                      stride_sn, BLOCK_K, MXFP4, SCALED, FP32_MATH)
 
@@ -390,10 +457,13 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 @triton.jit
 def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
             M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+            GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
+            EVEN: tl.constexpr):
     """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_words` when WORD32 (MXFP4 W
     given as int32 words, at most GEMV_ROWS tokens; for WORD32 == DP4A `a` is split into int8 planes
-    with scales at as_ptr, see impl.moe.triton_dp4a), else a K loop of `_tile_product`.
+    with scales at as_ptr, see impl.moe.triton_dp4a), `_gemv_plain` for plain W and at most
+    GEMV_ROWS tokens, else a K loop of `_tile_product`. EVEN: K is a multiple of BLOCK_K (the
+    register paths then load without a K mask).
 
     `tokens` is the bit mask of the rows that chose this expert (-1: all rows). With WORD32 and
     exactly one such row (most experts of a verify step, where each is chosen by one token) only
@@ -406,18 +476,22 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
             if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
                 acc = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
-                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32)
+                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32, EVEN)
             else:
                 acc = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
+                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, EVEN)
             return acc
         return _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32)
-    offs_m = tl.arange(0, M_PAD)
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
-                             stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
+                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, EVEN)
+    if GEMV_ROWS > 0 and not MXFP4:
+        acc = _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w_ptr, offs_n, n_mask, stride_wn, 0, M_PAD, BLOCK_N,
+                          BLOCK_K, GEMV_ROWS, False, EVEN)[0]
+    else:
+        offs_m = tl.arange(0, M_PAD)
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
+                                 stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
     return acc
 
 
@@ -425,12 +499,15 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
 def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
-                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
+                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, EVEN: tl.constexpr):
     if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
         acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, EVEN)
         acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, EVEN)
+    elif GEMV_ROWS > 0 and not MXFP4:  # one K loop for both: their loads are in flight together
+        acc_g, acc_u = _gemv_plain(x_ptr, stride_xm, M, K, g_ptr, u_ptr, offs_n, n_mask, stride_wn, 0, M_PAD,
+                                   BLOCK_N, BLOCK_K, GEMV_ROWS, True, EVEN)
     else:
         offs_m = tl.arange(0, M_PAD)
         acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -489,11 +566,14 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                       SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                       SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
-    BLOCK_N / SHARED_SPLIT of the block's rows: its bf16 rows hold 4x the bytes of MXFP4 ones, so
-    with MXFP4 experts whole blocks of it would be the kernel's longest programs. WORD32 and
+    BLOCK_N / SHARED_SPLIT of the block's rows, in K tiles of SHARED_BLOCK_K: its bf16 rows hold
+    4x the bytes of MXFP4 ones, so with MXFP4 experts whole blocks of it would be the kernel's
+    longest programs (and its tiles the kernel's largest register footprint). EVEN: every tile,
+    routed and shared, lies whole inside its weight (no masks on the register paths). WORD32 and
     SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4.
     With the dp4a decode (WORD32 == DP4A) the routed experts read x split into int8 planes (xq_ptr,
     row stride stride_xqm; scales xs_ptr) and write their activations split the same way (act_ptr
@@ -508,7 +588,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
         expert = tl.load(slot_expert_ptr + slot)
         if expert >= 0:
             if n0 < I:
-                n_mask = offs_n < I
+                n_mask = (offs_n < I) | EVEN
                 g_ptr = w_ptr + expert.to(tl.int64) * stride_we
                 gs_ptr = ws_ptr + expert.to(tl.int64) * stride_se
                 if WORD32 == DP4A:  # x as its int8 split
@@ -518,7 +598,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
                                    tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
-                                   SCALED, FP32_MATH)
+                                   SCALED, FP32_MATH, EVEN)
                 if WORD32 == DP4A:
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
@@ -533,9 +613,10 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
         s0 = n0 + (slot - num_slots) * BLOCK_S
         offs_s = s0 + tl.arange(0, BLOCK_S)
         if n0 < I_SHARED:
-            s_mask = offs_s < I_SHARED
+            s_mask = (offs_s < I_SHARED) | EVEN
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
-                               stride_shn, 0, -1, M_PAD, BLOCK_S, BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH)
+                               stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, False, False,
+                               FP32_MATH, EVEN)
             pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
@@ -550,10 +631,12 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-                    SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                    PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
-    its K (whole blocks of 32). Each writes an fp32 partial; the program that arrives last
+    its K (whole blocks of 32) in K tiles of SHARED_BLOCK_K. EVEN: every tile, routed and shared,
+    lies whole inside its weight (no masks on the register paths). Each writes an fp32 partial; the program that arrives last
     at a block (an atomic counter) sums the block's partials in slot order and writes the output
     once in its dtype, then resets the counter for the next call: deterministic, no memset.
     With the dp4a decode (WORD32 == DP4A) the routed activations come split (planes at act_ptr,
@@ -562,7 +645,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     slot = tl.program_id(1)
     arrivals = tl.num_programs(1)
     offs_n = hb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
+    n_mask = (offs_n < H) | EVEN
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     # The slots are two launches old: read before waiting for the gate_up kernel's activations.
@@ -584,17 +667,18 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
             acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn,
-                          stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH)
+                          stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
+                          EVEN)
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
         chunk = tl.cdiv(I_SHARED, 32 * SHARED_SPLIT) * 32
-        k_lo = (slot - num_slots) * chunk
+        k_lo = tl.multiple_of((slot - num_slots) * chunk, 32)  # aligned, so its loads vectorize as x's do
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(chunk, I_SHARED - k_lo),
-                      sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, BLOCK_K, False,
-                      GEMV_ROWS, False, False, FP32_MATH)
+                      sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, SHARED_BLOCK_K, False,
+                      GEMV_ROWS, False, False, FP32_MATH, EVEN)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -742,6 +826,27 @@ def split_buffers(x: torch.Tensor, top_k: int, w_gate_up, w_down,
     return empty_split(m, hidden, x.device)
 
 
+def _shared_block_k(cfg: MoELaunchConfig, gemv_rows: int) -> tuple[int, int]:
+    """The shared expert's K tiles in the (gate_up, down) kernels: `shared_block_k` on the
+    register path, else (tensor-core tiles) the routed experts' K tiles."""
+    if gemv_rows and cfg.shared_block_k:
+        return cfg.shared_block_k, cfg.shared_block_k
+    return cfg.gate_up_block_k, cfg.down_block_k
+
+
+def _even_tiles(cfg: MoELaunchConfig, hidden: int, inter: int, i_shared: int, split: int,
+                shared_k: tuple[int, int]) -> tuple[bool, bool]:
+    """(gate_up, down): whether every tile of that kernel, routed and shared, lies whole inside
+    its weight, so the kernel may load without masks (the presets' shapes; odd ones keep them)."""
+    gate_up = inter % cfg.gate_up_block_n == 0 and hidden % cfg.gate_up_block_k == 0
+    down = hidden % cfg.down_block_n == 0 and inter % cfg.down_block_k == 0
+    if i_shared:
+        gate_up = gate_up and i_shared % (cfg.gate_up_block_n // split) == 0 and hidden % shared_k[0] == 0
+        chunk = -(-i_shared // (32 * split)) * 32  # the down kernel's shared K share (moe_down_kernel)
+        down = down and all(min(chunk, i_shared - lo) % shared_k[1] == 0 for lo in range(0, i_shared, chunk))
+    return gate_up, down
+
+
 def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
                 config: MoELaunchConfig | None = None,
                 x_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -786,6 +891,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     su = shared.up if shared is not None else x
     # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
     shared_slots = (cfg.shared_split if gemv_rows else 1) if shared is not None else 0
+    shared_k = _shared_block_k(cfg, gemv_rows)
+    even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, max(shared_slots, 1), shared_k)
     grid_a = (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
@@ -793,7 +900,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), PDL=pdl,
+        SHARED_SPLIT=max(shared_slots, 1), SHARED_BLOCK_K=shared_k[0], EVEN=even_a, PDL=pdl,
         launch_pdl=pdl, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
@@ -807,7 +914,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared,
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), PDL=pdl, PREFETCH=pdl and cfg.pdl_prefetch,
+        SHARED_SPLIT=max(shared_slots, 1), SHARED_BLOCK_K=shared_k[1], EVEN=even_b, PDL=pdl,
+        PREFETCH=pdl and cfg.pdl_prefetch,
         launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)
     return out

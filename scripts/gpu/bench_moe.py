@@ -10,9 +10,9 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
 bf16 or 32-bit-word decode), each with three tile presets (or only the committed config), then
-the winner's gate_up tiles, down tiles, (register path) shared expert split, (MXFP4) warps, and
-launches overlapping (PDL) or not, within a shared time budget. Routing variants (fused launch, fewer warps) are timed beside the
-default routing.
+the winner's gate_up tiles, down tiles, (register path) the shared expert's split and K tile,
+(register path) warps, and launches overlapping (PDL) or not, within a shared time budget.
+Routing variants (fused launch, fewer warps) are timed beside the default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
 differ and the weights stream from HBM, not L2); the figure is the median replay time / 10.
@@ -255,10 +255,12 @@ PATHS_DOT = {f"dot-{p}": dict(gemv_max_tokens=0, mxfp4_product=p) for p in MXFP4
 PATHS_GEMV = {f"gemv-{d}": dict(gemv_max_tokens=4, gemv_decode=d) for d in GEMV_DECODES}
 # Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
 # before the tiles of the winning path are swept.
-TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256),
-                dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128),
-                dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256)]
-SWEEP_SHARED = [dict(shared_split=s) for s in (1, 2, 4, 8)]
+# (The shared expert's K tile is set apart from the routed tiles', so that on the register path its
+# bf16 loop does not decide the kernels' register count for every preset.)
+TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256, shared_block_k=128),
+                dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128, shared_block_k=128),
+                dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256, shared_block_k=128)]
+SWEEP_SHARED = [dict(shared_split=s) for s in (1, 2, 4, 8)] + [dict(shared_block_k=k) for k in (0, 64, 128, 256)]
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
@@ -285,8 +287,8 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in
-    `SWEEPS` order: the gate_up and down tiles, (register path, with a shared expert) its split,
-    (MXFP4) the warps, and launches overlapping (PDL) or not.
+    `SWEEPS` order: the gate_up and down tiles, (register path, with a shared expert) its split
+    and K tile, (register path) the warps, and launches overlapping (PDL) or not.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
@@ -332,7 +334,7 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    applies = {"shared": gemv and sh is not None, "warps": fmt == "mxfp4"}
+    applies = {"shared": gemv and sh is not None, "warps": gemv}
     for sweep in (sw for name in SWEEPS if name in sweeps and applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
