@@ -312,19 +312,24 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                 TWO: tl.constexpr, EVEN: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for plain (bf16/fp16/fp32) weights, and the same with
-    W2 when TWO (gate and up rows in one loop: both tiles' loads in flight at once). Products
-    accumulate elementwise in [BLOCK_N, BLOCK_K] fp32 tiles that are summed along K once, after
-    the loop: no cross-thread reduction (shuffles, shared memory, barriers) inside it. EVEN: K is
-    a multiple of BLOCK_K (no K mask). Returns the two [M_PAD, BLOCK_N] results (the second is
-    zeros unless TWO); row r of `a` lands in row first_row + r."""
-    g0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    g1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    g2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    g3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    u0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    u1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    u2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    u3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    W2 when TWO (gate and up rows in one loop: both tiles' loads in flight at once). The K loop
+    keeps fp32 partial sums in registers and they are summed across threads once, after it: no
+    cross-thread reduction (shuffles, shared memory, barriers) inside the loop. One row: a
+    partial per weight ([BLOCK_N, BLOCK_K], one multiply-add a weight); more rows: a partial per
+    16-byte run of V weights that one thread loads ([BLOCK_N, BLOCK_K / V]: 4 rows x 2 weights
+    of partials fit in registers). EVEN: K is a multiple of BLOCK_K (no K mask). Returns the two
+    [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of `a` lands in row
+    first_row + r."""
+    V: tl.constexpr = 1 if ROWS == 1 else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
+    S: tl.constexpr = BLOCK_K // V
+    g0 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    g1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    g2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    g3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    u0 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    u1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    u2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    u3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = (offs_k < K) | EVEN
@@ -335,23 +340,23 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
         if TWO:
             w2 = tl.load(w2_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
         a = _plain_row(a_ptr, offs_k, k_mask, offs_n, 0, M)
-        g0 += w * a
+        g0 += _run_sums(w * a, BLOCK_N, S, V)
         if TWO:
-            u0 += w2 * a
+            u0 += _run_sums(w2 * a, BLOCK_N, S, V)
         if ROWS > 1:
             a = _plain_row(a_ptr + stride_am, offs_k, k_mask, offs_n, 1, M)
-            g1 += w * a
+            g1 += _run_sums(w * a, BLOCK_N, S, V)
             if TWO:
-                u1 += w2 * a
+                u1 += _run_sums(w2 * a, BLOCK_N, S, V)
         if ROWS > 2:
             a = _plain_row(a_ptr + 2 * stride_am, offs_k, k_mask, offs_n, 2, M)
-            g2 += w * a
+            g2 += _run_sums(w * a, BLOCK_N, S, V)
             if TWO:
-                u2 += w2 * a
+                u2 += _run_sums(w2 * a, BLOCK_N, S, V)
             a = _plain_row(a_ptr + 3 * stride_am, offs_k, k_mask, offs_n, 3, M)
-            g3 += w * a
+            g3 += _run_sums(w * a, BLOCK_N, S, V)
             if TWO:
-                u3 += w2 * a
+                u3 += _run_sums(w2 * a, BLOCK_N, S, V)
     gate = _rows_tile(tl.sum(g0, axis=1), tl.sum(g1, axis=1), tl.sum(g2, axis=1), tl.sum(g3, axis=1), first_row,
                       ROWS, M_PAD)
     up = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -359,6 +364,14 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
         up = _rows_tile(tl.sum(u0, axis=1), tl.sum(u1, axis=1), tl.sum(u2, axis=1), tl.sum(u3, axis=1), first_row,
                         ROWS, M_PAD)
     return gate, up
+
+
+@triton.jit
+def _run_sums(prod, BLOCK_N: tl.constexpr, S: tl.constexpr, V: tl.constexpr):
+    """[BLOCK_N, S * V] -> the sums of its S runs of V along the row (a thread's own loads)."""
+    if V == 1:
+        return prod
+    return tl.sum(tl.reshape(prod, (BLOCK_N, S, V)), axis=2)
 
 
 @triton.jit

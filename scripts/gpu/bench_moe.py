@@ -10,8 +10,8 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
 bf16 or 32-bit-word decode), each with three tile presets (or only the committed config), then
-the winner's gate_up tiles, down tiles, (register path) the shared expert's split and K tile,
-(register path) warps, and launches overlapping (PDL) or not, within a shared time budget.
+the winner's (register path) shared expert split and K tile, launches overlapping (PDL) or not,
+gate_up and down tiles and (register path) warps, within a shared time budget.
 Routing variants (fused launch, fewer warps) are timed beside the default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
@@ -268,8 +268,9 @@ SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2),
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
              dict(pdl=False, pdl_prefetch=False)]
 # The sweeps by name (`--sweeps`), in the order a tuning runs them.
-SWEEPS = {"tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "shared": (SWEEP_SHARED,), "warps": (SWEEP_WARPS,),
-          "pdl": (SWEEP_PDL,)}
+# (Cheap and decisive ones first: a tuning out of time skips the rest.)
+SWEEPS = {"shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,), "tiles": (SWEEP_GATE_UP, SWEEP_DOWN),
+          "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
 
@@ -287,8 +288,8 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in
-    `SWEEPS` order: the gate_up and down tiles, (register path, with a shared expert) its split
-    and K tile, (register path) the warps, and launches overlapping (PDL) or not.
+    `SWEEPS` order: (register path, with a shared expert) its split and K tile, launches
+    overlapping (PDL) or not, the gate_up and down tiles, and (register path) the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
@@ -387,6 +388,8 @@ def main() -> None:
                     help="comma-separated sweeps after the path stage (default: %(default)s)")
     ap.add_argument("--from-committed", action="store_true",
                     help="start the sweeps from the committed config instead of the path stage")
+    ap.add_argument("--skip-contenders", action="store_true",
+                    help="tune only: time no contenders (a tuning run's time goes to the tuning)")
     ap.add_argument("--tune-budget-s", type=float, default=180.0,
                     help="seconds for all tuning together, shared equally by the (shape, format, M) "
                          "tunings still to run; a tuning past its share keeps its best so far")
@@ -431,7 +434,8 @@ def main() -> None:
                     tuned.update(new)
                     if args.write_configs:  # now, so that a run cut short by a timeout keeps it
                         save_tuned(new)
-                time_contenders(block, cfg, fmt, m, bw, rows, cfg_m, routing_variants=fmt == formats[0])
+                if not args.skip_contenders:
+                    time_contenders(block, cfg, fmt, m, bw, rows, cfg_m, routing_variants=fmt == formats[0])
             del block
             torch.cuda.empty_cache()
             log(f"[{time.time() - t0:.0f} s elapsed]")
