@@ -640,18 +640,19 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
                     w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
                     sd_ptr, stride_sdn, partial_ptr, stride_ps, counter_ptr,
-                    out_ptr, stride_om, M, H, I, I_SHARED,
+                    out_ptr, stride_om, M, H, I, I_SHARED, shared_chunk,
                     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
-    SHARED_SPLIT slots after the last, the shared expert's product over a 1/SHARED_SPLIT share of
-    its K (whole blocks of 32) in K tiles of SHARED_BLOCK_K. EVEN: every tile, routed and shared,
-    lies whole inside its weight (no masks on the register paths). Each writes an fp32 partial; the program that arrives last
-    at a block (an atomic counter) sums the block's partials in slot order and writes the output
-    once in its dtype, then resets the counter for the next call: deterministic, no memset.
+    SHARED_SPLIT slots after the last, the shared expert's product over a share of its K
+    (`shared_chunk` columns, whole blocks of 32: `_shared_chunk`) in K tiles of SHARED_BLOCK_K.
+    EVEN: every tile, routed and shared, lies whole inside its weight (no masks on the register
+    paths). Each writes an fp32 partial; the program that arrives last at a block (an atomic
+    counter) sums the block's partials in slot order and writes the output once in its dtype,
+    then resets the counter for the next call: deterministic, no memset.
     With the dp4a decode (WORD32 == DP4A) the routed activations come split (planes at act_ptr,
     scales at act_s_ptr), as the gate_up kernel wrote them."""
     hb = tl.program_id(0)
@@ -687,9 +688,8 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
             acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
     elif HAS_SHARED:
-        chunk = tl.cdiv(I_SHARED, 32 * SHARED_SPLIT) * 32
-        k_lo = tl.multiple_of((slot - num_slots) * chunk, 32)  # aligned, so its loads vectorize as x's do
-        acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(chunk, I_SHARED - k_lo),
+        k_lo = tl.multiple_of((slot - num_slots) * shared_chunk, 32)  # aligned, so its loads vectorize as x's do
+        acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(shared_chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, SHARED_BLOCK_K, False,
                       GEMV_ROWS, False, False, FP32_MATH, EVEN)
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
@@ -847,6 +847,11 @@ def _shared_block_k(cfg: MoELaunchConfig, gemv_rows: int) -> tuple[int, int]:
     return cfg.gate_up_block_k, cfg.down_block_k
 
 
+def _shared_chunk(i_shared: int, split: int) -> int:
+    """The down kernel's share of the shared expert's K a program: whole blocks of 32 columns."""
+    return -(-i_shared // (32 * split)) * 32
+
+
 def _even_tiles(cfg: MoELaunchConfig, hidden: int, inter: int, i_shared: int, split: int,
                 shared_k: tuple[int, int]) -> tuple[bool, bool]:
     """(gate_up, down): whether every tile of that kernel, routed and shared, lies whole inside
@@ -855,7 +860,7 @@ def _even_tiles(cfg: MoELaunchConfig, hidden: int, inter: int, i_shared: int, sp
     down = hidden % cfg.down_block_n == 0 and inter % cfg.down_block_k == 0
     if i_shared:
         gate_up = gate_up and i_shared % (cfg.gate_up_block_n // split) == 0 and hidden % shared_k[0] == 0
-        chunk = -(-i_shared // (32 * split)) * 32  # the down kernel's shared K share (moe_down_kernel)
+        chunk = _shared_chunk(i_shared, split)
         down = down and all(min(chunk, i_shared - lo) % shared_k[1] == 0 for lo in range(0, i_shared, chunk))
     return gate_up, down
 
@@ -924,7 +929,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         slot_expert, slot_weight, slot_tokens, num_slots,
         dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
-        out, out.stride(0), m, hidden, inter, i_shared,
+        out, out.stride(0), m, hidden, inter, i_shared, _shared_chunk(i_shared, max(shared_slots, 1)),
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
         SHARED_SPLIT=max(shared_slots, 1), SHARED_BLOCK_K=shared_k[1], EVEN=even_b, PDL=pdl,
