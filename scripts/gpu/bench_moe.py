@@ -194,9 +194,22 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     def ours(x, split_in_router=True):
         return layer_call(block, cfg, x, tuned_cfg, split_in_router)
 
+    def experts_only(x):
+        """The expert kernels alone, on slots (and x split) the routing made before the timing:
+        beside the whole layer, what the routing adds to the layer's critical path."""
+        lc = launch_config(x, cfg.top_k, gu, dn, tuned_cfg)
+        split = split_buffers(x, cfg.top_k, gu, dn, lc)
+        with torch.no_grad():
+            slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=split)
+        return lambda: moe_experts(x, slots, gu, dn, sh, lc, x_split=split)
+
     contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs],
                   "triton (ours), routing only": [
                       lambda x=x: route_triton(x, gate.weight, gate.e_score_correction_bias, cfg) for x in xs]}
+    try:
+        contenders["triton (ours), experts only"] = [experts_only(x) for x in xs]
+    except Exception as e:  # a contender that cannot be set up is reported, the others still run
+        log(f"experts only: {type(e).__name__}: {e}")
     if split_buffers(xs[0], cfg.top_k, gu, dn, tuned_cfg) is not None:
         contenders["triton (ours), x split in own launch"] = [lambda x=x: ours(x, False) for x in xs]
     if routing_variants:
@@ -228,7 +241,8 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
         try:
             with torch.no_grad():
                 us = graph_us(calls)
-            part = {"humming": nbytes["routed"], "routing": nbytes["router"]}
+            part = {"humming": nbytes["routed"], "experts only": whole - nbytes["router"],
+                    "routing": nbytes["router"]}
             floor = next((v for k, v in part.items() if k in name), whole) / bw * 1e6
             results[name] = us
             rows.append(dict(kind="time", shape=cfg.name, fmt=fmt, M=m, contender=name, us=us, floor_us=floor,
