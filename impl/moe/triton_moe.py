@@ -909,8 +909,9 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     su = shared.up if shared is not None else x
     # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
     shared_slots = (cfg.shared_split if gemv_rows else 1) if shared is not None else 0
+    split = max(shared_slots, 1)
     shared_k = _shared_block_k(cfg, gemv_rows)
-    even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, max(shared_slots, 1), shared_k)
+    even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
     grid_a = (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
@@ -918,7 +919,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), SHARED_BLOCK_K=shared_k[0], EVEN=even_a, PDL=pdl,
+        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[0], EVEN=even_a, PDL=pdl,
         launch_pdl=pdl, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
@@ -929,10 +930,10 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         slot_expert, slot_weight, slot_tokens, num_slots,
         dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
-        out, out.stride(0), m, hidden, inter, i_shared, _shared_chunk(i_shared, max(shared_slots, 1)),
+        out, out.stride(0), m, hidden, inter, i_shared, _shared_chunk(i_shared, split),
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=max(shared_slots, 1), SHARED_BLOCK_K=shared_k[1], EVEN=even_b, PDL=pdl,
+        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[1], EVEN=even_b, PDL=pdl,
         PREFETCH=pdl and cfg.pdl_prefetch,
         launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)

@@ -169,17 +169,24 @@ ROUTING_VARIANTS = {"fused": dict(fused=True), "top-k 1 warp": dict(topk_warps=1
                     "8 experts a program": dict(block_e=8)}
 
 
-def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
-    """The whole layer as the backend runs it (routing kernels, then the expert kernels), with an
-    explicit launch config (None: the committed one): with the dp4a decode the router's logits
-    kernel splits x, and the router overlaps its launches as the config's `pdl` says."""
+def layer_routing(block, cfg, x, launch_cfg=None, split_in_router=True):
+    """The layer's routing as the backend runs it, with an explicit launch config (None: the
+    committed one): with the dp4a decode the router's logits kernel splits x, and the router
+    overlaps its launches as the config's `pdl` says. Returns what the expert kernels take:
+    (launch config, x split or None, slots)."""
     gu, dn = block.experts.weights()
     gate = block.gate
     lc = launch_config(x, cfg.top_k, gu, dn, launch_cfg)
     x_split = split_buffers(x, cfg.top_k, gu, dn, lc) if split_in_router else None
     slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=lc.pdl,
                                prefetch=lc.pdl_prefetch)
-    return moe_experts(x, slots, gu, dn, shared_of(block), lc, x_split=x_split)
+    return lc, x_split, slots
+
+
+def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
+    """The whole layer as the backend runs it: `layer_routing`, then the expert kernels."""
+    lc, x_split, slots = layer_routing(block, cfg, x, launch_cfg, split_in_router)
+    return moe_experts(x, slots, *block.experts.weights(), shared_of(block), lc, x_split=x_split)
 
 
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):
@@ -197,10 +204,8 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     def experts_only(x):
         """The expert kernels alone, on slots (and x split) the routing made before the timing:
         beside the whole layer, what the routing adds to the layer's critical path."""
-        lc = launch_config(x, cfg.top_k, gu, dn, tuned_cfg)
-        split = split_buffers(x, cfg.top_k, gu, dn, lc)
         with torch.no_grad():
-            slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=split)
+            lc, split, slots = layer_routing(block, cfg, x, tuned_cfg)
         return lambda: moe_experts(x, slots, gu, dn, sh, lc, x_split=split)
 
     contenders = {"triton (ours, whole layer)": [lambda x=x: ours(x) for x in xs],
