@@ -394,6 +394,10 @@ MXFP4_VARIANTS = {
                       "gemv-word32x2", "dot-bits"),
     "gemv-dp4a": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a"),
                   "gemv-dp4a", "dot-bits"),
+    # Each K step of the register loops loading the next one's weights (the last step's load
+    # past K masked off; K = 96 here: a partial second step).
+    "gemv-dp4a-prefetch": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
+                                           gemv_prefetch=True), "gemv-dp4a", "dot-bits"),
     # Launches overlapping (PDL, on a GPU; the interpreter runs launches in order anyway).
     "gemv-dp4a-pdl": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
                                       pdl=True, pdl_prefetch=True), "gemv-dp4a", "dot-bits"),
@@ -414,7 +418,8 @@ VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gem
                     ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)]
                  + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
                  + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)]
-                 + [("gemv-dp4a-pdl", m) for m in (1, 3, 16)])
+                 + [("gemv-dp4a-pdl", m) for m in (1, 3, 16)]
+                 + [("gemv-dp4a-prefetch", m) for m in (1, 2, 4)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -450,15 +455,19 @@ def test_shared_split_matches_reference(fmt, decode, split, tokens):
     assert_rows_close(out, ref, variant_rtol(decode) if tokens <= 4 else RTOL)
 
 
-@pytest.mark.parametrize("fmt,decode,split,tokens", [
-    ("mxfp4", "dp4a", 1, 1), ("mxfp4", "dp4a", 2, 3), ("mxfp4", "dp4a", 1, 4), ("bf16", "bits16", 1, 1),
-    ("bf16", "bits16", 2, 3), ("fp32", "bits16", 1, 4),
+@pytest.mark.parametrize("fmt,decode,split,tokens,prefetch", [
+    ("mxfp4", "dp4a", 1, 1, False), ("mxfp4", "dp4a", 2, 3, False), ("mxfp4", "dp4a", 1, 4, False),
+    ("bf16", "bits16", 1, 1, False), ("bf16", "bits16", 2, 3, False), ("fp32", "bits16", 1, 4, False),
+    ("mxfp4", "dp4a", 2, 1, True), ("mxfp4", "dp4a", 1, 4, True), ("bf16", "bits16", 1, 1, True),
+    ("bf16", "bits16", 2, 3, True),
 ])
-def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, tokens):
+def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, tokens, prefetch):
     """Shapes every tile divides (as the presets' do), so the register paths load without masks
-    (`_even_tiles`), with the shared expert in K tiles of its own: against the oracle."""
+    (`_even_tiles`), with the shared expert in K tiles of its own, loading a step ahead or not
+    (the prefetch past the last step masked off even here): against the oracle."""
     cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, down_block_k=32,
-                          gemv_max_tokens=4, gemv_decode=decode, shared_split=split, shared_block_k=32)
+                          gemv_max_tokens=4, gemv_decode=decode, shared_split=split, shared_block_k=32,
+                          gemv_prefetch=prefetch)
     hidden, inter, i_shared = 128, 64, 64
     assert triton_moe._even_tiles(cfg, hidden, inter, i_shared, split, (32, 32)) == (True, True)
     w_gate_up, w_down = make_weights(6, hidden, inter, fmt, seed=31)
@@ -519,7 +528,7 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
         assert_rows_close(out.cpu(), ref.cpu(), variant_rtol("dp4a" if fmt == "mxfp4" else fmt))
 
 
-@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch"])
+@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch", "gemv_prefetch"])
 def test_launch_config_rejects_non_bool_pdl_flags(field):
     with pytest.raises(TypeError, match=f"{field} must be a bool, got 1"):
         MoELaunchConfig(**{field: 1})

@@ -55,6 +55,9 @@ class MoELaunchConfig:
     # tiles). Its bf16 rows are 4x the bytes of MXFP4 ones: at the routed tiles its loop would set
     # the kernel's register count, i.e. how many programs an SM holds.
     shared_block_k: int = 0
+    # On the register path (dp4a and plain weights), each K step loads the next step's weights
+    # before computing on its own: a memory round trip in flight while the decode runs.
+    gemv_prefetch: bool = False
     # Programmatic dependent launch (impl/moe/triton_pdl.py): each kernel of the layer, router
     # included, starts while the one before it finishes (the shared expert's gate_up meanwhile).
     pdl: bool = False
@@ -81,7 +84,7 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("pdl", "pdl_prefetch"):
+        for name in ("pdl", "pdl_prefetch", "gemv_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.pdl_prefetch and not self.pdl:

@@ -308,16 +308,34 @@ def _plain_row(a_ptr, offs_k, k_mask, offs_n, r: tl.constexpr, M):
 
 
 @triton.jit
+def _live(k0, K):
+    """[1] bool: whether a K step from column k0 lies inside K (False: a prefetch past the end).
+    A tensor, not a scalar: masks combine with it elementwise, under the interpreter too."""
+    return tl.arange(0, 1) + k0 < K
+
+
+@triton.jit
+def _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, live, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One K step's plain weight tile [BLOCK_N, BLOCK_K] from column k0, as fp32 (nothing is
+    read where `live` is False: a prefetch past K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = ((offs_k < K) | EVEN) & live
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, first_row,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                TWO: tl.constexpr, EVEN: tl.constexpr):
+                TWO: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for plain (bf16/fp16/fp32) weights, and the same with
     W2 when TWO (gate and up rows in one loop: both tiles' loads in flight at once). The K loop
     keeps fp32 partial sums in registers and they are summed across threads once, after it: no
     cross-thread reduction (shuffles, shared memory, barriers) inside the loop. One row: a
     partial per weight ([BLOCK_N, BLOCK_K], one multiply-add a weight); more rows: a partial per
     16-byte run of V weights that one thread loads ([BLOCK_N, BLOCK_K / V]: 4 rows x 2 weights
-    of partials fit in registers). EVEN: K is a multiple of BLOCK_K (no K mask). Returns the two
+    of partials fit in registers). PREFETCH: each step loads the next step's weights before
+    computing on its own. EVEN: K is a multiple of BLOCK_K (no K mask). Returns the two
     [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of `a` lands in row
     first_row + r."""
     V: tl.constexpr = 1 if ROWS == 1 else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
@@ -330,15 +348,25 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
     u1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
     u2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
     u3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
+    if PREFETCH:
+        nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, 0, K, _live(0, K), BLOCK_K, EVEN)
+        nxt2 = nxt
+        if TWO:
+            nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, 0, K, _live(0, K), BLOCK_K, EVEN)
     for k0 in range(0, K, BLOCK_K):
+        if PREFETCH:
+            w, w2 = nxt, nxt2
+            nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_K, EVEN)
+            if TWO:
+                nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_K,
+                                      EVEN)
+        else:
+            w = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, _live(k0, K), BLOCK_K, EVEN)
+            w2 = w
+            if TWO:
+                w2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0, K, _live(k0, K), BLOCK_K, EVEN)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = (offs_k < K) | EVEN
-        w_off = offs_n[:, None] * stride_wn + offs_k[None, :]
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
-        w2 = w
-        if TWO:
-            w2 = tl.load(w2_ptr + w_off, mask=w_mask, other=0.0).to(tl.float32)
         a = _plain_row(a_ptr, offs_k, k_mask, offs_n, 0, M)
         g0 += _run_sums(w * a, BLOCK_N, S, V)
         if TWO:
@@ -396,61 +424,123 @@ def _dp4a_row(acc, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, b
 
 
 @triton.jit
-def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-               M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-               EVEN: tl.constexpr):
-    """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
-    K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`); row r lands
-    in row first_row + r of the [M_PAD, BLOCK_N] fp32 result."""
+def _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, live,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One K step's MXFP4 words [BLOCK_N, G, 4] and E8M0 codes [BLOCK_N, G] of rows offs_n from
+    column k0 (nothing is read where `live` is False: a prefetch past K).
+    Layouts, so that the loop needs no shared memory and no barrier: the words are loaded as rows
+    of 4G contiguous words (lanes along a row, 16 bytes each), and the scales with no known
+    alignment, so one byte a lane, lanes along a row as well: that puts scale (n, g) in the thread
+    holding block g of row n, as the block sums are (checked on the sm_90 build:
+    tests/test_moe_gpu_compile.py)."""
     G: tl.constexpr = BLOCK_K // 32
-    offs_g = tl.arange(0, G)
+    blk = k0 // 32 + tl.arange(0, G)
+    offs_kw = k0 // 8 + tl.arange(0, G * 4)
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_kw[None, :],
+                    mask=n_mask[:, None] & (((offs_kw < K // 8) | EVEN) & live)[None, :], other=0)
+    offs_s = tl.multiple_of(offs_n[:, None] * stride_sn + blk[None, :], [1, 1])
+    codes = tl.load(ws_ptr + offs_s, mask=n_mask[:, None] & (((blk < K // 32) | EVEN) & live)[None, :], other=127)
+    return tl.reshape(words, (BLOCK_N, G, 4)), codes
+
+
+@triton.jit
+def _dp4a_rows(acc0, acc1, acc2, acc3, words, codes, q_ptr, stride_qm, s_ptr, K, k0, M,
+               BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of `_gemv_dp4a` for one weight: its decoded words against each row's split."""
+    G: tl.constexpr = BLOCK_K // 32
+    blk = k0 // 32 + tl.arange(0, G)
     offs_w = tl.arange(0, 4)
+    offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] words of 8 codes
+    blk_mask = (blk < K // 32) | EVEN  # K is a multiple of 32: whole blocks are in or out
+    word_mask = blk_mask[:, None] & (offs_w < 4)[None, :]
+    wscale = _e8m0_to_fp32(codes)
+    d0, d1 = _e2m1_word_to_int8x4(words, ASM)
+    acc0 = _dp4a_row(acc0, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, 0, M, ASM)
+    if ROWS > 1:
+        acc1 = _dp4a_row(acc1, d0, d1, wscale, q_ptr + stride_qm, s_ptr + K // 32, K, offs_word, blk,
+                         word_mask, blk_mask, 1, M, ASM)
+    if ROWS > 2:
+        acc2 = _dp4a_row(acc2, d0, d1, wscale, q_ptr + 2 * stride_qm, s_ptr + 2 * (K // 32), K, offs_word,
+                         blk, word_mask, blk_mask, 2, M, ASM)
+        acc3 = _dp4a_row(acc3, d0, d1, wscale, q_ptr + 3 * stride_qm, s_ptr + 3 * (K // 32), K, offs_word,
+                         blk, word_mask, blk_mask, 3, M, ASM)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+               first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+               TWO: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+    """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
+    K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`), and the same
+    with W2 when TWO (gate and up rows in one loop: both weights' loads in flight at once, half
+    the dependent K steps of two loops). PREFETCH: each step loads the next step's weights before
+    computing on its own (one memory round trip in flight while the decode and dot products run).
+    Returns the two [M_PAD, BLOCK_N] fp32 results (the second zeros unless TWO); row r lands in
+    row first_row + r."""
+    G: tl.constexpr = BLOCK_K // 32
     acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    bcc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    bcc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    bcc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    bcc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    if PREFETCH:
+        words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K), BLOCK_N,
+                                     BLOCK_K, EVEN)
+        words2, codes2 = words, codes
+        if TWO:
+            words2, codes2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K),
+                                           BLOCK_N, BLOCK_K, EVEN)
     for k0 in range(0, K, BLOCK_K):
-        blk = k0 // 32 + offs_g
-        offs_word = blk[:, None] * 4 + offs_w[None, :]  # [G, 4] words of 8 codes
-        blk_mask = (blk < K // 32) | EVEN  # K is a multiple of 32: whole blocks are in or out
-        word_mask = blk_mask[:, None] & (offs_w < 4)[None, :]
-        # Layouts, so that the loop needs no shared memory and no barrier: the words are loaded as
-        # rows of 4G contiguous words (lanes along a row, 16 bytes each), and the scales with no
-        # known alignment, so one byte a lane, lanes along a row as well: that puts scale (n, g)
-        # in the thread holding block g of row n, as the block sums below are (checked on the
-        # sm_90 build: tests/test_moe_gpu_compile.py).
-        offs_kw = k0 // 8 + tl.arange(0, G * 4)
-        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_kw[None, :],
-                        mask=n_mask[:, None] & (offs_kw < K // 8)[None, :], other=0)
-        words = tl.reshape(words, (BLOCK_N, G, 4))
-        offs_s = tl.multiple_of(offs_n[:, None] * stride_sn + blk[None, :], [1, 1])
-        codes = tl.load(ws_ptr + offs_s, mask=n_mask[:, None] & blk_mask[None, :], other=127)
-        wscale = _e8m0_to_fp32(codes)
-        d0, d1 = _e2m1_word_to_int8x4(words, ASM)
-        acc0 = _dp4a_row(acc0, d0, d1, wscale, q_ptr, s_ptr, K, offs_word, blk, word_mask, blk_mask, 0, M, ASM)
-        if ROWS > 1:
-            acc1 = _dp4a_row(acc1, d0, d1, wscale, q_ptr + stride_qm, s_ptr + K // 32, K, offs_word, blk,
-                             word_mask, blk_mask, 1, M, ASM)
-        if ROWS > 2:
-            acc2 = _dp4a_row(acc2, d0, d1, wscale, q_ptr + 2 * stride_qm, s_ptr + 2 * (K // 32), K, offs_word,
-                             blk, word_mask, blk_mask, 2, M, ASM)
-            acc3 = _dp4a_row(acc3, d0, d1, wscale, q_ptr + 3 * stride_qm, s_ptr + 3 * (K // 32), K, offs_word,
-                             blk, word_mask, blk_mask, 3, M, ASM)
-    return _rows_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
-                      first_row, ROWS, M_PAD)
+        if PREFETCH:
+            cur, cur_s, cur2, cur2_s = words, codes, words2, codes2
+            live = _live(k0 + BLOCK_K, K)
+            words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0 + BLOCK_K, K, live,
+                                         BLOCK_N, BLOCK_K, EVEN)
+            if TWO:
+                words2, codes2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0 + BLOCK_K,
+                                               K, live, BLOCK_N, BLOCK_K, EVEN)
+        else:
+            cur, cur_s = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K), BLOCK_N,
+                                       BLOCK_K, EVEN)
+            cur2, cur2_s = cur, cur_s
+            if TWO:
+                cur2, cur2_s = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K),
+                                             BLOCK_N, BLOCK_K, EVEN)
+        acc0, acc1, acc2, acc3 = _dp4a_rows(acc0, acc1, acc2, acc3, cur, cur_s, q_ptr, stride_qm, s_ptr, K, k0, M,
+                                            BLOCK_K, ROWS, EVEN)
+        if TWO:
+            bcc0, bcc1, bcc2, bcc3 = _dp4a_rows(bcc0, bcc1, bcc2, bcc3, cur2, cur2_s, q_ptr, stride_qm, s_ptr, K, k0,
+                                                M, BLOCK_K, ROWS, EVEN)
+    first = _rows_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+                       first_row, ROWS, M_PAD)
+    second = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if TWO:
+        second = _rows_tile(tl.sum(bcc0, axis=1), tl.sum(bcc1, axis=1), tl.sum(bcc2, axis=1), tl.sum(bcc3, axis=1),
+                            first_row, ROWS, M_PAD)
+    return first, second
 
 
 @triton.jit
-def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-                M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                WORD32: tl.constexpr, EVEN: tl.constexpr):
+def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn,
+                stride_sn, first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                ROWS: tl.constexpr, WORD32: tl.constexpr, TWO: tl.constexpr, PREFETCH: tl.constexpr,
+                EVEN: tl.constexpr):
     """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
-    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations."""
+    as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations (one weight,
+    no prefetch). Returns a pair as `_gemv_dp4a`."""
     if WORD32 == DP4A:
-        return _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                          first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, EVEN)
-    return _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
-                        M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2)
+        first, second = _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
+                                   stride_wn, stride_sn, first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, TWO, PREFETCH, EVEN)
+    else:
+        tl.static_assert(not TWO)
+        first = _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
+                             M_PAD, BLOCK_N, BLOCK_K, ROWS, WORD32 == 2)
+        second = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    return first, second
 
 
 @triton.jit
@@ -468,15 +558,17 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 
 
 @triton.jit
-def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-            M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
+def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+            tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
             GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-            EVEN: tl.constexpr):
-    """a[:M, :K] @ W[offs_n, :K]^T as [M_PAD, BLOCK_N] fp32: `_gemv_words` when WORD32 (MXFP4 W
-    given as int32 words, at most GEMV_ROWS tokens; for WORD32 == DP4A `a` is split into int8 planes
-    with scales at as_ptr, see impl.moe.triton_dp4a), `_gemv_plain` for plain W and at most
-    GEMV_ROWS tokens, else a K loop of `_tile_product`. EVEN: K is a multiple of BLOCK_K (the
-    register paths then load without a K mask).
+            TWO: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+    """(a[:M, :K] @ W[offs_n, :K]^T, the same with W2 when TWO, else zeros) as [M_PAD, BLOCK_N]
+    fp32: `_gemv_words` when WORD32 (MXFP4 W given as int32 words, at most GEMV_ROWS tokens; for
+    WORD32 == DP4A `a` is split into int8 planes with scales at as_ptr, see impl.moe.triton_dp4a),
+    `_gemv_plain` for plain W and at most GEMV_ROWS tokens, else (one weight) a K loop of
+    `_tile_product`. TWO: both weights in one K loop (register paths with dp4a or plain weights).
+    PREFETCH: the register loops load a step ahead. EVEN: K is a multiple of BLOCK_K (the register
+    paths then load without a K mask).
 
     `tokens` is the bit mask of the rows that chose this expert (-1: all rows). With WORD32 and
     exactly one such row (most experts of a verify step, where each is chosen by one token) only
@@ -488,39 +580,47 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, strid
         if GEMV_ROWS > 1:
             if (tokens > 0) & ((tokens & (tokens - 1)) == 0):
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
-                acc = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
-                                  offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N, BLOCK_K, 1, WORD32, EVEN)
+                acc, acc2 = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
+                                        w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N,
+                                        BLOCK_K, 1, WORD32, TWO, PREFETCH, EVEN)
             else:
-                acc = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                                  0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, EVEN)
-            return acc
-        return _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                           M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, EVEN)
-    if GEMV_ROWS > 0 and not MXFP4:
-        acc = _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w_ptr, offs_n, n_mask, stride_wn, 0, M_PAD, BLOCK_N,
-                          BLOCK_K, GEMV_ROWS, False, EVEN)[0]
+                acc, acc2 = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
+                                        stride_wn, stride_sn, 0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, TWO,
+                                        PREFETCH, EVEN)
+        else:
+            acc, acc2 = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
+                                    stride_wn, stride_sn, 0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, TWO,
+                                    PREFETCH, EVEN)
+    elif GEMV_ROWS > 0 and not MXFP4:
+        acc, acc2 = _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, 0, M_PAD, BLOCK_N,
+                                BLOCK_K, GEMV_ROWS, TWO, PREFETCH, EVEN)
     else:
+        tl.static_assert(not TWO)
         offs_m = tl.arange(0, M_PAD)
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc += _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
                                  stride_sn, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, SCALED, FP32_MATH)
-    return acc
+        acc2 = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    return acc, acc2
 
 
 @triton.jit
 def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
-                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, EVEN: tl.constexpr):
-    if WORD32:  # each weight in its own K loop: the tile-shaped sums of one are live at a time
-        acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, EVEN)
-        acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn, stride_sn, tokens,
-                        M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH, EVEN)
-    elif GEMV_ROWS > 0 and not MXFP4:  # one K loop for both: their loads are in flight together
-        acc_g, acc_u = _gemv_plain(x_ptr, stride_xm, M, K, g_ptr, u_ptr, offs_n, n_mask, stride_wn, 0, M_PAD,
-                                   BLOCK_N, BLOCK_K, GEMV_ROWS, True, EVEN)
+                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+    if WORD32 == DP4A or (GEMV_ROWS > 0 and not MXFP4):  # one K loop for both: their loads in flight together
+        acc_g, acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
+                               stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED,
+                               FP32_MATH, True, PREFETCH, EVEN)
+    elif WORD32:  # the fp32 word decodes: each weight in its own K loop (the tile-shaped sums of one live at a time)
+        acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, g_ptr, gs_ptr, offs_n, n_mask, stride_wn,
+                        stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
+                        False, False, EVEN)[0]
+        acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, u_ptr, us_ptr, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
+                        stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
+                        False, False, EVEN)[0]
     else:
         offs_m = tl.arange(0, M_PAD)
         acc_g = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -580,7 +680,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                        SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       PDL: tl.constexpr):
+                       GEMV_PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows, in K tiles of SHARED_BLOCK_K: its bf16 rows hold
@@ -611,7 +711,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
                                    tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
-                                   SCALED, FP32_MATH, EVEN)
+                                   SCALED, FP32_MATH, GEMV_PREFETCH, EVEN)
                 if WORD32 == DP4A:
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
@@ -629,7 +729,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
             s_mask = (offs_s < I_SHARED) | EVEN
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
                                stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, False, False,
-                               FP32_MATH, EVEN)
+                               FP32_MATH, GEMV_PREFETCH, EVEN)
             pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
@@ -645,7 +745,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                    PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    GEMV_PREFETCH: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a share of its K
     (`shared_chunk` columns, whole blocks of 32: `_shared_chunk`) in K tiles of SHARED_BLOCK_K.
@@ -680,9 +780,9 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
         if expert >= 0:
             a_ptr = act_ptr + slot * stride_as
             tokens = tl.load(slot_tokens_ptr + slot)
-            acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, offs_n, n_mask, stride_wn,
-                          stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
-                          EVEN)
+            acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, w_e, ws_e, offs_n, n_mask,
+                          stride_wn, stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED,
+                          FP32_MATH, False, GEMV_PREFETCH, EVEN)[0]
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
@@ -690,8 +790,8 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     elif HAS_SHARED:
         k_lo = tl.multiple_of((slot - num_slots) * shared_chunk, 32)  # aligned, so its loads vectorize as x's do
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(shared_chunk, I_SHARED - k_lo),
-                      sd_ptr + k_lo, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N, SHARED_BLOCK_K, False,
-                      GEMV_ROWS, False, False, FP32_MATH, EVEN)
+                      sd_ptr + k_lo, sd_ptr, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N,
+                      SHARED_BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH, False, GEMV_PREFETCH, EVEN)[0]
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -912,6 +1012,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     split = max(shared_slots, 1)
     shared_k = _shared_block_k(cfg, gemv_rows)
     even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
+    gemv_prefetch = bool(gemv_rows) and cfg.gemv_prefetch
     grid_a = (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
@@ -919,7 +1020,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[0], EVEN=even_a, PDL=pdl,
+        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[0], EVEN=even_a, GEMV_PREFETCH=gemv_prefetch, PDL=pdl,
         launch_pdl=pdl, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
@@ -933,7 +1034,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared, _shared_chunk(i_shared, split),
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[1], EVEN=even_b, PDL=pdl,
+        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[1], EVEN=even_b, GEMV_PREFETCH=gemv_prefetch, PDL=pdl,
         PREFETCH=pdl and cfg.pdl_prefetch,
         launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)

@@ -5,7 +5,7 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
-        [--paths gemv-dp4a,...] [--sweeps tiles,shared,warps,pdl] [--from-committed]
+        [--paths gemv-dp4a,...] [--sweeps prefetch,shared,pdl,tiles,warps] [--from-committed]
 
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
@@ -279,17 +279,22 @@ PATHS_GEMV = {f"gemv-{d}": dict(gemv_max_tokens=4, gemv_decode=d) for d in GEMV_
 TILE_PRESETS = [dict(gate_up_block_n=16, gate_up_block_k=512, down_block_n=16, down_block_k=256, shared_block_k=128),
                 dict(gate_up_block_n=32, gate_up_block_k=128, down_block_n=32, down_block_k=128, shared_block_k=128),
                 dict(gate_up_block_n=32, gate_up_block_k=512, down_block_n=16, down_block_k=256, shared_block_k=128)]
-SWEEP_SHARED = [dict(shared_split=s) for s in (1, 2, 4, 8)] + [dict(shared_block_k=k) for k in (0, 64, 128, 256)]
+# The shared expert's split and K tile together: more programs a block allow longer K steps at
+# the same registers a thread, and fewer steps are fewer memory round trips in a row.
+SWEEP_SHARED = [dict(shared_split=s, shared_block_k=k) for s, k in itertools.product((1, 2, 4, 8), (64, 128, 256, 512))]
 SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
-SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k) for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512))]
+SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k)
+              for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512, 1024))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
+SWEEP_PREFETCH = [dict(gemv_prefetch=True), dict(gemv_prefetch=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
              dict(pdl=False, pdl_prefetch=False)]
-# The sweeps by name (`--sweeps`), in the order a tuning runs them.
-# (Cheap and decisive ones first: a tuning out of time skips the rest.)
-SWEEPS = {"shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,), "tiles": (SWEEP_GATE_UP, SWEEP_DOWN),
-          "warps": (SWEEP_WARPS,)}
+# The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
+# prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
+# tuning out of time skips the rest.
+SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
+          "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
 
@@ -306,9 +311,10 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
          sweeps: tuple = tuple(SWEEPS), from_committed: bool = False) -> MoELaunchConfig:
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
-    `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in
-    `SWEEPS` order: (register path, with a shared expert) its split and K tile, launches
-    overlapping (PDL) or not, the gate_up and down tiles, and (register path) the warps.
+    `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in the
+    order given (`SWEEPS`): (register path) loading a K step ahead or not, (register path, with a
+    shared expert) its split and K tile, launches overlapping (PDL) or not, the gate_up and down
+    tiles, and (register path) the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
@@ -354,8 +360,8 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    applies = {"shared": gemv and sh is not None, "warps": gemv}
-    for sweep in (sw for name in SWEEPS if name in sweeps and applies.get(name, True) for sw in SWEEPS[name]):
+    applies = {"shared": gemv and sh is not None, "warps": gemv, "prefetch": gemv}
+    for sweep in (sw for name in sweeps if applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
             if cand != dataclasses.asdict(best):

@@ -5,13 +5,15 @@ kernel time and the replay's wall time per step: their difference is the launch 
 graph, which no kernel speed-up removes.
 
     python3 scripts/gpu/profile_kernels.py [--model tiny-gsm] [--moe-backend triton]
-        [--moe-shapes ling-3.0-flash,ling-flash-2.0] [--ms 1,4]
+        [--moe-shapes ling-3.0-flash,ling-flash-2.0] [--ms 1,4] [--formats mxfp4,bf16]
+        [--override pdl=false,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -47,11 +49,10 @@ def kernel_table(title: str, replay, steps_per_replay: int = 1, reset=lambda: No
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) * 1e3 / REPLAYS / steps_per_replay
     per = collections.defaultdict(lambda: [0, 0.0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name if len(ev.name) < 60 else ev.name[:57] + "..."
-            per[name][0] += 1
-            per[name][1] += ev.device_time_total
+    kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    for ev in kernels:
+        per[_short(ev.name)][0] += 1
+        per[_short(ev.name)][1] += ev.device_time_total
     n = REPLAYS * steps_per_replay
     total = sum(v[1] for v in per.values()) / n
     count = sum(v[0] for v in per.values()) / n
@@ -59,7 +60,26 @@ def kernel_table(title: str, replay, steps_per_replay: int = 1, reset=lambda: No
           f"(gaps {wall - total:.1f} us)")
     for name, (c, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         print(f"  {c / n:5.1f}x {us / n:8.2f} us  {name}")
+    if count == int(count):
+        timeline(kernels, int(count))
     return wall
+
+
+def _short(name: str) -> str:
+    return name if len(name) < 60 else name[:57] + "..."
+
+
+def timeline(kernels, per_step: int) -> None:
+    """Each kernel of a step as (start, end) from the step's first kernel start, means over the
+    steps: with launches overlapping (PDL) durations include waits, but the ends show when each
+    stage of the step is done, i.e. its critical path."""
+    kernels = sorted(kernels, key=lambda ev: ev.time_range.start)  # launch order
+    steps = [kernels[i:i + per_step] for i in range(0, len(kernels) - per_step + 1, per_step)]
+    print(f"  timeline (us from the step's first kernel start, mean of {len(steps)} steps):")
+    for j in range(per_step):
+        start = sum(s[j].time_range.start - s[0].time_range.start for s in steps) / len(steps)
+        end = sum(s[j].time_range.end - s[0].time_range.start for s in steps) / len(steps)
+        print(f"    {start:7.2f} .. {end:7.2f}  {_short(steps[0][j].name)}")
 
 
 def profile_model(name: str, moe_backend: str) -> None:
@@ -89,17 +109,34 @@ def profile_moe(shape: str, fmt: str, m: int) -> None:
     kernel_table(f"MoE layer {shape} {fmt} M={m}", graph.replay, steps_per_replay=len(xs))
 
 
+def parse_override(value: str) -> dict:
+    """"a=1,b=true" -> {"a": 1, "b": True} (ints, booleans, else strings)."""
+    out = {}
+    for item in filter(None, value.split(",")):
+        key, _, v = item.partition("=")
+        out[key] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny-gsm")
     ap.add_argument("--moe-backend", default="triton")
     ap.add_argument("--moe-shapes", default="ling-3.0-flash,ling-flash-2.0")
     ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--formats", default="mxfp4,bf16")
+    ap.add_argument("--override", default="", type=parse_override,
+                    help="launch-config fields set in every committed MoE config, e.g. pdl=false "
+                         "(to see each kernel's own duration, launches not overlapping)")
     args = ap.parse_args()
+    if args.override:
+        from impl.moe import configs
+        configs.TUNED = {k: dataclasses.replace(c, **args.override) for k, c in configs.TUNED.items()}
+        configs.fallback = lambda hidden, intermediate: dataclasses.replace(configs.MoELaunchConfig(), **args.override)
     if args.model:
         profile_model(args.model, args.moe_backend)
     for shape in filter(None, args.moe_shapes.split(",")):
-        for fmt in ("mxfp4", "bf16"):
+        for fmt in args.formats.split(","):
             for m in map(int, args.ms.split(",")):
                 profile_moe(shape, fmt, m)
 
