@@ -64,6 +64,9 @@ class MoELaunchConfig:
     # With pdl: while a program waits for the launch before it, it asks for its weights in L2
     # (down kernel: its expert's rows; router: its experts' rows).
     pdl_prefetch: bool = False
+    # The layer's routing in one launch (logits, then top-k by the last program to finish) instead
+    # of two: one launch boundary less on the critical path.
+    router_fused: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k", "shared_block_k"):
@@ -84,7 +87,7 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("pdl", "pdl_prefetch", "gemv_prefetch"):
+        for name in ("pdl", "pdl_prefetch", "gemv_prefetch", "router_fused"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.pdl_prefetch and not self.pdl:

@@ -5,7 +5,7 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
-        [--paths gemv-dp4a,...] [--sweeps prefetch,shared,pdl,tiles,warps] [--from-committed]
+        [--paths gemv-dp4a,...] [--sweeps prefetch,router,shared,pdl,tiles,warps] [--from-committed]
 
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
@@ -179,7 +179,7 @@ def layer_routing(block, cfg, x, launch_cfg=None, split_in_router=True):
     lc = launch_config(x, cfg.top_k, gu, dn, launch_cfg)
     x_split = split_buffers(x, cfg.top_k, gu, dn, lc) if split_in_router else None
     slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=lc.pdl,
-                               prefetch=lc.pdl_prefetch)
+                               prefetch=lc.pdl_prefetch, fused=lc.router_fused)
     return lc, x_split, slots
 
 
@@ -288,12 +288,13 @@ SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k)
               for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512, 1024))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
 SWEEP_PREFETCH = [dict(gemv_prefetch=True), dict(gemv_prefetch=False)]
+SWEEP_ROUTER = [dict(router_fused=True), dict(router_fused=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
              dict(pdl=False, pdl_prefetch=False)]
 # The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
 # prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
 # tuning out of time skips the rest.
-SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
+SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "router": (SWEEP_ROUTER,), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
           "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
@@ -312,7 +313,8 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in the
-    order given (`SWEEPS`): (register path) loading a K step ahead or not, (register path, with a
+    order given (`SWEEPS`): (register path) loading a K step ahead or not, routing in one launch
+    or two, (register path, with a
     shared expert) its split and K tile, launches overlapping (PDL) or not, the gate_up and down
     tiles, and (register path) the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
