@@ -163,24 +163,26 @@ def _compile_all(tiles) -> int:
             failures += 1
             print("FAIL", label, type(e).__name__, str(e)[-800:], flush=True)
 
-    cases = [(i, v, t, False) for i, v in enumerate(VARIANTS) for t in tiles]
-    # The register loops loading a step ahead (`gemv_prefetch`), masked and unmasked.
-    cases += [(i, v, tiles[0], True) for i, v in enumerate(VARIANTS) if v[1] and (v[2] in (0, 3))]
-    for i, (mx, rows, word32, scaled), (bn, bk), prefetch in cases:
+    cases = [(i, v, t, 0) for i, v in enumerate(VARIANTS) for t in tiles]
+    # The register loops loading a step ahead (GEMV_PIPELINE 1: `gemv_prefetch`) or in Triton's
+    # software pipeline (3 stages: `gemv_stages`), masked and unmasked.
+    cases += [(i, v, tiles[0], p) for i, v in enumerate(VARIANTS) if v[1] and (v[2] in (0, 3)) for p in (1, 3)]
+    for i, (mx, rows, word32, scaled), (bn, bk), pipeline in cases:
         if word32 == 3 and bn < 32:  # the dp4a decode splits gate_up outputs in blocks of 32
             continue
         w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
         consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                       WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
                       SHARED_BLOCK_K=64 if rows else bk, EVEN=i % 2 == 0,  # masked and unmasked loads
-                      GEMV_PREFETCH=prefetch,
+                      GEMV_PIPELINE=pipeline,
                       PDL=word32 != 2)  # (launched without PDL, the kernels compile as they did before it)
         # Register paths whose loops stay inside each thread: dp4a, and plain weights (the
         # shared expert of every register path is plain, so with one row all its loops are).
-        barrier_free = rows > 0 and (word32 == 3 or not mx)
+        # (Triton's software pipeline waits for its copies at a barrier a step: only without it.)
+        barrier_free = rows > 0 and (word32 == 3 or not mx) and pipeline < 2
         down_consts = dict(consts, PREFETCH=consts["PDL"] and rows > 0)
         label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']} "
-                 f"even={consts['EVEN']} gemv_prefetch={prefetch}")
+                 f"even={consts['EVEN']} gemv_pipeline={pipeline}")
         attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
                 dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
                      xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"),

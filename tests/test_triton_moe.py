@@ -398,6 +398,9 @@ MXFP4_VARIANTS = {
     # past K masked off; K = 96 here: a partial second step).
     "gemv-dp4a-prefetch": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
                                            gemv_prefetch=True), "gemv-dp4a", "dot-bits"),
+    # The same loops in Triton's software pipeline (on a GPU; the interpreter runs them in order).
+    "gemv-dp4a-stages": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
+                                         gemv_stages=3), "gemv-dp4a", "dot-bits"),
     # Launches overlapping (PDL, on a GPU; the interpreter runs launches in order anyway).
     "gemv-dp4a-pdl": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
                                       pdl=True, pdl_prefetch=True), "gemv-dp4a", "dot-bits"),
@@ -419,7 +422,7 @@ VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gem
                  + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
                  + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)]
                  + [("gemv-dp4a-pdl", m) for m in (1, 3, 16)]
-                 + [("gemv-dp4a-prefetch", m) for m in (1, 2, 4)])
+                 + [("gemv-dp4a-prefetch", m) for m in (1, 2, 4)] + [("gemv-dp4a-stages", m) for m in (1, 4)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -551,6 +554,15 @@ def test_pdl_on_a_gpu_older_than_sm90_is_a_clear_error(monkeypatch):
         triton_pdl.use_pdl(True, torch.device("cuda", 0))
     monkeypatch.setattr(triton_pdl, "_capability", lambda index: (9, 0))
     assert triton_pdl.use_pdl(True, torch.device("cuda", 0)) and not triton_pdl.use_pdl(False, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(gemv_stages=1), "gemv_stages must be 0, 2, 3 or 4, got 1"),
+    (dict(gemv_stages=3, gemv_prefetch=True), "gemv_stages and gemv_prefetch are two ways"),
+])
+def test_launch_config_rejects_bad_pipelines(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MoELaunchConfig(**fields)
 
 
 def test_pdl_prefetch_needs_pdl():

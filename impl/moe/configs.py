@@ -58,6 +58,10 @@ class MoELaunchConfig:
     # On the register path (dp4a and plain weights), each K step loads the next step's weights
     # before computing on its own: a memory round trip in flight while the decode runs.
     gemv_prefetch: bool = False
+    # On the register path (dp4a and plain weights), Triton's software pipeline of this many stages
+    # for the K loops (0: none): asynchronous copies into shared memory, so that more bytes are in
+    # flight than registers could hold. Exclusive with gemv_prefetch.
+    gemv_stages: int = 0
     # Programmatic dependent launch (impl/moe/triton_pdl.py): each kernel of the layer, router
     # included, starts while the one before it finishes (the shared expert's gate_up meanwhile).
     pdl: bool = False
@@ -90,6 +94,10 @@ class MoELaunchConfig:
         for name in ("pdl", "pdl_prefetch", "gemv_prefetch", "router_fused"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.gemv_stages not in (0, 2, 3, 4):
+            raise ValueError(f"gemv_stages must be 0, 2, 3 or 4, got {self.gemv_stages}")
+        if self.gemv_stages and self.gemv_prefetch:
+            raise ValueError("gemv_stages and gemv_prefetch are two ways to keep loads in flight: choose one")
         if self.pdl_prefetch and not self.pdl:
             raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:

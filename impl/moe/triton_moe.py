@@ -307,6 +307,17 @@ def _plain_row(a_ptr, offs_k, k_mask, offs_n, r: tl.constexpr, M):
     return tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.constexpr_function
+def _stages(pipeline):
+    """The register loops' PIPELINE: 0, each K step loads its own weights; 1, each step loads the
+    next step's into registers before computing on its own (one round trip in flight, no shared
+    memory); n >= 2, Triton's software pipeline of n stages (`tl.range(num_stages=n)`, which
+    pipelines a loop without dot products only when asked so: asynchronous copies into shared
+    memory, n - 1 steps in flight without holding them in registers, a barrier a step). Returns
+    the loop's num_stages (1: not pipelined by Triton)."""
+    return pipeline if pipeline >= 2 else 1
+
+
 @triton.jit
 def _live(k0, K):
     """[1] bool: whether a K step from column k0 lies inside K (False: a prefetch past the end).
@@ -327,16 +338,15 @@ def _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, live, BLOCK_K: tl.co
 @triton.jit
 def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, first_row,
                 M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                TWO: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+                TWO: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
     """a[:ROWS] @ W[offs_n]^T over all of K for plain (bf16/fp16/fp32) weights, and the same with
     W2 when TWO (gate and up rows in one loop: both tiles' loads in flight at once). The K loop
     keeps fp32 partial sums in registers and they are summed across threads once, after it: no
     cross-thread reduction (shuffles, shared memory, barriers) inside the loop. One row: a
     partial per weight ([BLOCK_N, BLOCK_K], one multiply-add a weight); more rows: a partial per
     16-byte run of V weights that one thread loads ([BLOCK_N, BLOCK_K / V]: 4 rows x 2 weights
-    of partials fit in registers). PREFETCH: each step loads the next step's weights before
-    computing on its own. EVEN: K is a multiple of BLOCK_K (no K mask). Returns the two
-    [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of `a` lands in row
+    of partials fit in registers). PIPELINE: see `_stages`. EVEN: K is a multiple of BLOCK_K (no
+    K mask). Returns the two [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of `a` lands in row
     first_row + r."""
     V: tl.constexpr = 1 if ROWS == 1 else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
     S: tl.constexpr = BLOCK_K // V
@@ -348,13 +358,13 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
     u1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
     u2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
     u3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    if PREFETCH:
+    if PIPELINE == 1:
         nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, 0, K, _live(0, K), BLOCK_K, EVEN)
         nxt2 = nxt
         if TWO:
             nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, 0, K, _live(0, K), BLOCK_K, EVEN)
-    for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
+        if PIPELINE == 1:
             w, w2 = nxt, nxt2
             nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_K, EVEN)
             if TWO:
@@ -470,12 +480,11 @@ def _dp4a_rows(acc0, acc1, acc2, acc3, words, codes, q_ptr, stride_qm, s_ptr, K,
 @triton.jit
 def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
                first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-               TWO: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+               TWO: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
     """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
     K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`), and the same
     with W2 when TWO (gate and up rows in one loop: both weights' loads in flight at once, half
-    the dependent K steps of two loops). PREFETCH: each step loads the next step's weights before
-    computing on its own (one memory round trip in flight while the decode and dot products run).
+    the dependent K steps of two loops). PIPELINE: see `_stages`.
     Returns the two [M_PAD, BLOCK_N] fp32 results (the second zeros unless TWO); row r lands in
     row first_row + r."""
     G: tl.constexpr = BLOCK_K // 32
@@ -487,15 +496,15 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, of
     bcc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     bcc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     bcc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    if PREFETCH:
+    if PIPELINE == 1:
         words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K), BLOCK_N,
                                      BLOCK_K, EVEN)
         words2, codes2 = words, codes
         if TWO:
             words2, codes2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K),
                                            BLOCK_N, BLOCK_K, EVEN)
-    for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
+        if PIPELINE == 1:
             cur, cur_s, cur2, cur2_s = words, codes, words2, codes2
             live = _live(k0 + BLOCK_K, K)
             words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0 + BLOCK_K, K, live,
@@ -527,14 +536,14 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, of
 @triton.jit
 def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn,
                 stride_sn, first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                ROWS: tl.constexpr, WORD32: tl.constexpr, TWO: tl.constexpr, PREFETCH: tl.constexpr,
+                ROWS: tl.constexpr, WORD32: tl.constexpr, TWO: tl.constexpr, PIPELINE: tl.constexpr,
                 EVEN: tl.constexpr):
     """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
     as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations (one weight,
     no prefetch). Returns a pair as `_gemv_dp4a`."""
     if WORD32 == DP4A:
         first, second = _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
-                                   stride_wn, stride_sn, first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, TWO, PREFETCH, EVEN)
+                                   stride_wn, stride_sn, first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, TWO, PIPELINE, EVEN)
     else:
         tl.static_assert(not TWO)
         first = _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
@@ -561,14 +570,14 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
 def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
             tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
             GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
-            TWO: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+            TWO: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
     """(a[:M, :K] @ W[offs_n, :K]^T, the same with W2 when TWO, else zeros) as [M_PAD, BLOCK_N]
     fp32: `_gemv_words` when WORD32 (MXFP4 W given as int32 words, at most GEMV_ROWS tokens; for
     WORD32 == DP4A `a` is split into int8 planes with scales at as_ptr, see impl.moe.triton_dp4a),
     `_gemv_plain` for plain W and at most GEMV_ROWS tokens, else (one weight) a K loop of
     `_tile_product`. TWO: both weights in one K loop (register paths with dp4a or plain weights).
-    PREFETCH: the register loops load a step ahead. EVEN: K is a multiple of BLOCK_K (the register
-    paths then load without a K mask).
+    PIPELINE: how the register loops keep loads in flight (`_stages`). EVEN: K is a multiple of
+    BLOCK_K (the register paths then load without a K mask).
 
     `tokens` is the bit mask of the rows that chose this expert (-1: all rows). With WORD32 and
     exactly one such row (most experts of a verify step, where each is chosen by one token) only
@@ -582,18 +591,18 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs
                 t = ((tokens >> 1) & 1) + 2 * ((tokens >> 2) & 1) + 3 * ((tokens >> 3) & 1)  # its row (< 4)
                 acc, acc2 = _gemv_words(a_ptr + t * stride_am, stride_am, as_ptr + t * (K // 32), 1, K, w_ptr, ws_ptr,
                                         w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, t, M_PAD, BLOCK_N,
-                                        BLOCK_K, 1, WORD32, TWO, PREFETCH, EVEN)
+                                        BLOCK_K, 1, WORD32, TWO, PIPELINE, EVEN)
             else:
                 acc, acc2 = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
                                         stride_wn, stride_sn, 0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, TWO,
-                                        PREFETCH, EVEN)
+                                        PIPELINE, EVEN)
         else:
             acc, acc2 = _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
                                     stride_wn, stride_sn, 0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, TWO,
-                                    PREFETCH, EVEN)
+                                    PIPELINE, EVEN)
     elif GEMV_ROWS > 0 and not MXFP4:
         acc, acc2 = _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, 0, M_PAD, BLOCK_N,
-                                BLOCK_K, GEMV_ROWS, TWO, PREFETCH, EVEN)
+                                BLOCK_K, GEMV_ROWS, TWO, PIPELINE, EVEN)
     else:
         tl.static_assert(not TWO)
         offs_m = tl.arange(0, M_PAD)
@@ -609,11 +618,11 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs
 def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, WORD32: tl.constexpr,
-                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr):
+                 SCALED: tl.constexpr, FP32_MATH: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
     if WORD32 == DP4A or (GEMV_ROWS > 0 and not MXFP4):  # one K loop for both: their loads in flight together
         acc_g, acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
                                stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED,
-                               FP32_MATH, True, PREFETCH, EVEN)
+                               FP32_MATH, True, PIPELINE, EVEN)
     elif WORD32:  # the fp32 word decodes: each weight in its own K loop (the tile-shaped sums of one live at a time)
         acc_g = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, g_ptr, gs_ptr, offs_n, n_mask, stride_wn,
                         stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED, FP32_MATH,
@@ -680,7 +689,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                        SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       GEMV_PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       GEMV_PIPELINE: tl.constexpr, PDL: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows, in K tiles of SHARED_BLOCK_K: its bf16 rows hold
@@ -711,7 +720,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
                                    tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
-                                   SCALED, FP32_MATH, GEMV_PREFETCH, EVEN)
+                                   SCALED, FP32_MATH, GEMV_PIPELINE, EVEN)
                 if WORD32 == DP4A:
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
@@ -729,7 +738,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
             s_mask = (offs_s < I_SHARED) | EVEN
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
                                stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, False, False,
-                               FP32_MATH, GEMV_PREFETCH, EVEN)
+                               FP32_MATH, GEMV_PIPELINE, EVEN)
             pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
@@ -745,7 +754,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                    GEMV_PREFETCH: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    GEMV_PIPELINE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a share of its K
     (`shared_chunk` columns, whole blocks of 32: `_shared_chunk`) in K tiles of SHARED_BLOCK_K.
@@ -782,7 +791,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
             tokens = tl.load(slot_tokens_ptr + slot)
             acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, w_e, ws_e, offs_n, n_mask,
                           stride_wn, stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED,
-                          FP32_MATH, False, GEMV_PREFETCH, EVEN)[0]
+                          FP32_MATH, False, GEMV_PIPELINE, EVEN)[0]
             weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
@@ -791,7 +800,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
         k_lo = tl.multiple_of((slot - num_slots) * shared_chunk, 32)  # aligned, so its loads vectorize as x's do
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(shared_chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N,
-                      SHARED_BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH, False, GEMV_PREFETCH, EVEN)[0]
+                      SHARED_BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH, False, GEMV_PIPELINE, EVEN)[0]
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -1012,7 +1021,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     split = max(shared_slots, 1)
     shared_k = _shared_block_k(cfg, gemv_rows)
     even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
-    gemv_prefetch = bool(gemv_rows) and cfg.gemv_prefetch
+    gemv_pipeline = (1 if cfg.gemv_prefetch else cfg.gemv_stages) if gemv_rows else 0  # see `_stages`
     grid_a = (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
     moe_gate_up_kernel[grid_a](
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
@@ -1020,7 +1029,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[0], EVEN=even_a, GEMV_PREFETCH=gemv_prefetch, PDL=pdl,
+        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[0], EVEN=even_a, GEMV_PIPELINE=gemv_pipeline, PDL=pdl,
         launch_pdl=pdl, num_warps=cfg.gate_up_warps,
         num_stages=cfg.gate_up_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
@@ -1034,7 +1043,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         out, out.stride(0), m, hidden, inter, i_shared, _shared_chunk(i_shared, split),
         M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
         HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[1], EVEN=even_b, GEMV_PREFETCH=gemv_prefetch, PDL=pdl,
+        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[1], EVEN=even_b, GEMV_PIPELINE=gemv_pipeline, PDL=pdl,
         PREFETCH=pdl and cfg.pdl_prefetch,
         launch_pdl=pdl, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages)

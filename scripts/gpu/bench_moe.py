@@ -287,14 +287,22 @@ SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k)
               for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512, 1024))]
 SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
-SWEEP_PREFETCH = [dict(gemv_prefetch=True), dict(gemv_prefetch=False)]
+# How the register loops keep loads in flight: a step ahead in registers, Triton's software
+# pipeline of 2 to 4 stages through shared memory, or neither.
+SWEEP_PREFETCH = [dict(gemv_prefetch=True, gemv_stages=0)] + [dict(gemv_prefetch=False, gemv_stages=s)
+                                                               for s in (2, 3, 4, 0)]
+# Triton's software pipeline with tiles of few registers a thread (so several programs an SM),
+# since at the register path's usual tiles one program of 8 warps filled an SM and waited on its
+# loads (Nsight Compute, notes/moe-h200.md run 9).
+SWEEP_PIPELINE = [dict(gemv_prefetch=False, gemv_stages=s, gate_up_block_n=n, gate_up_block_k=k, down_block_n=32,
+                       down_block_k=256, down_warps=4) for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
 SWEEP_ROUTER = [dict(router_fused=True), dict(router_fused=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
              dict(pdl=False, pdl_prefetch=False)]
 # The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
 # prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
 # tuning out of time skips the rest.
-SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "router": (SWEEP_ROUTER,), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
+SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
           "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
@@ -313,7 +321,8 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in the
-    order given (`SWEEPS`): (register path) loading a K step ahead or not, routing in one launch
+    order given (`SWEEPS`): (register path) loading a K step ahead or in Triton's software pipeline
+    (also with smaller tiles) or neither, routing in one launch
     or two, (register path, with a
     shared expert) its split and K tile, launches overlapping (PDL) or not, the gate_up and down
     tiles, and (register path) the warps.
@@ -362,7 +371,7 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    applies = {"shared": gemv and sh is not None, "warps": gemv, "prefetch": gemv}
+    applies = {"shared": gemv and sh is not None, "warps": gemv, "prefetch": gemv, "pipeline": gemv}
     for sweep in (sw for name in sweeps if applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
