@@ -346,8 +346,8 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
     partial per weight ([BLOCK_N, BLOCK_K], one multiply-add a weight); more rows: a partial per
     16-byte run of V weights that one thread loads ([BLOCK_N, BLOCK_K / V]: 4 rows x 2 weights
     of partials fit in registers). PIPELINE: see `_stages`. EVEN: K is a multiple of BLOCK_K (no
-    K mask). Returns the two [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of `a` lands in row
-    first_row + r."""
+    K mask). Returns the two [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of
+    `a` lands in row first_row + r."""
     V: tl.constexpr = 1 if ROWS == 1 else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
     S: tl.constexpr = BLOCK_K // V
     g0 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
@@ -366,10 +366,10 @@ def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn
     for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
         if PIPELINE == 1:
             w, w2 = nxt, nxt2
-            nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_K, EVEN)
+            live = _live(k0 + BLOCK_K, K)
+            nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, live, BLOCK_K, EVEN)
             if TWO:
-                nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_K,
-                                      EVEN)
+                nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, live, BLOCK_K, EVEN)
         else:
             w = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, _live(k0, K), BLOCK_K, EVEN)
             w2 = w
@@ -488,14 +488,15 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, of
     Returns the two [M_PAD, BLOCK_N] fp32 results (the second zeros unless TWO); row r lands in
     row first_row + r."""
     G: tl.constexpr = BLOCK_K // 32
-    acc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    bcc0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    bcc1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    bcc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    bcc3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    # Block sums per row r: a<r> of W, b<r> of W2.
+    a0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    b0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    b1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    b2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+    b3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
     if PIPELINE == 1:
         words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K), BLOCK_N,
                                      BLOCK_K, EVEN)
@@ -513,22 +514,22 @@ def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, of
                 words2, codes2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0 + BLOCK_K,
                                                K, live, BLOCK_N, BLOCK_K, EVEN)
         else:
-            cur, cur_s = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K), BLOCK_N,
-                                       BLOCK_K, EVEN)
+            cur, cur_s = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K),
+                                       BLOCK_N, BLOCK_K, EVEN)
             cur2, cur2_s = cur, cur_s
             if TWO:
                 cur2, cur2_s = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K),
                                              BLOCK_N, BLOCK_K, EVEN)
-        acc0, acc1, acc2, acc3 = _dp4a_rows(acc0, acc1, acc2, acc3, cur, cur_s, q_ptr, stride_qm, s_ptr, K, k0, M,
-                                            BLOCK_K, ROWS, EVEN)
+        a0, a1, a2, a3 = _dp4a_rows(a0, a1, a2, a3, cur, cur_s, q_ptr, stride_qm, s_ptr, K, k0, M, BLOCK_K, ROWS,
+                                    EVEN)
         if TWO:
-            bcc0, bcc1, bcc2, bcc3 = _dp4a_rows(bcc0, bcc1, bcc2, bcc3, cur2, cur2_s, q_ptr, stride_qm, s_ptr, K, k0,
-                                                M, BLOCK_K, ROWS, EVEN)
-    first = _rows_tile(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
+            b0, b1, b2, b3 = _dp4a_rows(b0, b1, b2, b3, cur2, cur2_s, q_ptr, stride_qm, s_ptr, K, k0, M, BLOCK_K,
+                                        ROWS, EVEN)
+    first = _rows_tile(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1),
                        first_row, ROWS, M_PAD)
     second = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     if TWO:
-        second = _rows_tile(tl.sum(bcc0, axis=1), tl.sum(bcc1, axis=1), tl.sum(bcc2, axis=1), tl.sum(bcc3, axis=1),
+        second = _rows_tile(tl.sum(b0, axis=1), tl.sum(b1, axis=1), tl.sum(b2, axis=1), tl.sum(b3, axis=1),
                             first_row, ROWS, M_PAD)
     return first, second
 

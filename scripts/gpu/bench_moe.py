@@ -10,8 +10,7 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
 bf16 or 32-bit-word decode), each with three tile presets (or only the committed config), then
-the winner's (register path) shared expert split and K tile, launches overlapping (PDL) or not,
-gate_up and down tiles and (register path) warps, within a shared time budget.
+for the winner the sweeps named (`--sweeps`, see `tune`), within a shared time budget.
 Routing variants (fused launch, fewer warps) are timed beside the default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
@@ -302,7 +301,8 @@ SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=Tru
 # The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
 # prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
 # tuning out of time skips the rest.
-SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
+SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,),
+          "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
           "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
