@@ -336,72 +336,34 @@ def _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, live, BLOCK_K: tl.co
 
 
 @triton.jit
-def _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, first_row,
-                M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                TWO: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
-    """a[:ROWS] @ W[offs_n]^T over all of K for plain (bf16/fp16/fp32) weights, and the same with
-    W2 when TWO (gate and up rows in one loop: both tiles' loads in flight at once). The K loop
-    keeps fp32 partial sums in registers and they are summed across threads once, after it: no
-    cross-thread reduction (shuffles, shared memory, barriers) inside the loop. One row: a
-    partial per weight ([BLOCK_N, BLOCK_K], one multiply-add a weight); more rows: a partial per
-    16-byte run of V weights that one thread loads ([BLOCK_N, BLOCK_K / V]: 4 rows x 2 weights
-    of partials fit in registers). PIPELINE: see `_stages`. EVEN: K is a multiple of BLOCK_K (no
-    K mask). Returns the two [M_PAD, BLOCK_N] results (the second is zeros unless TWO); row r of
-    `a` lands in row first_row + r."""
-    V: tl.constexpr = 1 if ROWS == 1 else 128 // w_ptr.dtype.element_ty.primitive_bitwidth
+def _plain_rows(g0, g1, g2, g3, u0, u1, u2, u3, w, w2, a_ptr, stride_am, offs_n, k0, K, M,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
+                TWO: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of `_gemv_rows` on plain weights: the tiles w (and w2 when TWO) against each
+    row of `a` from column k0, into per-thread partials (per weight at one row, V = 1; per
+    16-byte run of V weights at more rows)."""
     S: tl.constexpr = BLOCK_K // V
-    g0 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    g1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    g2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    g3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    u0 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    u1 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    u2 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    u3 = tl.zeros((BLOCK_N, S), dtype=tl.float32)
-    if PIPELINE == 1:
-        nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, 0, K, _live(0, K), BLOCK_K, EVEN)
-        nxt2 = nxt
-        if TWO:
-            nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, 0, K, _live(0, K), BLOCK_K, EVEN)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
-        if PIPELINE == 1:
-            w, w2 = nxt, nxt2
-            live = _live(k0 + BLOCK_K, K)
-            nxt = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, live, BLOCK_K, EVEN)
-            if TWO:
-                nxt2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0 + BLOCK_K, K, live, BLOCK_K, EVEN)
-        else:
-            w = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, _live(k0, K), BLOCK_K, EVEN)
-            w2 = w
-            if TWO:
-                w2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0, K, _live(k0, K), BLOCK_K, EVEN)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = (offs_k < K) | EVEN
-        a = _plain_row(a_ptr, offs_k, k_mask, offs_n, 0, M)
-        g0 += _run_sums(w * a, BLOCK_N, S, V)
-        if TWO:
-            u0 += _run_sums(w2 * a, BLOCK_N, S, V)
-        if ROWS > 1:
-            a = _plain_row(a_ptr + stride_am, offs_k, k_mask, offs_n, 1, M)
-            g1 += _run_sums(w * a, BLOCK_N, S, V)
-            if TWO:
-                u1 += _run_sums(w2 * a, BLOCK_N, S, V)
-        if ROWS > 2:
-            a = _plain_row(a_ptr + 2 * stride_am, offs_k, k_mask, offs_n, 2, M)
-            g2 += _run_sums(w * a, BLOCK_N, S, V)
-            if TWO:
-                u2 += _run_sums(w2 * a, BLOCK_N, S, V)
-            a = _plain_row(a_ptr + 3 * stride_am, offs_k, k_mask, offs_n, 3, M)
-            g3 += _run_sums(w * a, BLOCK_N, S, V)
-            if TWO:
-                u3 += _run_sums(w2 * a, BLOCK_N, S, V)
-    gate = _rows_tile(tl.sum(g0, axis=1), tl.sum(g1, axis=1), tl.sum(g2, axis=1), tl.sum(g3, axis=1), first_row,
-                      ROWS, M_PAD)
-    up = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = (offs_k < K) | EVEN
+    a = _plain_row(a_ptr, offs_k, k_mask, offs_n, 0, M)
+    g0 += _run_sums(w * a, BLOCK_N, S, V)
     if TWO:
-        up = _rows_tile(tl.sum(u0, axis=1), tl.sum(u1, axis=1), tl.sum(u2, axis=1), tl.sum(u3, axis=1), first_row,
-                        ROWS, M_PAD)
-    return gate, up
+        u0 += _run_sums(w2 * a, BLOCK_N, S, V)
+    if ROWS > 1:
+        a = _plain_row(a_ptr + stride_am, offs_k, k_mask, offs_n, 1, M)
+        g1 += _run_sums(w * a, BLOCK_N, S, V)
+        if TWO:
+            u1 += _run_sums(w2 * a, BLOCK_N, S, V)
+    if ROWS > 2:
+        a = _plain_row(a_ptr + 2 * stride_am, offs_k, k_mask, offs_n, 2, M)
+        g2 += _run_sums(w * a, BLOCK_N, S, V)
+        if TWO:
+            u2 += _run_sums(w2 * a, BLOCK_N, S, V)
+        a = _plain_row(a_ptr + 3 * stride_am, offs_k, k_mask, offs_n, 3, M)
+        g3 += _run_sums(w * a, BLOCK_N, S, V)
+        if TWO:
+            u3 += _run_sums(w2 * a, BLOCK_N, S, V)
+    return g0, g1, g2, g3, u0, u1, u2, u3
 
 
 @triton.jit
@@ -456,7 +418,8 @@ def _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, li
 @triton.jit
 def _dp4a_rows(acc0, acc1, acc2, acc3, words, codes, q_ptr, stride_qm, s_ptr, K, k0, M,
                BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN: tl.constexpr):
-    """One K step of `_gemv_dp4a` for one weight: its decoded words against each row's split."""
+    """One K step of `_gemv_rows` on MXFP4 words for one weight: its decoded words against each
+    row's split."""
     G: tl.constexpr = BLOCK_K // 32
     blk = k0 // 32 + tl.arange(0, G)
     offs_w = tl.arange(0, 4)
@@ -478,53 +441,84 @@ def _dp4a_rows(acc0, acc1, acc2, acc3, words, codes, q_ptr, stride_qm, s_ptr, K,
 
 
 @triton.jit
-def _gemv_dp4a(q_ptr, stride_qm, s_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
-               first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-               TWO: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
-    """Split rows [:ROWS] (planes at q_ptr, row stride stride_qm; scales at s_ptr, row stride
-    K/32) @ W[offs_n]^T over all of K, W MXFP4 as int32 words (as `_gemv_word32`), and the same
-    with W2 when TWO (gate and up rows in one loop: both weights' loads in flight at once, half
-    the dependent K steps of two loops). PIPELINE: see `_stages`.
-    Returns the two [M_PAD, BLOCK_N] fp32 results (the second zeros unless TWO); row r lands in
-    row first_row + r."""
-    G: tl.constexpr = BLOCK_K // 32
-    # Block sums per row r: a<r> of W, b<r> of W2.
-    a0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    a1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    a2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    a3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    b0 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    b1 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    b2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    b3 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-    if PIPELINE == 1:
-        words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K), BLOCK_N,
-                                     BLOCK_K, EVEN)
-        words2, codes2 = words, codes
+def _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, live,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DP4A_WORDS: tl.constexpr, TWO: tl.constexpr,
+                  EVEN: tl.constexpr):
+    """One K step's tiles of W and (TWO) W2 from column k0, nothing read where `live` is False:
+    (W, its scales, W2, its scales). DP4A_WORDS: MXFP4 int32 words and E8M0 codes
+    (`_dp4a_weights`); else plain tiles as fp32 (`_plain_weights`) and a constant in the scale
+    slots. Without TWO, W2's slots repeat W's."""
+    if DP4A_WORDS:
+        w, ws = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, live, BLOCK_N, BLOCK_K,
+                              EVEN)
+        w2, ws2 = w, ws
         if TWO:
-            words2, codes2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, 0, K, _live(0, K),
-                                           BLOCK_N, BLOCK_K, EVEN)
+            w2, ws2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, live, BLOCK_N,
+                                    BLOCK_K, EVEN)
+    else:
+        w = _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, live, BLOCK_K, EVEN)
+        w2 = w
+        if TWO:
+            w2 = _plain_weights(w2_ptr, offs_n, n_mask, stride_wn, k0, K, live, BLOCK_K, EVEN)
+        ws = tl.zeros((1,), dtype=tl.int8)  # unused: a constant, so a carried copy folds away
+        ws2 = ws
+    return w, ws, w2, ws2
+
+
+@triton.constexpr_function
+def _partial_cols(block_k, rows, dp4a_words, bits):
+    """Columns of `_gemv_rows`' per-thread partials a K step: dp4a, one sum a block of 32; plain
+    weights, one a weight at one row, else one a 16-byte run of weights (what a thread loads)."""
+    if dp4a_words:
+        return block_k // 32
+    return block_k if rows == 1 else block_k // (128 // bits)
+
+
+@triton.jit
+def _gemv_rows(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+               first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+               DP4A_WORDS: tl.constexpr, TWO: tl.constexpr, PIPELINE: tl.constexpr, EVEN: tl.constexpr):
+    """a[:ROWS] @ W[offs_n]^T over all of K on the register path, and the same with W2 when TWO
+    (gate and up rows in one loop: both weights' loads in flight at once, half the dependent K
+    steps of two loops). DP4A_WORDS: W MXFP4 as int32 words (as `_gemv_word32`, scales at ws_ptr)
+    and `a` split into int8 planes (a_ptr, row stride stride_am) with scales at as_ptr (row
+    stride K/32; impl/moe/triton_dp4a.py); else W plain (bf16/fp16/fp32) and `a` as it is.
+    The K loop keeps fp32 partial sums in registers, each thread its own (`_partial_cols`),
+    summed across threads once after the loop: no cross-thread reduction (shuffles, shared
+    memory, barriers) inside it. PIPELINE: how loads stay in flight (`_stages`). EVEN: K is a
+    multiple of BLOCK_K (no K mask). Returns the two [M_PAD, BLOCK_N] fp32 results (the second
+    zeros unless TWO); row r of `a` lands in row first_row + r."""
+    COLS: tl.constexpr = _partial_cols(BLOCK_K, ROWS, DP4A_WORDS, w_ptr.dtype.element_ty.primitive_bitwidth)
+    # Partials per row r: a<r> of W, b<r> of W2.
+    a0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    if PIPELINE == 1:
+        nw, nws, nw2, nws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
+                                           K, _live(0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
         if PIPELINE == 1:
-            cur, cur_s, cur2, cur2_s = words, codes, words2, codes2
-            live = _live(k0 + BLOCK_K, K)
-            words, codes = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0 + BLOCK_K, K, live,
-                                         BLOCK_N, BLOCK_K, EVEN)
-            if TWO:
-                words2, codes2 = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0 + BLOCK_K,
-                                               K, live, BLOCK_N, BLOCK_K, EVEN)
+            w, ws, w2, ws2 = nw, nws, nw2, nws2
+            nw, nws, nw2, nws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                                               k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_N, BLOCK_K, DP4A_WORDS,
+                                               TWO, EVEN)
         else:
-            cur, cur_s = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K),
-                                       BLOCK_N, BLOCK_K, EVEN)
-            cur2, cur2_s = cur, cur_s
+            w, ws, w2, ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
+                                           K, _live(k0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
+        if DP4A_WORDS:
+            a0, a1, a2, a3 = _dp4a_rows(a0, a1, a2, a3, w, ws, a_ptr, stride_am, as_ptr, K, k0, M, BLOCK_K, ROWS, EVEN)
             if TWO:
-                cur2, cur2_s = _dp4a_weights(w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, _live(k0, K),
-                                             BLOCK_N, BLOCK_K, EVEN)
-        a0, a1, a2, a3 = _dp4a_rows(a0, a1, a2, a3, cur, cur_s, q_ptr, stride_qm, s_ptr, K, k0, M, BLOCK_K, ROWS,
-                                    EVEN)
-        if TWO:
-            b0, b1, b2, b3 = _dp4a_rows(b0, b1, b2, b3, cur2, cur2_s, q_ptr, stride_qm, s_ptr, K, k0, M, BLOCK_K,
-                                        ROWS, EVEN)
+                b0, b1, b2, b3 = _dp4a_rows(b0, b1, b2, b3, w2, ws2, a_ptr, stride_am, as_ptr, K, k0, M, BLOCK_K,
+                                            ROWS, EVEN)
+        else:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _plain_rows(a0, a1, a2, a3, b0, b1, b2, b3, w, w2, a_ptr, stride_am,
+                                                         offs_n, k0, K, M, BLOCK_N, BLOCK_K, ROWS, BLOCK_K // COLS,
+                                                         TWO, EVEN)
     first = _rows_tile(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1),
                        first_row, ROWS, M_PAD)
     second = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -539,12 +533,13 @@ def _gemv_words(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, 
                 stride_sn, first_row, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 ROWS: tl.constexpr, WORD32: tl.constexpr, TWO: tl.constexpr, PIPELINE: tl.constexpr,
                 EVEN: tl.constexpr):
-    """The register path on MXFP4 int32 words: `_gemv_dp4a` on split activations (a_ptr: planes,
+    """The register path on MXFP4 int32 words: `_gemv_rows` on split activations (a_ptr: planes,
     as_ptr: scales) for WORD32 == DP4A, else `_gemv_word32` on bf16/fp32 activations (one weight,
-    no prefetch). Returns a pair as `_gemv_dp4a`."""
+    no prefetch). Returns a pair as `_gemv_rows`."""
     if WORD32 == DP4A:
-        first, second = _gemv_dp4a(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
-                                   stride_wn, stride_sn, first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, TWO, PIPELINE, EVEN)
+        first, second = _gemv_rows(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask,
+                                   stride_wn, stride_sn, first_row, M_PAD, BLOCK_N, BLOCK_K, ROWS, True, TWO, PIPELINE,
+                                   EVEN)
     else:
         tl.static_assert(not TWO)
         first = _gemv_word32(a_ptr, stride_am, M, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, first_row,
@@ -558,7 +553,7 @@ def _tile_product(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_m
                   M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
                   GEMV_ROWS: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr):
     """`_tile_gemv` for GEMV_ROWS > 0 (a few tokens; MXFP4 weights, plain ones go through
-    `_gemv_plain`), `_tile_dot` (tensor cores) otherwise."""
+    `_gemv_rows`), `_tile_dot` (tensor cores) otherwise."""
     if GEMV_ROWS > 0:
         tl.static_assert(MXFP4)
         return _tile_gemv(a_ptr, stride_am, offs_m, M, k0, K, w_ptr, ws_ptr, offs_n, n_mask, stride_wn,
@@ -575,7 +570,7 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs
     """(a[:M, :K] @ W[offs_n, :K]^T, the same with W2 when TWO, else zeros) as [M_PAD, BLOCK_N]
     fp32: `_gemv_words` when WORD32 (MXFP4 W given as int32 words, at most GEMV_ROWS tokens; for
     WORD32 == DP4A `a` is split into int8 planes with scales at as_ptr, see impl.moe.triton_dp4a),
-    `_gemv_plain` for plain W and at most GEMV_ROWS tokens, else (one weight) a K loop of
+    `_gemv_rows` for plain W and at most GEMV_ROWS tokens, else (one weight) a K loop of
     `_tile_product`. TWO: both weights in one K loop (register paths with dp4a or plain weights).
     PIPELINE: how the register loops keep loads in flight (`_stages`). EVEN: K is a multiple of
     BLOCK_K (the register paths then load without a K mask).
@@ -602,8 +597,8 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs
                                     stride_wn, stride_sn, 0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, WORD32, TWO,
                                     PIPELINE, EVEN)
     elif GEMV_ROWS > 0 and not MXFP4:
-        acc, acc2 = _gemv_plain(a_ptr, stride_am, M, K, w_ptr, w2_ptr, offs_n, n_mask, stride_wn, 0, M_PAD, BLOCK_N,
-                                BLOCK_K, GEMV_ROWS, TWO, PIPELINE, EVEN)
+        acc, acc2 = _gemv_rows(a_ptr, stride_am, a_ptr, M, K, w_ptr, w_ptr, w2_ptr, w2_ptr, offs_n, n_mask, stride_wn,
+                               0, 0, M_PAD, BLOCK_N, BLOCK_K, GEMV_ROWS, False, TWO, PIPELINE, EVEN)
     else:
         tl.static_assert(not TWO)
         offs_m = tl.arange(0, M_PAD)
