@@ -43,9 +43,8 @@ def _triton_layer(x, router, w_gate_up, w_down, shared=None):
     outs = []
     for i in range(0, x.shape[0], M_PAD):
         chunk = x[i:i + M_PAD]
-        # One launch config for the router and the experts (PDL, prefetch, one router launch or two);
-        # with the dp4a decode
-        # the router's logits kernel also splits x for the experts.
+        # One launch config for the router and the experts (PDL, prefetch, one router launch or
+        # two); with the dp4a decode the router's logits kernel also splits x for the experts.
         cfg = launch_config(chunk, router.config.top_k, w_gate_up, w_down)
         x_split = split_buffers(chunk, router.config.top_k, w_gate_up, w_down, cfg)
         router_kernels = "router_fused_kernel" if cfg.router_fused else "router_logits_kernel+router_topk_kernel"
