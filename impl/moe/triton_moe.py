@@ -929,7 +929,7 @@ def _plan(m: int, top_k: int, w_gate_up, w_down, device, config: MoELaunchConfig
 def launch_config(x: torch.Tensor, top_k: int, w_gate_up, w_down,
                   config: MoELaunchConfig | None = None) -> MoELaunchConfig:
     """The launch config `moe_experts` runs for these tokens and weights (the router follows its
-    `pdl`)."""
+    `pdl`, `pdl_prefetch` and `router_fused`)."""
     return _plan(x.shape[0], top_k, w_gate_up, w_down, x.device, config)[0]
 
 

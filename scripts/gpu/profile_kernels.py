@@ -110,11 +110,20 @@ def profile_moe(shape: str, fmt: str, m: int) -> None:
 
 
 def parse_override(value: str) -> dict:
-    """"a=1,b=true" -> {"a": 1, "b": True} (ints, booleans, else strings)."""
+    """"a=1,b=true" -> {"a": 1, "b": True} (ints, booleans, else strings), checked against
+    MoELaunchConfig: an unknown field or a bad value is a usage error naming it."""
+    from impl.moe.configs import MoELaunchConfig
+    fields = {f.name for f in dataclasses.fields(MoELaunchConfig)}
     out = {}
     for item in filter(None, value.split(",")):
-        key, _, v = item.partition("=")
+        key, eq, v = item.partition("=")
+        if not eq or key not in fields:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
         out[key] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    try:
+        MoELaunchConfig(**out)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return out
 
 
