@@ -79,6 +79,39 @@ def test_route_triton_variants_match_the_oracle(name, variant, tokens):
                 torch.testing.assert_close(slots.weight[s, t].cpu(), got_w[t][hit].sum(), rtol=1e-6, atol=0)
 
 
+def tie_oracle(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> list[list[int]]:
+    """Grouped top-k with exact ties going to the lower group, then the lower expert index (what
+    the kernels' keys encode), by stable sorts in Python."""
+    out = []
+    for row in choice.tolist():
+        per = len(row) // n_group
+        score = [sum(sorted(row[g * per:(g + 1) * per], reverse=True)[:min(2, per)]) for g in range(n_group)]
+        kept = sorted(range(n_group), key=lambda g: (-score[g], g))[:topk_group]
+        pool = [e for g in kept for e in range(g * per, (g + 1) * per)]
+        out.append(sorted(pool, key=lambda e: (-row[e], e))[:top_k])
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+@pytest.mark.parametrize("experts", [64, 512])
+def test_route_triton_breaks_exact_ties_by_lower_index(experts, tokens):
+    """Exact ties (a zero router, so every logit is 0, and a correction bias of a few repeated
+    values, so whole groups and experts tie) go to the lower group and then the lower expert,
+    deterministically: at the Ling-3.0-flash shape (512 experts in 8 groups, top 4 groups, top 8)
+    and at 64 experts, with the candidates ranked by counting (1 and 4 tokens) and by rounds (16)."""
+    cfg = SimpleNamespace(router="sigmoid_grouped", num_experts=experts, top_k=8, n_group=8, topk_group=4,
+                          norm_topk_prob=True, routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(experts + tokens)
+    x = torch.randn(tokens, 64, generator=g)
+    w = torch.zeros(experts, 64)
+    bias = torch.randint(0, 4, (experts,), generator=g).float() / 4  # 0.5 + bias is exact in fp32
+    want = tie_oracle((torch.sigmoid(torch.zeros(tokens, experts)) + bias), 8, 4, 8)
+    for fused in (False, True):
+        _, got_w, got_ids = route_triton(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), cfg, fused=fused)
+        assert got_ids.cpu().tolist() == want  # best first, ties by index
+        torch.testing.assert_close(got_w.cpu(), torch.full((tokens, 8), 2.5 / 8), rtol=W_RTOL, atol=0)
+
+
 def test_route_triton_rejects_bad_warps():
     cfg = CONFIGS["softmax-e64-k6"]
     x, w = torch.randn(1, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
