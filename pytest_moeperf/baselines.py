@@ -139,7 +139,8 @@ class BaselineStore:
 
     def freeze(self, metrics: dict[str, FrozenMetric]) -> Path:
         """Record `metrics` for this fingerprint. The read-modify-write runs under an exclusive
-        lock and re-reads the file, so concurrent freezes (xdist workers) all survive."""
+        lock and re-reads the file, so concurrent freezes (two pytest processes, e.g. CI jobs sharing a
+        checkout) all survive."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(f".{self.path.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

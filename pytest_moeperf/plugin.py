@@ -102,7 +102,16 @@ def parse_options(config: pytest.Config) -> Options:
     )
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
+    if options.bench and _xdist_workers(config):
+        raise ValueError("--moe-bench runs in one process: drop -n/--numprocesses (pytest-xdist workers would time "
+                         "their kernels against each other on the same device)")
     return options
+
+
+def _xdist_workers(config: pytest.Config) -> bool:
+    """Whether pytest-xdist was asked for worker processes (`-n N` or `-n auto`; 0 runs in process)."""
+    n = getattr(config.option, "numprocesses", None)
+    return n not in (None, 0, "0") and getattr(config.option, "dist", "no") != "no"
 
 
 class _BenchmarkHooks:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -85,10 +84,6 @@ class MoePerfSession:
             path = self.store.freeze(self.to_freeze)
             lines.append(f"froze {len(self.to_freeze)} metric(s) for {self.device.key} into {path}")
         if self.options.report is not None and self.results:
-            path = self.options.report
-            worker = os.environ.get("PYTEST_XDIST_WORKER")
-            if worker:  # each xdist worker reports its own tests; none overwrites another's file
-                path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
-            json_path, md_path = report.write(path, self.results, self.header())
+            json_path, md_path = report.write(self.options.report, self.results, self.header())
             lines.append(f"report written to {json_path} and {md_path}")
         return lines

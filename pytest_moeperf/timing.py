@@ -1,8 +1,8 @@
 """Repeated timing samples: host clock on CPU, CUDA events on GPU, warm-up first.
 
 `Sampler.sample` goes through pytest-benchmark's fixture (pedantic mode) when it is active, so
-its tables, --benchmark-json and compare tooling see the same rounds; otherwise (disabled, or
-under xdist) it runs the same loop itself. `Sampler.interleaved` times several callables in
+its tables, --benchmark-json and compare tooling see the same rounds; otherwise (disabled) it
+runs the same loop itself. `Sampler.interleaved` times several callables in
 turn (A B A B ...) so that their ratio is measured under the same machine conditions.
 """
 

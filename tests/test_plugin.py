@@ -36,6 +36,9 @@ def suite(pytester):
 
 def _run(pytester, *args, factor=1.0, monkeypatch=None):
     monkeypatch.setenv("PLANTED_FACTOR", str(factor))
+    # The inner run is one plain process even when this test runs in an xdist worker: without
+    # this, it (and pytest-benchmark) would take itself for that worker.
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     # In-process (fast); the plugin is already imported here, so assertion rewriting of it is moot.
     return pytester.runpytest("-p", "no:cacheprovider", "-rsw", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                               *args)
@@ -243,6 +246,15 @@ def test_bad_options_are_usage_errors(run, args, message):
     result = run(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_bench_under_xdist_workers_is_a_usage_error(run):
+    """Timings from several worker processes on one device would measure each other."""
+    pytest.importorskip("xdist")
+    result = run("--moe-bench", "-n", "2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-bench runs in one process: drop -n/--numprocesses*"])
+    run("-n", "2").assert_outcomes(skipped=1)  # without --moe-bench the suites may spread over workers
 
 
 def test_options_fall_back_to_ini_keys(suite, monkeypatch):
