@@ -148,10 +148,13 @@ def _decode_ids(logits_ptr, bias_ptr, E, ROUTER: tl.constexpr, HAS_BIAS: tl.cons
         higher = tl.sum((group_keys[None, :] > group_keys[:, None]).to(tl.int32), axis=1)
         cand = tl.where((higher < TOPK_GROUP)[:, None], cand, MIN_KEY)
     flat = tl.reshape(cand, (CH * R,))
-    rank = tl.sum((flat[None, :] > flat[:, None]).to(tl.int32), axis=1)
-    # Past the kept candidates (rank >= their count) ranks may repeat: those ids are never stored.
-    offs_k = tl.arange(0, K_PAD)
-    ids = tl.max(tl.where(rank[:, None] == offs_k[None, :], _key_index(flat, E_PAD)[:, None], 0), axis=0)
+    if CH == 1:  # one chunk (few experts, ungrouped): its rounds already gave the K_PAD best in order
+        ids = _key_index(flat, E_PAD)
+    else:
+        rank = tl.sum((flat[None, :] > flat[:, None]).to(tl.int32), axis=1)
+        # Past the kept candidates (rank >= their count) ranks may repeat: those ids are never stored.
+        offs_k = tl.arange(0, K_PAD)
+        ids = tl.max(tl.where(rank[:, None] == offs_k[None, :], _key_index(flat, E_PAD)[:, None], 0), axis=0)
     return tl.reshape(scores, (1, E_PAD)), tl.reshape(ids, (1, K_PAD))
 
 
