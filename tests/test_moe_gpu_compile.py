@@ -12,9 +12,13 @@ their instructions and stalled every warp of the program twice a step. The inter
 on for this, so the kernels are compiled in a child process with TRITON_INTERPRET=0. One tile
 per product variant; the local Triton may be newer than the GPU's, so a pass here is necessary,
 not sufficient (the H200's 3.6.0 gave the same verdicts on this session's kernels).
+Separately, every committed launch config's expert kernels are built as `expert_launch` would
+launch them and checked not to spill registers (`resources`, a planted spilling config as the
+negative control); the same run prints each kernel's registers, shared memory, programs an SM
+and waves over the H200's 132 SMs: the occupancy picture of a config, without a GPU.
 
-Run directly (`python tests/test_moe_gpu_compile.py [all]`) it compiles the cases and prints one
-line per kernel; `all` adds more tiles.
+Run directly (`python tests/test_moe_gpu_compile.py [all | configs]`) it compiles the cases and
+prints one line per kernel; `all` adds more tiles, `configs` checks the committed configs.
 """
 
 from __future__ import annotations
@@ -97,13 +101,11 @@ def loop_barriers(cubin: bytes) -> list[str]:
     backward branch's target and the branch, read from the SASS that the Triton wheel's nvdisasm
     prints for the cubin."""
     import tempfile
-
-    import triton
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_wheel_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
     labels, instrs, pending = {}, [], []
     for line in sass.splitlines():
         if m := _SASS_LABEL.match(line):
@@ -122,28 +124,67 @@ def loop_barriers(cubin: bytes) -> list[str]:
     return found
 
 
-def _compile_all(tiles) -> int:
+def compile_one(fn, consts, ptr_types, floats=(), num_warps=4, num_stages=3):
+    """`fn` compiled for sm_90 with these constexprs; pointers typed by `ptr_types` (else bf16),
+    `floats` fp32 scalars, every other argument i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
+           else "fp32" if n in floats else "i32" for n in fn.arg_names}
+    # As a launch specializes them for the presets' shapes: pointers 16-byte aligned, strides
+    # multiples of 16 elements.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))}
+    return triton.compile(ASTSource(fn, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _wheel_tool(name: str) -> str:
+    import triton
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, bytes of stack and local memory a thread: where ptxas puts what the
+    registers do not hold) of a compiled kernel, as the Triton wheel's cuobjdump reports them."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_wheel_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
+    if len(fields) != 3:
+        raise RuntimeError(f"unexpected cuobjdump output: {usage[-300:]}")
+    return int(fields["REG"]), int(fields["STACK"]) + int(fields["LOCAL"])
+
+
+# An H200 (sm_90) SM: registers, threads, programs, shared memory (bytes a program may use).
+SMS, SM_REGS, SM_THREADS, SM_PROGRAMS, SM_SHARED = 132, 65536, 2048, 32, 227 * 1024
+
+
+def programs_per_sm(regs: int, num_warps: int, shared: int) -> int:
+    """Programs of a kernel an SM holds at once (registers are given out 256 a warp at a time)."""
+    regs_a_warp = -(-regs * 32 // 256) * 256
+    return min(SM_REGS // (regs_a_warp * num_warps), SM_THREADS // (32 * num_warps), SM_PROGRAMS,
+               SM_SHARED // shared if shared else SM_PROGRAMS)
+
+
+def _moe_ptr_types(w_type: str, dp4a: bool) -> dict:
+    """Pointer types of the expert kernels' arguments, weights as `w_type`."""
+    return dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_type, ws_ptr="*u8",
+                xq_ptr="*i32", xs_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32",
+                act_ptr="*i32" if dp4a else "*bf16", act_s_ptr="*fp32")
+
+
+def _compile_all(tiles) -> int:
     sys.path.insert(0, str(ROOT))
     from impl.moe import triton_dp4a as td
     from impl.moe import triton_moe as tm
     from impl.moe import triton_routing as tr
     assert not tm.FP32_MATH, "compile with TRITON_INTERPRET=0"
-    target = GPUTarget("cuda", 90, 32)
-
-    def compile_one(fn, consts, ptr_types, floats=(), num_warps=4):
-        sig = {n: "constexpr" if n in consts else ptr_types.get(n, "*bf16") if n.endswith("_ptr")
-               else "fp32" if n in floats else "i32" for n in fn.arg_names}
-        # As a launch specializes them for the presets' shapes: pointers 16-byte aligned, strides
-        # multiples of 16 elements.
-        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                   if n not in consts and (n.endswith("_ptr") or n.startswith("stride"))}
-        return triton.compile(ASTSource(fn, sig, consts, aligned), target=target,
-                              options=dict(num_warps=num_warps, num_stages=3))
-
     failures = 0
 
     def attempt(label, fn, consts, *args, barrier_free=False, **kwargs):
@@ -183,15 +224,10 @@ def _compile_all(tiles) -> int:
         down_consts = dict(consts, PREFETCH=consts["PDL"] and rows > 0)
         label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']} "
                  f"even={consts['EVEN']} gemv_pipeline={pipeline}")
-        attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts,
-                dict(slot_expert_ptr="*i32", slot_tokens_ptr="*i32", w_ptr=w_t, ws_ptr="*u8", xq_ptr="*i32",
-                     xs_ptr="*fp32", act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"),
-                barrier_free=barrier_free)
+        ptr_types = _moe_ptr_types(w_t, word32 == 3)
+        attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts, ptr_types, barrier_free=barrier_free)
         attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']}", tm.moe_down_kernel, down_consts,
-                dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_t,
-                     ws_ptr="*u8", partial_ptr="*fp32", counter_ptr="*i32",
-                     act_ptr="*i32" if word32 == 3 else "*bf16", act_s_ptr="*fp32"),
-                barrier_free=barrier_free)
+                ptr_types, barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
     routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
@@ -224,19 +260,107 @@ def _compile_all(tiles) -> int:
     return failures
 
 
-def test_kernels_compile_for_sm90():
+def _shared_width(key: dict) -> int:
+    """The shared expert's width for a tuned shape: the matching preset's, else one of width I."""
+    from impl.model.config import PRESETS, get_config
+    for name in PRESETS:
+        c = get_config(name)
+        if (c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k) == (
+                key["experts"], key["hidden"], key["intermediate"], key["top_k"]):
+            return c.shared_intermediate_size
+    return key["intermediate"]
+
+
+def config_resources(key: dict, config: dict) -> list[dict]:
+    """For one tuned entry (tuned_configs.json: key and config), each expert kernel as
+    `expert_launch` would launch it at the key's M bucket (top-k distinct experts a token),
+    built for sm_90: name, registers, spilled bytes a thread, shared memory, programs an SM, and
+    the grid's programs over what the SMs hold at once (waves)."""
+    from impl.moe import triton_moe as tm
+    from impl.moe.configs import MoELaunchConfig
+    cfg = MoELaunchConfig(**config)
+    mxfp4 = key["format"] == "mxfp4"
+    m = key["m_bucket"]
+    launch = tm.expert_launch(cfg, tokens=m, num_slots=min(m * key["top_k"], key["experts"]), hidden=key["hidden"],
+                              inter=key["intermediate"], i_shared=_shared_width(key), mxfp4=mxfp4, pdl=cfg.pdl)
+    word32 = launch.gate_up.consts["WORD32"]
+    ptr_types = _moe_ptr_types(("*i32" if word32 else "*u8") if mxfp4 else "*bf16", word32 == tm.DP4A.value)
+    rows = []
+    for name, fn, k in (("gate_up", tm.moe_gate_up_kernel, launch.gate_up), ("down", tm.moe_down_kernel, launch.down)):
+        compiled = compile_one(fn, k.consts, ptr_types, num_warps=k.num_warps, num_stages=k.num_stages)
+        regs, spilled = resources(compiled.asm["cubin"])
+        shared = compiled.metadata.shared
+        per_sm = programs_per_sm(regs, k.num_warps, shared)
+        rows.append(dict(kernel=name, warps=k.num_warps, regs=regs, spilled=spilled, shared=shared, per_sm=per_sm,
+                         programs=k.grid[0] * k.grid[1], waves=k.grid[0] * k.grid[1] / (per_sm * SMS)))
+    return rows
+
+
+# Bytes a thread may keep on the stack. Triton 3.9's ptxas put 8 bytes of a committed down kernel
+# there (2 warps at the 255-register cap) where the H200's Triton 3.6 put none: a few words, read
+# back from L1. The cliffs this check guards against spill hundreds of bytes and more (the planted
+# config below: 880 bytes; bf16 tiles of 128 x 512: 25 to 28 KB).
+SPILL_TOLERANCE = 64
+
+# The spill check's negative control: the Ling-3.0-flash MXFP4 decode config with a down tile of
+# 128 rows over 2 warps (ptxas keeps 255 registers and puts 880 bytes a thread on the stack).
+PLANTED_KEY = dict(experts=512, hidden=2560, intermediate=768, top_k=8, m_bucket=1, format="mxfp4")
+PLANTED_SPILL = dict(gate_up_block_n=32, gate_up_block_k=512, gate_up_warps=8, down_block_n=128, down_block_k=128,
+                     down_warps=2, gemv_max_tokens=4, gemv_decode="dp4a", shared_split=2, shared_block_k=128,
+                     gemv_prefetch=True, pdl=True, pdl_prefetch=True)
+
+
+def _check_configs() -> int:
+    """Every committed launch config's expert kernels built for sm_90 as `expert_launch` gives
+    them: none may spill more than SPILL_TOLERANCE bytes a thread (a config tuned on the GPU
+    silently loses its speed when a kernel change makes its tiles spill; run 9's bf16 K tiles of
+    512 spilled and ran 2 to 4x slower). Prints each kernel's resources; a planted spilling
+    config is the negative control."""
+    import json
+    sys.path.insert(0, str(ROOT))
+    from impl.moe.configs import TUNED_PATH
+    failures = 0
+    for entry in json.loads(TUNED_PATH.read_text()):
+        key = entry["key"]
+        shape = f"{key['format']} E={key['experts']} H={key['hidden']} I={key['intermediate']} M={key['m_bucket']}"
+        for r in config_resources(key, entry["config"]):
+            bad = r["spilled"] > SPILL_TOLERANCE
+            failures += bad
+            print("FAIL" if bad else "OK  ", shape, " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                                          for k, v in r.items()), flush=True)
+    spilling = config_resources(PLANTED_KEY, PLANTED_SPILL)
+    ok = [r["kernel"] for r in spilling if r["spilled"] > SPILL_TOLERANCE] == ["down"]
+    failures += not ok
+    print("OK  " if ok else "FAIL", f"spill check on a planted config: {spilling}", flush=True)
+    print("failures:", failures)
+    return failures
+
+
+def _run_child(*args: str) -> None:
+    """This file run in a child process with the interpreter off; fails on its failures."""
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no NVIDIA backend")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
     out = proc.stdout + proc.stderr
     if "ptxas" in out and ("not found" in out or "No such file" in out):
         pytest.skip(f"no ptxas for this Triton: {out[-300:]}")
     assert proc.returncode == 0 and "failures: 0" in proc.stdout, out[-4000:]
 
 
+def test_kernels_compile_for_sm90():
+    _run_child()
+
+
+def test_committed_configs_do_not_spill_on_sm90():
+    _run_child("configs")
+
+
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "0"
+    if sys.argv[1:] == ["configs"]:
+        sys.exit(1 if _check_configs() else 0)
     sys.exit(1 if _compile_all(TILES + (MORE_TILES if sys.argv[1:] == ["all"] else [])) else 0)

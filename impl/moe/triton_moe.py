@@ -912,6 +912,13 @@ def moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate
     return moe_experts(x, slots_from_routing(weights, ids, experts), w_gate_up, w_down, shared, config)
 
 
+def _products(cfg: MoELaunchConfig, m: int, mxfp4: bool) -> tuple[int, int]:
+    """(GEMV rows (0: tensor cores), word decode level) for M tokens under `cfg`: a few tokens
+    take register multiply-adds, more take tensor cores (tokens padded to M_PAD rows)."""
+    gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
+    return gemv_rows, WORD_DECODES.get(cfg.gemv_decode, 0) if mxfp4 and gemv_rows > 0 else 0
+
+
 def _plan(m: int, top_k: int, w_gate_up, w_down, device, config: MoELaunchConfig | None):
     """(launch config, format, GEMV rows (0: tensor cores), word decode level) for M tokens."""
     mxfp4 = isinstance(w_gate_up, MXFP4Tensor)
@@ -920,10 +927,7 @@ def _plan(m: int, top_k: int, w_gate_up, w_down, device, config: MoELaunchConfig
     experts, _, hidden = w_gate_up.shape
     fmt = "mxfp4" if mxfp4 else "bf16"
     cfg = config or lookup(experts, hidden, w_down.shape[-1], top_k, m, fmt, device)
-    # A few tokens: register multiply-adds; more: tensor cores (tokens padded to M_PAD rows).
-    gemv_rows = triton.next_power_of_2(m) if m <= cfg.gemv_max_tokens else 0
-    word32 = WORD_DECODES.get(cfg.gemv_decode, 0) if mxfp4 and gemv_rows > 0 else 0
-    return cfg, fmt, gemv_rows, word32
+    return (cfg, fmt) + _products(cfg, m, mxfp4)
 
 
 def launch_config(x: torch.Tensor, top_k: int, w_gate_up, w_down,
@@ -970,6 +974,55 @@ def _even_tiles(cfg: MoELaunchConfig, hidden: int, inter: int, i_shared: int, sp
     return gate_up, down
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel's grid and compile-time parameters (constexprs, warps, pipeline stages)."""
+
+    grid: tuple[int, int]
+    consts: dict
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ExpertLaunch:
+    """The expert kernels of one `moe_experts` call as data: what it launches, and what
+    tests/test_moe_gpu_compile.py builds for sm_90 from the committed configs (registers, spills,
+    programs an SM) without a GPU."""
+
+    gate_up: KernelLaunch
+    down: KernelLaunch
+    shared_chunk: int  # the down kernel's share of the shared expert's K a program
+
+
+def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: int, inter: int, i_shared: int,
+                  mxfp4: bool, pdl: bool) -> ExpertLaunch:
+    """The launches `moe_experts` makes for `tokens` tokens grouped in `num_slots` slots, weights
+    [E, 2 * inter, hidden] and [E, hidden, inter] (MXFP4 or plain), a shared expert of width
+    `i_shared` (0: none), with programmatic dependent launch or not."""
+    gemv_rows, word32 = _products(cfg, tokens, mxfp4)
+    # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
+    split = (cfg.shared_split if gemv_rows else 1) if i_shared else 1
+    shared_slots = split if i_shared else 0
+    shared_k = _shared_block_k(cfg, gemv_rows)
+    even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
+    common = dict(M_PAD=M_PAD, MXFP4=mxfp4, HAS_SHARED=i_shared > 0, GEMV_ROWS=gemv_rows, WORD32=word32,
+                  SCALED=mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled", FP32_MATH=FP32_MATH,
+                  SHARED_SPLIT=split, PDL=pdl,
+                  GEMV_PIPELINE=(1 if cfg.gemv_prefetch else cfg.gemv_stages) if gemv_rows else 0)  # see `_stages`
+    gate_up = KernelLaunch(
+        (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n)),
+        dict(common, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, SHARED_BLOCK_K=shared_k[0],
+             EVEN=even_a),
+        cfg.gate_up_warps, cfg.gate_up_stages)
+    down = KernelLaunch(
+        (triton.cdiv(hidden, cfg.down_block_n), num_slots + shared_slots),
+        dict(common, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, SHARED_BLOCK_K=shared_k[1], EVEN=even_b,
+             PREFETCH=pdl and cfg.pdl_prefetch),
+        cfg.down_warps, cfg.down_stages)
+    return ExpertLaunch(gate_up, down, _shared_chunk(i_shared, split))
+
+
 def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
                 config: MoELaunchConfig | None = None,
                 x_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -982,7 +1035,6 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     hidden = w_gate_up.shape[-1]
     inter = w_down.shape[-1]
     i_shared = shared.gate.shape[0] if shared is not None else 0
-    scaled = mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled"
     product = (f"gemv-{cfg.gemv_decode if mxfp4 else 'plain'}" if gemv_rows
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
     dp4a = word32 == DP4A.value
@@ -992,6 +1044,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     pdl = use_pdl(cfg.pdl, dev)
+    launch = expert_launch(cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared,
+                           mxfp4=mxfp4, pdl=pdl)
     if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)
@@ -1012,35 +1066,20 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up, word32)
     sg = shared.gate if shared is not None else x
     su = shared.up if shared is not None else x
-    # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
-    shared_slots = (cfg.shared_split if gemv_rows else 1) if shared is not None else 0
-    split = max(shared_slots, 1)
-    shared_k = _shared_block_k(cfg, gemv_rows)
-    even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
-    gemv_pipeline = (1 if cfg.gemv_prefetch else cfg.gemv_stages) if gemv_rows else 0  # see `_stages`
-    grid_a = (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n))
-    moe_gate_up_kernel[grid_a](
+    k = launch.gate_up
+    moe_gate_up_kernel[k.grid](
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
-        M_PAD=M_PAD, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[0], EVEN=even_a, GEMV_PIPELINE=gemv_pipeline, PDL=pdl,
-        launch_pdl=pdl, num_warps=cfg.gate_up_warps,
-        num_stages=cfg.gate_up_stages)
+        **k.consts, launch_pdl=pdl, num_warps=k.num_warps, num_stages=k.num_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
     sd = shared.down if shared is not None else x
-    grid_b = (triton.cdiv(hidden, cfg.down_block_n), num_slots + shared_slots)
-    partial = torch.empty(grid_b[1], M_PAD, hidden, dtype=torch.float32, device=dev)
-    moe_down_kernel[grid_b](
+    k = launch.down
+    partial = torch.empty(k.grid[1], M_PAD, hidden, dtype=torch.float32, device=dev)
+    moe_down_kernel[k.grid](
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         slot_expert, slot_weight, slot_tokens, num_slots,
-        dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, grid_b[0]),
-        out, out.stride(0), m, hidden, inter, i_shared, _shared_chunk(i_shared, split),
-        M_PAD=M_PAD, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, MXFP4=mxfp4,
-        HAS_SHARED=shared is not None, GEMV_ROWS=gemv_rows, WORD32=word32, SCALED=scaled, FP32_MATH=FP32_MATH,
-        SHARED_SPLIT=split, SHARED_BLOCK_K=shared_k[1], EVEN=even_b, GEMV_PIPELINE=gemv_pipeline, PDL=pdl,
-        PREFETCH=pdl and cfg.pdl_prefetch,
-        launch_pdl=pdl, num_warps=cfg.down_warps,
-        num_stages=cfg.down_stages)
+        dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, k.grid[0]),
+        out, out.stride(0), m, hidden, inter, i_shared, launch.shared_chunk,
+        **k.consts, launch_pdl=pdl, num_warps=k.num_warps, num_stages=k.num_stages)
     return out
