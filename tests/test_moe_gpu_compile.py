@@ -205,9 +205,9 @@ def _compile_all(tiles) -> int:
             print("FAIL", label, type(e).__name__, str(e)[-800:], flush=True)
 
     cases = [(i, v, t, 0) for i, v in enumerate(VARIANTS) for t in tiles]
-    # The register loops loading a step ahead (GEMV_PIPELINE 1: `gemv_prefetch`) or in Triton's
-    # software pipeline (3 stages: `gemv_stages`), masked and unmasked.
-    cases += [(i, v, tiles[0], p) for i, v in enumerate(VARIANTS) if v[1] and (v[2] in (0, 3)) for p in (1, 3)]
+    # The register loops loading one or two steps ahead (GEMV_PIPELINE 1, 2: the prefetches) or in
+    # Triton's software pipeline (3 stages, GEMV_PIPELINE -3: `gemv_stages`), masked and unmasked.
+    cases += [(i, v, tiles[0], p) for i, v in enumerate(VARIANTS) if v[1] and (v[2] in (0, 3)) for p in (1, 2, -3)]
     for i, (mx, rows, word32, scaled), (bn, bk), pipeline in cases:
         if word32 == 3 and bn < 32:  # the dp4a decode splits gate_up outputs in blocks of 32
             continue
@@ -220,7 +220,7 @@ def _compile_all(tiles) -> int:
         # Register paths whose loops stay inside each thread: dp4a, and plain weights (the
         # shared expert of every register path is plain, so with one row all its loops are).
         # (Triton's software pipeline waits for its copies at a barrier a step: only without it.)
-        barrier_free = rows > 0 and (word32 == 3 or not mx) and pipeline < 2
+        barrier_free = rows > 0 and (word32 == 3 or not mx) and pipeline >= 0
         down_consts = dict(consts, PREFETCH=consts["PDL"] and rows > 0)
         label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']} "
                  f"even={consts['EVEN']} gemv_pipeline={pipeline}")
@@ -307,7 +307,7 @@ SPILL_TOLERANCE = 64
 PLANTED_KEY = dict(experts=512, hidden=2560, intermediate=768, top_k=8, m_bucket=1, format="mxfp4")
 PLANTED_SPILL = dict(gate_up_block_n=32, gate_up_block_k=512, gate_up_warps=8, down_block_n=128, down_block_k=128,
                      down_warps=2, gemv_max_tokens=4, gemv_decode="dp4a", shared_split=2, shared_block_k=128,
-                     gemv_prefetch=True, pdl=True, pdl_prefetch=True)
+                     gate_up_prefetch=1, down_prefetch=1, pdl=True, pdl_prefetch=True)
 
 
 def _check_configs() -> int:

@@ -394,10 +394,13 @@ MXFP4_VARIANTS = {
                       "gemv-word32x2", "dot-bits"),
     "gemv-dp4a": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a"),
                   "gemv-dp4a", "dot-bits"),
-    # Each K step of the register loops loading the next one's weights (the last step's load
-    # past K masked off; K = 96 here: a partial second step).
+    # Each K step of the register loops loading the next one's weights, or the one after next's
+    # (the loads past K masked off; K = 96 here: in tiles of 64 a partial second step, in tiles of
+    # 32 three whole steps and two loads past the end).
     "gemv-dp4a-prefetch": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
-                                           gemv_prefetch=True), "gemv-dp4a", "dot-bits"),
+                                           gate_up_prefetch=1, down_prefetch=1), "gemv-dp4a", "dot-bits"),
+    "gemv-dp4a-prefetch2": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4, gemv_decode="dp4a",
+                                            gate_up_prefetch=2, down_prefetch=2), "gemv-dp4a", "dot-bits"),
     # The same loops in Triton's software pipeline (on a GPU; the interpreter runs them in order).
     "gemv-dp4a-stages": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
                                          gemv_stages=3), "gemv-dp4a", "dot-bits"),
@@ -422,7 +425,8 @@ VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gem
                  + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
                  + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)]
                  + [("gemv-dp4a-pdl", m) for m in (1, 3, 16)]
-                 + [("gemv-dp4a-prefetch", m) for m in (1, 2, 4)] + [("gemv-dp4a-stages", m) for m in (1, 4)])
+                 + [("gemv-dp4a-prefetch", m) for m in (1, 2, 4)] + [("gemv-dp4a-prefetch2", m) for m in (1, 4)]
+                 + [("gemv-dp4a-stages", m) for m in (1, 4)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
@@ -459,18 +463,18 @@ def test_shared_split_matches_reference(fmt, decode, split, tokens):
 
 
 @pytest.mark.parametrize("fmt,decode,split,tokens,prefetch", [
-    ("mxfp4", "dp4a", 1, 1, False), ("mxfp4", "dp4a", 2, 3, False), ("mxfp4", "dp4a", 1, 4, False),
-    ("bf16", "bits16", 1, 1, False), ("bf16", "bits16", 2, 3, False), ("fp32", "bits16", 1, 4, False),
-    ("mxfp4", "dp4a", 2, 1, True), ("mxfp4", "dp4a", 1, 4, True), ("bf16", "bits16", 1, 1, True),
-    ("bf16", "bits16", 2, 3, True),
+    ("mxfp4", "dp4a", 1, 1, 0), ("mxfp4", "dp4a", 2, 3, 0), ("mxfp4", "dp4a", 1, 4, 0),
+    ("bf16", "bits16", 1, 1, 0), ("bf16", "bits16", 2, 3, 0), ("fp32", "bits16", 1, 4, 0),
+    ("mxfp4", "dp4a", 2, 1, 1), ("mxfp4", "dp4a", 1, 4, 1), ("bf16", "bits16", 1, 1, 1),
+    ("bf16", "bits16", 2, 3, 1), ("mxfp4", "dp4a", 1, 1, 2), ("bf16", "bits16", 2, 3, 2),
 ])
 def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, tokens, prefetch):
     """Shapes every tile divides (as the presets' do), so the register paths load without masks
-    (`_even_tiles`), with the shared expert in K tiles of its own, loading a step ahead or not
-    (the prefetch past the last step masked off even here): against the oracle."""
+    (`_even_tiles`), with the shared expert in K tiles of its own, loading one or two steps
+    ahead or not (the prefetches past the last step masked off even here): against the oracle."""
     cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, down_block_k=32,
                           gemv_max_tokens=4, gemv_decode=decode, shared_split=split, shared_block_k=32,
-                          gemv_prefetch=prefetch)
+                          gate_up_prefetch=prefetch, down_prefetch=prefetch)
     hidden, inter, i_shared = 128, 64, 64
     assert triton_moe._even_tiles(cfg, hidden, inter, i_shared, split, (32, 32)) == (True, True)
     w_gate_up, w_down = make_weights(6, hidden, inter, fmt, seed=31)
@@ -533,7 +537,7 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, router_fused, mo
         assert_rows_close(out.cpu(), ref.cpu(), variant_rtol("dp4a" if fmt == "mxfp4" else fmt))
 
 
-@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch", "gemv_prefetch", "router_fused"])
+@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch", "router_fused"])
 def test_launch_config_rejects_non_bool_pdl_flags(field):
     with pytest.raises(TypeError, match=f"{field} must be a bool, got 1"):
         MoELaunchConfig(**{field: 1})
@@ -558,7 +562,9 @@ def test_pdl_on_a_gpu_older_than_sm90_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(gemv_stages=1), "gemv_stages must be 0, 2, 3 or 4, got 1"),
-    (dict(gemv_stages=3, gemv_prefetch=True), "gemv_stages and gemv_prefetch are two ways"),
+    (dict(gemv_stages=3, down_prefetch=1), "gemv_stages and the prefetches are two ways"),
+    (dict(gate_up_prefetch=3), "gate_up_prefetch must be 0, 1 or 2 .K steps ahead., got 3"),
+    (dict(down_prefetch=True), "down_prefetch must be 0, 1 or 2 .K steps ahead., got True"),
 ])
 def test_launch_config_rejects_bad_pipelines(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -55,12 +55,15 @@ class MoELaunchConfig:
     # tiles). Its bf16 rows are 4x the bytes of MXFP4 ones: at the routed tiles its loop would set
     # the kernel's register count, i.e. how many programs an SM holds.
     shared_block_k: int = 0
-    # On the register path (dp4a and plain weights), each K step loads the next step's weights
-    # before computing on its own: a memory round trip in flight while the decode runs.
-    gemv_prefetch: bool = False
+    # On the register path (dp4a and plain weights), each K step of the gate_up (down) kernel loads
+    # the weights of the step this many steps ahead (0, 1 or 2) before computing on its own:
+    # memory round trips in flight while the decode runs, each held in registers (per kernel: the
+    # registers a thread can spare differ with the tiles).
+    gate_up_prefetch: int = 0
+    down_prefetch: int = 0
     # On the register path (dp4a and plain weights), Triton's software pipeline of this many stages
     # for the K loops (0: none): asynchronous copies into shared memory, so that more bytes are in
-    # flight than registers could hold. Exclusive with gemv_prefetch.
+    # flight than registers could hold. Exclusive with the prefetches above.
     gemv_stages: int = 0
     # Programmatic dependent launch (impl/moe/triton_pdl.py): each kernel of the layer, router
     # included, starts while the one before it finishes (the shared expert's gate_up meanwhile).
@@ -91,13 +94,17 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("pdl", "pdl_prefetch", "gemv_prefetch", "router_fused"):
+        for name in ("pdl", "pdl_prefetch", "router_fused"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("gate_up_prefetch", "down_prefetch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v not in (0, 1, 2):
+                raise ValueError(f"{name} must be 0, 1 or 2 (K steps ahead), got {v!r}")
         if self.gemv_stages not in (0, 2, 3, 4):
             raise ValueError(f"gemv_stages must be 0, 2, 3 or 4, got {self.gemv_stages}")
-        if self.gemv_stages and self.gemv_prefetch:
-            raise ValueError("gemv_stages and gemv_prefetch are two ways to keep loads in flight: choose one")
+        if self.gemv_stages and (self.gate_up_prefetch or self.down_prefetch):
+            raise ValueError("gemv_stages and the prefetches are two ways to keep loads in flight: choose one")
         if self.pdl_prefetch and not self.pdl:
             raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:

@@ -309,13 +309,19 @@ def _plain_row(a_ptr, offs_k, k_mask, offs_n, r: tl.constexpr, M):
 
 @triton.constexpr_function
 def _stages(pipeline):
-    """The register loops' PIPELINE: 0, each K step loads its own weights; 1, each step loads the
-    next step's into registers before computing on its own (one round trip in flight, no shared
-    memory); n >= 2, Triton's software pipeline of n stages (`tl.range(num_stages=n)`, which
-    pipelines a loop without dot products only when asked so: asynchronous copies into shared
-    memory, n - 1 steps in flight without holding them in registers, a barrier a step). Returns
-    the loop's num_stages (1: not pipelined by Triton)."""
-    return pipeline if pipeline >= 2 else 1
+    """The register loops' PIPELINE: 0, each K step loads its own weights; n > 0, each step loads
+    the weights of the step n steps ahead into registers before computing on its own (n round
+    trips in flight, no shared memory); -n, Triton's software pipeline of n stages
+    (`tl.range(num_stages=n)`, which pipelines a loop without dot products only when asked so:
+    asynchronous copies into shared memory, n - 1 steps in flight without holding them in
+    registers, a barrier a step). Returns the loop's num_stages (1: not pipelined by Triton)."""
+    return -pipeline if pipeline < 0 else 1
+
+
+@triton.constexpr_function
+def _ahead(pipeline):
+    """K steps the register loops load ahead under PIPELINE (`_stages`)."""
+    return max(pipeline, 0)
 
 
 @triton.jit
@@ -498,15 +504,27 @@ def _gemv_rows(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, o
     b1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     b2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     b3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    if PIPELINE == 1:
-        nw, nws, nw2, nws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, 0,
-                                           K, _live(0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
+    AHEAD: tl.constexpr = _ahead(PIPELINE)
+    tl.static_assert(AHEAD <= 2)
+    # The steps loaded ahead: n1 the next, n2 the one after (AHEAD == 2).
+    if AHEAD >= 1:
+        n1w, n1ws, n1w2, n1ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                                               0, K, _live(0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
+    if AHEAD == 2:
+        n2w, n2ws, n2w2, n2ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                                               BLOCK_K, K, _live(BLOCK_K, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
-        if PIPELINE == 1:
-            w, ws, w2, ws2 = nw, nws, nw2, nws2
+        if AHEAD >= 1:
+            w, ws, w2, ws2 = n1w, n1ws, n1w2, n1ws2
+            if AHEAD == 2:
+                n1w, n1ws, n1w2, n1ws2 = n2w, n2ws, n2w2, n2ws2
+            k_next = k0 + AHEAD * BLOCK_K
             nw, nws, nw2, nws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                                               k0 + BLOCK_K, K, _live(k0 + BLOCK_K, K), BLOCK_N, BLOCK_K, DP4A_WORDS,
-                                               TWO, EVEN)
+                                               k_next, K, _live(k_next, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
+            if AHEAD == 2:
+                n2w, n2ws, n2w2, n2ws2 = nw, nws, nw2, nws2
+            else:
+                n1w, n1ws, n1w2, n1ws2 = nw, nws, nw2, nws2
         else:
             w, ws, w2, ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
                                            K, _live(k0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
@@ -1008,17 +1026,20 @@ def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: 
     even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
     common = dict(M_PAD=M_PAD, MXFP4=mxfp4, HAS_SHARED=i_shared > 0, GEMV_ROWS=gemv_rows, WORD32=word32,
                   SCALED=mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled", FP32_MATH=FP32_MATH,
-                  SHARED_SPLIT=split, PDL=pdl,
-                  GEMV_PIPELINE=(1 if cfg.gemv_prefetch else cfg.gemv_stages) if gemv_rows else 0)  # see `_stages`
+                  SHARED_SPLIT=split, PDL=pdl)
+
+    def pipeline(prefetch: int) -> int:  # the register loops' GEMV_PIPELINE: see `_stages`
+        return (prefetch or -cfg.gemv_stages) if gemv_rows else 0
+
     gate_up = KernelLaunch(
         (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n)),
         dict(common, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, SHARED_BLOCK_K=shared_k[0],
-             EVEN=even_a),
+             EVEN=even_a, GEMV_PIPELINE=pipeline(cfg.gate_up_prefetch)),
         cfg.gate_up_warps, cfg.gate_up_stages)
     down = KernelLaunch(
         (triton.cdiv(hidden, cfg.down_block_n), num_slots + shared_slots),
         dict(common, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, SHARED_BLOCK_K=shared_k[1], EVEN=even_b,
-             PREFETCH=pdl and cfg.pdl_prefetch),
+             GEMV_PIPELINE=pipeline(cfg.down_prefetch), PREFETCH=pdl and cfg.pdl_prefetch),
         cfg.down_warps, cfg.down_stages)
     return ExpertLaunch(gate_up, down, _shared_chunk(i_shared, split))
 

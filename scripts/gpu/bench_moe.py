@@ -285,15 +285,15 @@ SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
                  for n, k in itertools.product((16, 32, 64), (128, 256, 512, 1024))]
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k)
               for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512, 1024))]
-SWEEP_WARPS = [dict(gate_up_warps=2), dict(gate_up_warps=8), dict(down_warps=2), dict(down_warps=8)]
-# How the register loops keep loads in flight: a step ahead in registers, Triton's software
-# pipeline of 2 to 4 stages through shared memory, or neither.
-SWEEP_PREFETCH = [dict(gemv_prefetch=True, gemv_stages=0)] + [dict(gemv_prefetch=False, gemv_stages=s)
-                                                               for s in (2, 3, 4, 0)]
+SWEEP_WARPS = [dict(gate_up_warps=w) for w in (2, 4, 8)] + [dict(down_warps=w) for w in (2, 4, 8)]
+# How the register loops keep loads in flight: one or two steps ahead in registers (each kernel
+# its own), Triton's software pipeline of 2 to 4 stages through shared memory, or neither.
+SWEEP_PREFETCH = [dict(gate_up_prefetch=g, down_prefetch=d, gemv_stages=0) for g, d in ((1, 1), (2, 1), (2, 2), (1, 2))]
+SWEEP_PREFETCH += [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s) for s in (2, 3, 4, 0)]
 # Triton's software pipeline with tiles of few registers a thread (so several programs an SM),
 # since at the register path's usual tiles one program of 8 warps filled an SM and waited on its
 # loads (Nsight Compute, notes/moe-h200.md run 9).
-SWEEP_PIPELINE = [dict(gemv_prefetch=False, gemv_stages=s, gate_up_block_n=n, gate_up_block_k=k, down_block_n=32,
+SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s, gate_up_block_n=n, gate_up_block_k=k, down_block_n=32,
                        down_block_k=256, down_warps=4) for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
 SWEEP_ROUTER = [dict(router_fused=True), dict(router_fused=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
