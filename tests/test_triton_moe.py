@@ -486,6 +486,23 @@ def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, token
     assert [e.config["config"].shared_block_k for e in prov.events if "product" in e.config] == [32]
 
 
+@pytest.mark.parametrize("fields,tokens,pipelines", [
+    (dict(gate_up_prefetch=2, down_prefetch=1), 1, (2, 1)),
+    (dict(gemv_stages=3), 4, (-3, -3)),  # Triton's pipeline: negative (`_stages`), never steps ahead
+    (dict(gate_up_prefetch=1, down_prefetch=1), 8, (0, 0)),  # past gemv_max_tokens: tensor cores
+])
+def test_expert_launch_encodes_each_kernels_pipeline(fields, tokens, pipelines):
+    """The register loops' load strategy per kernel as `expert_launch` hands it to the kernels.
+    The interpreter runs Triton's software pipeline as a plain loop, so a wrong encoding here
+    would pass every CPU parity test and only change what the GPU runs."""
+    cfg = MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=32, shared_split=2, **fields)
+    launch = triton_moe.expert_launch(cfg, tokens=tokens, num_slots=3, hidden=128, inter=64, i_shared=64,
+                                      mxfp4=True, pdl=False)
+    assert (launch.gate_up.consts["GEMV_PIPELINE"], launch.down.consts["GEMV_PIPELINE"]) == pipelines
+    split = 2 if tokens <= 4 else 1  # the shared expert's programs: its split on the register path only
+    assert launch.gate_up.grid == (3 + split, 2) and launch.down.grid == (128 // cfg.down_block_n, 3 + split)
+
+
 def test_even_tiles_needs_every_tile_whole():
     """The no-mask rule: every routed and shared tile of a kernel inside its weight."""
     cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=512, down_block_n=32, down_block_k=256,
