@@ -89,7 +89,8 @@ def load_file(path: Path) -> BaselineFile:
         raise BaselineError(f"{path}: 'entries' must be a list")
     entries = []
     for i, e in enumerate(raw["entries"]):
-        if not isinstance(e, dict) or not isinstance(e.get("fingerprint"), dict) or not isinstance(e.get("metrics"), dict):
+        if not (isinstance(e, dict) and isinstance(e.get("fingerprint"), dict)
+                and isinstance(e.get("metrics"), dict)):
             raise BaselineError(f"{path}: entries[{i}] needs a 'fingerprint' object and a 'metrics' object")
         metrics = {mid: FrozenMetric.from_json(m, f"{path}: entries[{i}].metrics[{mid!r}]")
                    for mid, m in e["metrics"].items()}

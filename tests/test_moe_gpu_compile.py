@@ -241,8 +241,8 @@ def _compile_all(tiles) -> int:
         attempt(f"router_logits_kernel 4 rows split_x={split_x} pdl={split_x}", tr.router_logits_kernel,
                 dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x, PDL=split_x, PREFETCH=split_x), routing_ptrs)
         attempt(f"router_fused_kernel split_x={split_x} pdl={not split_x}", tr.router_fused_kernel,
-                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x, PREFETCH=not split_x), routing_ptrs,
-                ("routed_scaling",))
+                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x, PREFETCH=not split_x),
+                routing_ptrs, ("routed_scaling",))
     # Negative controls of the static checks: each flags its planted defect, and only that.
     sys.path.insert(0, str(ROOT / "tests"))
     import planted_kernels as pk

@@ -57,7 +57,8 @@ def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H
         for r in tl.static_range(ROWS):
             x = tl.load(x_ptr + r * stride_xm + offs_k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
             acc += tl.where(offs_m[:, None] == r, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
-    tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=(offs_m[:, None] < M) & (offs_e[None, :] < E))
+    tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc,
+             mask=(offs_m[:, None] < M) & (offs_e[None, :] < E))
 
 
 MIN_KEY = tl.constexpr(-(2**63))  # below every key: a chosen or masked entry

@@ -293,8 +293,9 @@ SWEEP_PREFETCH += [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s) for 
 # Triton's software pipeline with tiles of few registers a thread (so several programs an SM),
 # since at the register path's usual tiles one program of 8 warps filled an SM and waited on its
 # loads (Nsight Compute, notes/moe-h200.md run 9).
-SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s, gate_up_block_n=n, gate_up_block_k=k, down_block_n=32,
-                       down_block_k=256, down_warps=4) for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
+SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s, gate_up_block_n=n, gate_up_block_k=k,
+                       down_block_n=32, down_block_k=256, down_warps=4)
+                  for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
 SWEEP_ROUTER = [dict(router_fused=True), dict(router_fused=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
              dict(pdl=False, pdl_prefetch=False)]
