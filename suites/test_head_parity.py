@@ -55,12 +55,13 @@ def _needs_bf16_head(moe_model):
 
 @contextlib.contextmanager
 def fp8_head(model, granularity: str):
-    """The model with its head quantized through the model switch; the original head restored after."""
+    """The model with its head quantized through the model switch; the original head restored after
+    (the MTP draft re-pointed at it too: later suites on this model decode speculatively)."""
     original = model.lm_head
     try:
         yield model.quantize_head(granularity=granularity, backend=BACKEND)
     finally:
-        model.lm_head = original
+        model.set_head(original)
 
 
 def swap_bounds(ref: torch.Tensor, sigma_rel: float) -> tuple[float, float]:

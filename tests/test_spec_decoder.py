@@ -139,6 +139,18 @@ def test_quantize_head_repoints_the_draft():
     SpeculativeDecoder(model, 2)
 
 
+def test_swapping_the_head_back_repoints_the_draft():
+    """A quantized trial undone (as the FP8 head parity suite does on the shared model) leaves the
+    draft on the restored head: a later speculative suite in the same process must not find the
+    draft still holding the FP8 head (it did, under xdist, when only `lm_head` was restored)."""
+    model = build_model("tiny", seed=3)
+    original = model.lm_head
+    model.quantize_head(backend="dequant")
+    assert model.set_head(original) is original
+    assert model.mtp[0].head is model.lm_head is original
+    SpeculativeDecoder(model, 2)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

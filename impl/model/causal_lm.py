@@ -59,11 +59,16 @@ class MoECausalLM(nn.Module):
         if isinstance(self.lm_head, FP8Head):
             raise ValueError(f"the LM head is already FP8 ({self.lm_head.extra_repr()}); "
                              "build the model again to quantize it differently")
-        self.lm_head = FP8Head.from_linear(self.lm_head, granularity=granularity, backend=backend,
-                                           out_dtype=out_dtype)
+        return self.set_head(FP8Head.from_linear(self.lm_head, granularity=granularity, backend=backend,
+                                                 out_dtype=out_dtype))
+
+    def set_head(self, head: nn.Module) -> nn.Module:
+        """Make `head` the LM head and point every MTP layer at that module: the draft must hold
+        the target's head itself, also when a head is swapped back (e.g. after a quantized trial)."""
+        self.lm_head = head
         for mtp in self.mtp:
-            mtp.share(self.embed_tokens, self.lm_head)
-        return self.lm_head
+            mtp.share(self.embed_tokens, head)
+        return head
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> "MoECausalLM":
