@@ -6,7 +6,11 @@ graph, which no kernel speed-up removes.
 
     python3 scripts/gpu/profile_kernels.py [--model tiny-gsm] [--moe-backend triton]
         [--moe-shapes ling-3.0-flash,ling-flash-2.0] [--ms 1,4] [--formats mxfp4,bf16]
-        [--override pdl=false,...]
+        [--override pdl=false,... [--override ...]] [--without-shared]
+
+Each --override runs the MoE tables again with those launch-config fields set in every committed
+config (one process: the A/B of a few configs shares its weights and warm-up). Under Nsight
+Compute (CUPTI taken) the tables are empty and only the wall times print.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ def kernel_table(title: str, replay, steps_per_replay: int = 1, reset=lambda: No
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) * 1e3 / REPLAYS / steps_per_replay
+    if not any(ev.device_type == torch.autograd.DeviceType.CUDA for ev in prof.events()):
+        print(f"\n== {title}: wall {wall:.1f} us/step (no kernel events: another profiler holds CUPTI)")
+        return wall
     per = collections.defaultdict(lambda: [0, 0.0])
     kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     for ev in kernels:
@@ -98,15 +105,18 @@ def profile_model(name: str, moe_backend: str) -> None:
         kernel_table(f"{name} {part}", graph.graph.replay)
 
 
-def profile_moe(shape: str, fmt: str, m: int) -> None:
+def profile_moe(shape: str, fmt: str, m: int, without_shared: bool = False, label: str = "") -> None:
     from impl.model.config import get_config
     from impl.moe.random_layer import random_moe_block
     cfg = get_config(shape)
+    if without_shared:  # what the shared expert's programs cost the step
+        cfg = dataclasses.replace(cfg, num_shared_experts=0)
     block = random_moe_block(cfg, fmt, torch.device("cuda"), "triton", 0)
     xs = [torch.randn(1, m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
     with torch.inference_mode():  # the block's forward: the `triton` backend's whole layer
         graph = capture_graph([lambda x=x: block(x) for x in xs])
-    kernel_table(f"MoE layer {shape} {fmt} M={m}", graph.replay, steps_per_replay=len(xs))
+    kernel_table(f"MoE layer {shape} {fmt} M={m}{' without shared expert' if without_shared else ''}{label}",
+                 graph.replay, steps_per_replay=len(xs))
 
 
 def parse_override(value: str) -> dict:
@@ -134,20 +144,26 @@ def main() -> None:
     ap.add_argument("--moe-shapes", default="ling-3.0-flash,ling-flash-2.0")
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--formats", default="mxfp4,bf16")
-    ap.add_argument("--override", default="", type=parse_override,
+    ap.add_argument("--override", action="append", type=parse_override,
                     help="launch-config fields set in every committed MoE config, e.g. pdl=false "
-                         "(to see each kernel's own duration, launches not overlapping)")
+                         "(to see each kernel's own duration, launches not overlapping); repeated: "
+                         "the MoE tables once per override")
+    ap.add_argument("--without-shared", action="store_true",
+                    help="also time each MoE layer without its shared expert")
     args = ap.parse_args()
-    if args.override:
-        from impl.moe import configs
-        configs.TUNED = {k: dataclasses.replace(c, **args.override) for k, c in configs.TUNED.items()}
-        configs.fallback = lambda hidden, intermediate: dataclasses.replace(configs.MoELaunchConfig(), **args.override)
-    if args.model:
-        profile_model(args.model, args.moe_backend)
-    for shape in filter(None, args.moe_shapes.split(",")):
-        for fmt in args.formats.split(","):
-            for m in map(int, args.ms.split(",")):
-                profile_moe(shape, fmt, m)
+    from impl.moe import configs
+    committed = configs.TUNED
+    for override in args.override or [{}]:
+        configs.TUNED = {k: dataclasses.replace(c, **override) for k, c in committed.items()}
+        configs.fallback = lambda hidden, intermediate, o=override: dataclasses.replace(configs.MoELaunchConfig(), **o)
+        label = f" [{', '.join(f'{k}={v}' for k, v in override.items())}]" if override else ""
+        if args.model:
+            profile_model(args.model, args.moe_backend)
+        for shape in filter(None, args.moe_shapes.split(",")):
+            for fmt in args.formats.split(","):
+                for m in map(int, args.ms.split(",")):
+                    for without in (False, True) if args.without_shared else (False,):
+                        profile_moe(shape, fmt, m, without, label)
 
 
 if __name__ == "__main__":
