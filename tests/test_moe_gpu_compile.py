@@ -14,8 +14,11 @@ per product variant; the local Triton may be newer than the GPU's, so a pass her
 not sufficient (the H200's 3.6.0 gave the same verdicts on this session's kernels).
 Separately, every committed launch config's expert kernels are built as `expert_launch` would
 launch them and checked not to spill registers (`resources`, a planted spilling config as the
-negative control); the same run prints each kernel's registers, shared memory, programs an SM
-and waves over the H200's 132 SMs: the occupancy picture of a config, without a GPU.
+negative control) and, in their plain-weight loops, not to copy a load into a later pass
+(`loop_load_copies`, planted kernels as its negative control: such a copy waits for the load in
+the pass that issued it, so loading ahead gains nothing); the same run prints each kernel's
+registers, shared memory, programs an SM and waves over the H200's 132 SMs: the occupancy
+picture of a config, without a GPU.
 
 Run directly (`python tests/test_moe_gpu_compile.py [all | configs]`) it compiles the cases and
 prints one line per kernel; `all` adds more tiles, `configs` checks the committed configs.
@@ -96,10 +99,9 @@ def writes_before_wait(ptx: str) -> list[str]:
     return offending
 
 
-def loop_barriers(cubin: bytes) -> list[str]:
-    """The barriers (BAR) inside the loops of a compiled kernel: every instruction between a
-    backward branch's target and the branch, read from the SASS that the Triton wheel's nvdisasm
-    prints for the cubin."""
+def _sass_loops(cubin: bytes) -> list[list[tuple[int, str]]]:
+    """The loops of a compiled kernel, each as its instructions (address, text) from a backward
+    branch's target to the branch, read from the SASS that the Triton wheel's nvdisasm prints."""
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -114,13 +116,57 @@ def loop_barriers(cubin: bytes) -> list[str]:
             addr = int(m.group(1), 16)
             labels.update((p, addr) for p in pending)
             pending = []
-            instrs.append((addr, m.group(2)))
-    found = []
+            instrs.append((addr, m.group(2).split(";")[0].strip()))
+    loops = []
     for addr, text in instrs:
         m = _SASS_BRANCH.search(text)
         if m and labels.get(m.group(1), addr + 1) <= addr:  # a backward branch: a loop
-            start = labels[m.group(1)]
-            found += [f"{a:#06x} {t.split(';')[0].strip()}" for a, t in instrs if start <= a <= addr and "BAR." in t]
+            loops.append([(a, t) for a, t in instrs if labels[m.group(1)] <= a <= addr])
+    return loops
+
+
+def loop_barriers(cubin: bytes) -> list[str]:
+    """The barriers (BAR) inside the loops of a compiled kernel."""
+    return [f"{a:#06x} {t}" for loop in _sass_loops(cubin) for a, t in loop if "BAR." in t]
+
+
+_SASS_LOAD = re.compile(r"^(?:@!?P\d+\s+)?LDG\.E(?:\.(\w+))?\S*\s+R(\d+),")
+_SASS_COPY = re.compile(r"^(?:@!?P\d+\s+)?(?:MOV|IMAD\.MOV\.U32)\s+R(\d+),\s*(?:RZ,\s*RZ,\s*)?R(\d+)\b")
+_SASS_DEST = re.compile(r"^(?:@!?P\d+\s+)?[A-Z][\w.]*\s+R(\d+)\b")
+
+
+def _reads(text: str, reg: int) -> bool:
+    """Whether an instruction reads register `reg` (an operand after its first)."""
+    _, _, operands = text.partition(",")
+    return re.search(rf"\bR{reg}\b", operands) is not None
+
+
+def loop_load_copies(cubin: bytes, skip=("IDP.4A",)) -> list[str]:
+    """Register copies inside a loop of a compiled kernel that carry a global load issued earlier
+    in the same pass into a later one (the copy's register is not read again in this pass): the
+    copy waits for its load, so that load's round trip is spent inside the pass that issued it,
+    whatever the source code meant to load ahead. (A copy read later in the same pass only moves
+    a load to where it is used anyway.) Loops holding an instruction named in `skip` are not
+    looked at (the dp4a loops, see `_check_configs`)."""
+    found = []
+    for loop in _sass_loops(cubin):
+        if any(op in t for _, t in loop for op in skip):
+            continue
+        in_flight = {}  # register -> the load that writes it, this pass
+        for i, (addr, text) in enumerate(loop):
+            if m := _SASS_LOAD.match(text):
+                width = {"128": 4, "64": 2}.get(m.group(1) or "", 1)
+                in_flight.update((int(m.group(2)) + j, f"{addr:#06x} {text}") for j in range(width))
+                continue
+            m = _SASS_COPY.match(text)
+            if m and int(m.group(2)) in in_flight:
+                dest = int(m.group(1))
+                later = next((t for _, t in loop[i + 1:] if _reads(t, dest) or _SASS_DEST.match(t)
+                              and int(_SASS_DEST.match(t).group(1)) == dest), None)
+                if later is None or not _reads(later, dest):  # carried to the next pass
+                    found.append(f"{addr:#06x} {text} copies {in_flight[int(m.group(2))]}")
+            if m := _SASS_DEST.match(text):
+                in_flight.pop(int(m.group(1)), None)
     return found
 
 
@@ -215,7 +261,7 @@ def _compile_all(tiles) -> int:
         consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
                       WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
                       SHARED_BLOCK_K=64 if rows else bk, EVEN=i % 2 == 0,  # masked and unmasked loads
-                      GEMV_PIPELINE=pipeline,
+                      GEMV_PIPELINE=pipeline, SHARED_PIPELINE=pipeline,
                       PDL=word32 != 2)  # (launched without PDL, the kernels compile as they did before it)
         # Register paths whose loops stay inside each thread: dp4a, and plain weights (the
         # shared expert of every register path is plain, so with one row all its loops are).
@@ -256,6 +302,11 @@ def _compile_all(tiles) -> int:
         ok = bool(bars) == planted
         failures += not ok
         print("OK  " if ok else "FAIL", f"loop barrier check on {fn.__name__}: flagged {bars}", flush=True)
+    for fn, planted in ((pk.reduces_after_the_loop, False), (pk.loads_ahead_in_one_rotating_set, True)):
+        copies = loop_load_copies(compile_one(fn, {}, dict(w_ptr="*fp32", out_ptr="*fp32")).asm["cubin"])
+        ok = (len(copies) > LOAD_COPY_TOLERANCE) == planted
+        failures += not ok
+        print("OK  " if ok else "FAIL", f"load copy check on {fn.__name__}: flagged {copies[:2]}", flush=True)
     print("failures:", failures)
     return failures
 
@@ -292,7 +343,8 @@ def config_resources(key: dict, config: dict) -> list[dict]:
         shared = compiled.metadata.shared
         per_sm = programs_per_sm(regs, k.num_warps, shared)
         rows.append(dict(kernel=name, warps=k.num_warps, regs=regs, spilled=spilled, shared=shared, per_sm=per_sm,
-                         programs=k.grid[0] * k.grid[1], waves=k.grid[0] * k.grid[1] / (per_sm * SMS)))
+                         programs=k.grid[0] * k.grid[1], waves=k.grid[0] * k.grid[1] / (per_sm * SMS),
+                         load_copies=len(loop_load_copies(compiled.asm["cubin"]))))
     return rows
 
 
@@ -301,6 +353,12 @@ def config_resources(key: dict, config: dict) -> list[dict]:
 # back from L1. The cliffs this check guards against spill hundreds of bytes and more (the planted
 # config below: 880 bytes; bf16 tiles of 128 x 512: 25 to 28 KB).
 SPILL_TOLERANCE = 64
+
+# Registers of loads a kernel's plain-weight loops may copy into a later pass. Triton 3.9's build of
+# the Ling-3.0-flash MXFP4 gate_up kernel copies one (of a masked 16-byte load, under its mask);
+# the H200's Triton 3.6 none. The defect this check guards against copied whole tiles: 8 registers
+# a K step in the shared expert's loop (one memory round trip a step), 8 in the planted kernel.
+LOAD_COPY_TOLERANCE = 2
 
 # The spill check's negative control: the Ling-3.0-flash MXFP4 decode config with a down tile of
 # 128 rows over 2 warps (ptxas keeps 255 registers and puts 880 bytes a thread on the stack).
@@ -314,8 +372,10 @@ def _check_configs() -> int:
     """Every committed launch config's expert kernels built for sm_90 as `expert_launch` gives
     them: none may spill more than SPILL_TOLERANCE bytes a thread (a config tuned on the GPU
     silently loses its speed when a kernel change makes its tiles spill; run 9's bf16 K tiles of
-    512 spilled and ran 2 to 4x slower). Prints each kernel's resources; a planted spilling
-    config is the negative control."""
+    512 spilled and ran 2 to 4x slower), and no plain-weight loop may copy a load in the pass that
+    issued it (`loop_load_copies`: the shared expert's loop did, and each of its K steps waited a
+    memory round trip). Prints each kernel's resources; a planted spilling config is the negative
+    control of the first, the planted kernels of `_compile_all` of the second."""
     import json
     sys.path.insert(0, str(ROOT))
     from impl.moe.configs import TUNED_PATH
@@ -324,7 +384,7 @@ def _check_configs() -> int:
         key = entry["key"]
         shape = f"{key['format']} E={key['experts']} H={key['hidden']} I={key['intermediate']} M={key['m_bucket']}"
         for r in config_resources(key, entry["config"]):
-            bad = r["spilled"] > SPILL_TOLERANCE
+            bad = r["spilled"] > SPILL_TOLERANCE or r["load_copies"] > LOAD_COPY_TOLERANCE
             failures += bad
             print("FAIL" if bad else "OK  ", shape, " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                                           for k, v in r.items()), flush=True)
@@ -355,7 +415,8 @@ def test_kernels_compile_for_sm90():
     _run_child()
 
 
-def test_committed_configs_do_not_spill_on_sm90():
+def test_committed_configs_neither_spill_nor_copy_loads_on_sm90():
+    """`_check_configs`: every committed config's kernels, as built for the H200."""
     _run_child("configs")
 
 

@@ -47,7 +47,8 @@ def test_chained_phase_trains_the_mtp_layer_only():
     assert steps >= 1
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in target.items()), "the chained phase changed the target"
-    assert any(not torch.equal(params[n], v) for n, v in draft.items()), "the chained phase left the MTP layer as it was"
+    assert any(not torch.equal(params[n], v) for n, v in draft.items()), \
+        "the chained phase left the MTP layer as it was"
 
 
 def test_lr_schedules():

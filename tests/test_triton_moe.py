@@ -398,9 +398,11 @@ MXFP4_VARIANTS = {
     # (the loads past K masked off; K = 96 here: in tiles of 64 a partial second step, in tiles of
     # 32 three whole steps and two loads past the end).
     "gemv-dp4a-prefetch": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
-                                           gate_up_prefetch=1, down_prefetch=1), "gemv-dp4a", "dot-bits"),
+                                           gate_up_prefetch=1, down_prefetch=1, shared_prefetch=1), "gemv-dp4a",
+                           "dot-bits"),
     "gemv-dp4a-prefetch2": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4, gemv_decode="dp4a",
-                                            gate_up_prefetch=2, down_prefetch=2), "gemv-dp4a", "dot-bits"),
+                                            gate_up_prefetch=2, down_prefetch=2, shared_prefetch=2), "gemv-dp4a",
+                            "dot-bits"),
     # The same loops in Triton's software pipeline (on a GPU; the interpreter runs them in order).
     "gemv-dp4a-stages": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
                                          gemv_stages=3), "gemv-dp4a", "dot-bits"),
@@ -474,7 +476,7 @@ def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, token
     ahead or not (the prefetches past the last step masked off even here): against the oracle."""
     cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, down_block_k=32,
                           gemv_max_tokens=4, gemv_decode=decode, shared_split=split, shared_block_k=32,
-                          gate_up_prefetch=prefetch, down_prefetch=prefetch)
+                          gate_up_prefetch=prefetch, down_prefetch=prefetch, shared_prefetch=prefetch)
     hidden, inter, i_shared = 128, 64, 64
     assert triton_moe._even_tiles(cfg, hidden, inter, i_shared, split, (32, 32)) == (True, True)
     w_gate_up, w_down = make_weights(6, hidden, inter, fmt, seed=31)
@@ -486,10 +488,13 @@ def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, token
     assert [e.config["config"].shared_block_k for e in prov.events if "product" in e.config] == [32]
 
 
+# (gate_up routed, gate_up shared, down routed, down shared): the shared expert's down loop never
+# loads ahead (`MoELaunchConfig.shared_prefetch`).
 @pytest.mark.parametrize("fields,tokens,pipelines", [
-    (dict(gate_up_prefetch=2, down_prefetch=1), 1, (2, 1)),
-    (dict(gemv_stages=3), 4, (-3, -3)),  # Triton's pipeline: negative (`_stages`), never steps ahead
-    (dict(gate_up_prefetch=1, down_prefetch=1), 8, (0, 0)),  # past gemv_max_tokens: tensor cores
+    (dict(gate_up_prefetch=2, down_prefetch=1), 1, (2, 0, 1, 0)),
+    (dict(gate_up_prefetch=2, down_prefetch=1, shared_prefetch=1), 2, (2, 1, 1, 0)),
+    (dict(gemv_stages=3), 4, (-3, -3, -3, -3)),  # Triton's pipeline: negative (`_stages`), never steps ahead
+    (dict(gate_up_prefetch=1, down_prefetch=1, shared_prefetch=2), 8, (0, 0, 0, 0)),  # past gemv_max_tokens
 ])
 def test_expert_launch_encodes_each_kernels_pipeline(fields, tokens, pipelines):
     """The register loops' load strategy per kernel as `expert_launch` hands it to the kernels.
@@ -498,7 +503,8 @@ def test_expert_launch_encodes_each_kernels_pipeline(fields, tokens, pipelines):
     cfg = MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=32, shared_split=2, **fields)
     launch = triton_moe.expert_launch(cfg, tokens=tokens, num_slots=3, hidden=128, inter=64, i_shared=64,
                                       mxfp4=True, pdl=False)
-    assert (launch.gate_up.consts["GEMV_PIPELINE"], launch.down.consts["GEMV_PIPELINE"]) == pipelines
+    assert tuple(k.consts[c] for k in (launch.gate_up, launch.down) for c in ("GEMV_PIPELINE", "SHARED_PIPELINE")) \
+        == pipelines
     split = 2 if tokens <= 4 else 1  # the shared expert's programs: its split on the register path only
     assert launch.gate_up.grid == (3 + split, 2) and launch.down.grid == (128 // cfg.down_block_n, 3 + split)
 
@@ -582,6 +588,8 @@ def test_pdl_on_a_gpu_older_than_sm90_is_a_clear_error(monkeypatch):
     (dict(gemv_stages=3, down_prefetch=1), "gemv_stages and the prefetches are two ways"),
     (dict(gate_up_prefetch=3), "gate_up_prefetch must be 0, 1 or 2 .K steps ahead., got 3"),
     (dict(down_prefetch=True), "down_prefetch must be 0, 1 or 2 .K steps ahead., got True"),
+    (dict(shared_prefetch=-1), "shared_prefetch must be 0, 1 or 2 .K steps ahead., got -1"),
+    (dict(gemv_stages=2, shared_prefetch=1), "gemv_stages and the prefetches are two ways"),
 ])
 def test_launch_config_rejects_bad_pipelines(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -61,6 +61,11 @@ class MoELaunchConfig:
     # registers a thread can spare differ with the tiles).
     gate_up_prefetch: int = 0
     down_prefetch: int = 0
+    # The same for the shared expert's loop in the gate_up kernel: its long one (H / shared_block_k
+    # steps over plain bf16 rows, a different loop from the routed experts' MXFP4 words, with other
+    # registers to spare). Its loop in the down kernel (a few steps of I_shared / shared_split)
+    # loads no step ahead: at the down kernel's tiles its two sets would spill.
+    shared_prefetch: int = 0
     # On the register path (dp4a and plain weights), Triton's software pipeline of this many stages
     # for the K loops (0: none): asynchronous copies into shared memory, so that more bytes are in
     # flight than registers could hold. Exclusive with the prefetches above.
@@ -97,13 +102,13 @@ class MoELaunchConfig:
         for name in ("pdl", "pdl_prefetch", "router_fused"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("gate_up_prefetch", "down_prefetch"):
+        for name in ("gate_up_prefetch", "down_prefetch", "shared_prefetch"):
             v = getattr(self, name)
             if isinstance(v, bool) or v not in (0, 1, 2):
                 raise ValueError(f"{name} must be 0, 1 or 2 (K steps ahead), got {v!r}")
         if self.gemv_stages not in (0, 2, 3, 4):
             raise ValueError(f"gemv_stages must be 0, 2, 3 or 4, got {self.gemv_stages}")
-        if self.gemv_stages and (self.gate_up_prefetch or self.down_prefetch):
+        if self.gemv_stages and (self.gate_up_prefetch or self.down_prefetch or self.shared_prefetch):
             raise ValueError("gemv_stages and the prefetches are two ways to keep loads in flight: choose one")
         if self.pdl_prefetch and not self.pdl:
             raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")

@@ -333,12 +333,14 @@ def _live(k0, K):
 
 @triton.jit
 def _plain_weights(w_ptr, offs_n, n_mask, stride_wn, k0, K, live, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """One K step's plain weight tile [BLOCK_N, BLOCK_K] from column k0, as fp32 (nothing is
-    read where `live` is False: a prefetch past K)."""
+    """One K step's plain weight tile [BLOCK_N, BLOCK_K] from column k0, in its stored dtype
+    (nothing is read where `live` is False: a prefetch past K). Widened where it is used, not
+    here: a tile loaded ahead and converted at once would wait for its load in the step that
+    issued it."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = ((offs_k < K) | EVEN) & live
     return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                   other=0.0).to(tl.float32)
+                   other=0.0)
 
 
 @triton.jit
@@ -351,6 +353,8 @@ def _plain_rows(g0, g1, g2, g3, u0, u1, u2, u3, w, w2, a_ptr, stride_am, offs_n,
     S: tl.constexpr = BLOCK_K // V
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = (offs_k < K) | EVEN
+    w = w.to(tl.float32)
+    w2 = w2.to(tl.float32)
     a = _plain_row(a_ptr, offs_k, k_mask, offs_n, 0, M)
     g0 += _run_sums(w * a, BLOCK_N, S, V)
     if TWO:
@@ -452,7 +456,7 @@ def _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, str
                   EVEN: tl.constexpr):
     """One K step's tiles of W and (TWO) W2 from column k0, nothing read where `live` is False:
     (W, its scales, W2, its scales). DP4A_WORDS: MXFP4 int32 words and E8M0 codes
-    (`_dp4a_weights`); else plain tiles as fp32 (`_plain_weights`) and a constant in the scale
+    (`_dp4a_weights`); else plain tiles as stored (`_plain_weights`) and a constant in the scale
     slots. Without TWO, W2's slots repeat W's."""
     if DP4A_WORDS:
         w, ws = _dp4a_weights(w_ptr, ws_ptr, offs_n, n_mask, stride_wn, stride_sn, k0, K, live, BLOCK_N, BLOCK_K,
@@ -469,6 +473,23 @@ def _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, str
         ws = tl.zeros((1,), dtype=tl.int8)  # unused: a constant, so a carried copy folds away
         ws2 = ws
     return w, ws, w2, ws2
+
+
+@triton.jit
+def _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, w, ws, w2, ws2, a_ptr, stride_am, as_ptr, offs_n, k0, K, M,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+               DP4A_WORDS: tl.constexpr, TWO: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of `_gemv_rows` from column k0 on its loaded tiles (`_step_weights`): the
+    partials a<r> (W) and b<r> (W2) of each row r, updated."""
+    if DP4A_WORDS:
+        a0, a1, a2, a3 = _dp4a_rows(a0, a1, a2, a3, w, ws, a_ptr, stride_am, as_ptr, K, k0, M, BLOCK_K, ROWS, EVEN)
+        if TWO:
+            b0, b1, b2, b3 = _dp4a_rows(b0, b1, b2, b3, w2, ws2, a_ptr, stride_am, as_ptr, K, k0, M, BLOCK_K, ROWS,
+                                        EVEN)
+    else:
+        a0, a1, a2, a3, b0, b1, b2, b3 = _plain_rows(a0, a1, a2, a3, b0, b1, b2, b3, w, w2, a_ptr, stride_am, offs_n,
+                                                     k0, K, M, BLOCK_N, BLOCK_K, ROWS, BLOCK_K // COLS, TWO, EVEN)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.constexpr_function
@@ -506,15 +527,27 @@ def _gemv_rows(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, o
     b3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     AHEAD: tl.constexpr = _ahead(PIPELINE)
     tl.static_assert(AHEAD <= 2)
-    # The steps loaded ahead: n1 the next, n2 the one after (AHEAD == 2).
-    if AHEAD >= 1:
+    if AHEAD >= 1:  # the sets loaded before the loop: step 0 and (AHEAD == 2) step 1
         n1w, n1ws, n1w2, n1ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
                                                0, K, _live(0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
-    if AHEAD == 2:
-        n2w, n2ws, n2w2, n2ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
-                                               BLOCK_K, K, _live(BLOCK_K, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
-        if AHEAD >= 1:
+        if AHEAD == 2:
+            n2w, n2ws, n2w2, n2ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn,
+                                                   stride_sn, BLOCK_K, K, _live(BLOCK_K, K), BLOCK_N, BLOCK_K,
+                                                   DP4A_WORDS, TWO, EVEN)
+    if AHEAD == 0:
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=_stages(PIPELINE)):
+            w, ws, w2, ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
+                                           K, _live(k0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, w, ws, w2, ws2, a_ptr,
+                                                        stride_am, as_ptr, offs_n, k0, K, M, BLOCK_N, BLOCK_K, ROWS,
+                                                        COLS, DP4A_WORDS, TWO, EVEN)
+    elif DP4A_WORDS:
+        # One step a iteration, the sets loaded ahead rotating (n1 <- n2 <- a new load). Two steps
+        # ahead, the long decode makes ptxas issue the new load after the step's products, straight
+        # into the rotating registers; one step ahead it copies the new load at the end of the
+        # step, which waits for it. The buffered form below avoids that copy but holds more
+        # registers here: a program an SM fewer, a wave more (notes/moe-h200.md, run 11).
+        for k0 in range(0, K, BLOCK_K):
             w, ws, w2, ws2 = n1w, n1ws, n1w2, n1ws2
             if AHEAD == 2:
                 n1w, n1ws, n1w2, n1ws2 = n2w, n2ws, n2w2, n2ws2
@@ -525,18 +558,44 @@ def _gemv_rows(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, o
                 n2w, n2ws, n2w2, n2ws2 = nw, nws, nw2, nws2
             else:
                 n1w, n1ws, n1w2, n1ws2 = nw, nws, nw2, nws2
-        else:
-            w, ws, w2, ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn, k0,
-                                           K, _live(k0, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
-        if DP4A_WORDS:
-            a0, a1, a2, a3 = _dp4a_rows(a0, a1, a2, a3, w, ws, a_ptr, stride_am, as_ptr, K, k0, M, BLOCK_K, ROWS, EVEN)
-            if TWO:
-                b0, b1, b2, b3 = _dp4a_rows(b0, b1, b2, b3, w2, ws2, a_ptr, stride_am, as_ptr, K, k0, M, BLOCK_K,
-                                            ROWS, EVEN)
-        else:
-            a0, a1, a2, a3, b0, b1, b2, b3 = _plain_rows(a0, a1, a2, a3, b0, b1, b2, b3, w, w2, a_ptr, stride_am,
-                                                         offs_n, k0, K, M, BLOCK_N, BLOCK_K, ROWS, BLOCK_K // COLS,
-                                                         TWO, EVEN)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, w, ws, w2, ws2, a_ptr,
+                                                        stride_am, as_ptr, offs_n, k0, K, M, BLOCK_N, BLOCK_K, ROWS,
+                                                        COLS, DP4A_WORDS, TWO, EVEN)
+    else:
+        # Plain weights: AHEAD + 1 K steps an iteration, each from its own set of registers, so
+        # that no loaded tile is ever copied: a set held across iterations (c0, c1) is reloaded
+        # only after its step has used it, straight into its registers; the set of the step AHEAD
+        # ahead (n) is loaded first and used last. With one rotating set, as above, ptxas hoists
+        # this short loop's loads to its top and copies them into the rotating registers at its
+        # end, and the copy waits for the load: one memory round trip a K step, which made the
+        # shared expert's programs the gate_up kernel's longest (notes/moe-h200.md, run 11).
+        STRIDE: tl.constexpr = (AHEAD + 1) * BLOCK_K
+        c0w, c0ws, c0w2, c0ws2 = n1w, n1ws, n1w2, n1ws2
+        if AHEAD == 2:
+            c1w, c1ws, c1w2, c1ws2 = n2w, n2ws, n2w2, n2ws2
+        for k0 in range(0, K, STRIDE):
+            kn = k0 + AHEAD * BLOCK_K
+            nw, nws, nw2, nws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn, stride_sn,
+                                               kn, K, _live(kn, K), BLOCK_N, BLOCK_K, DP4A_WORDS, TWO, EVEN)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, c0w, c0ws, c0w2, c0ws2,
+                                                        a_ptr, stride_am, as_ptr, offs_n, k0, K, M, BLOCK_N, BLOCK_K,
+                                                        ROWS, COLS, DP4A_WORDS, TWO, EVEN)
+            c0w, c0ws, c0w2, c0ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn,
+                                                   stride_sn, k0 + STRIDE, K, _live(k0 + STRIDE, K), BLOCK_N,
+                                                   BLOCK_K, DP4A_WORDS, TWO, EVEN)
+            if AHEAD == 2:
+                k1 = k0 + BLOCK_K
+                if k1 < K:
+                    a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, c1w, c1ws, c1w2,
+                                                                c1ws2, a_ptr, stride_am, as_ptr, offs_n, k1, K, M,
+                                                                BLOCK_N, BLOCK_K, ROWS, COLS, DP4A_WORDS, TWO, EVEN)
+                c1w, c1ws, c1w2, c1ws2 = _step_weights(w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs_n, n_mask, stride_wn,
+                                                       stride_sn, k1 + STRIDE, K, _live(k1 + STRIDE, K), BLOCK_N,
+                                                       BLOCK_K, DP4A_WORDS, TWO, EVEN)
+            if kn < K:
+                a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, nw, nws, nw2, nws2,
+                                                            a_ptr, stride_am, as_ptr, offs_n, kn, K, M, BLOCK_N,
+                                                            BLOCK_K, ROWS, COLS, DP4A_WORDS, TWO, EVEN)
     first = _rows_tile(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1),
                        first_row, ROWS, M_PAD)
     second = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -703,7 +762,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                        SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       GEMV_PIPELINE: tl.constexpr, PDL: tl.constexpr):
+                       GEMV_PIPELINE: tl.constexpr, SHARED_PIPELINE: tl.constexpr, PDL: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows, in K tiles of SHARED_BLOCK_K: its bf16 rows hold
@@ -752,7 +811,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
             s_mask = (offs_s < I_SHARED) | EVEN
             act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
                                stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, False, False,
-                               FP32_MATH, GEMV_PIPELINE, EVEN)
+                               FP32_MATH, SHARED_PIPELINE, EVEN)
             pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
             tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                      act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
@@ -768,7 +827,8 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                    GEMV_PIPELINE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                    GEMV_PIPELINE: tl.constexpr, SHARED_PIPELINE: tl.constexpr, PDL: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a share of its K
     (`shared_chunk` columns, whole blocks of 32: `_shared_chunk`) in K tiles of SHARED_BLOCK_K.
@@ -814,7 +874,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
         k_lo = tl.multiple_of((slot - num_slots) * shared_chunk, 32)  # aligned, so its loads vectorize as x's do
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(shared_chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N,
-                      SHARED_BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH, False, GEMV_PIPELINE, EVEN)[0]
+                      SHARED_BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH, False, SHARED_PIPELINE, EVEN)[0]
     tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
@@ -1034,12 +1094,14 @@ def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: 
     gate_up = KernelLaunch(
         (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n)),
         dict(common, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, SHARED_BLOCK_K=shared_k[0],
-             EVEN=even_a, GEMV_PIPELINE=pipeline(cfg.gate_up_prefetch)),
+             EVEN=even_a, GEMV_PIPELINE=pipeline(cfg.gate_up_prefetch),
+             SHARED_PIPELINE=pipeline(cfg.shared_prefetch)),
         cfg.gate_up_warps, cfg.gate_up_stages)
     down = KernelLaunch(
         (triton.cdiv(hidden, cfg.down_block_n), num_slots + shared_slots),
         dict(common, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, SHARED_BLOCK_K=shared_k[1], EVEN=even_b,
-             GEMV_PIPELINE=pipeline(cfg.down_prefetch), PREFETCH=pdl and cfg.pdl_prefetch),
+             GEMV_PIPELINE=pipeline(cfg.down_prefetch), SHARED_PIPELINE=pipeline(0),  # see shared_prefetch
+             PREFETCH=pdl and cfg.pdl_prefetch),
         cfg.down_warps, cfg.down_stages)
     return ExpertLaunch(gate_up, down, _shared_chunk(i_shared, split))
 

@@ -289,12 +289,14 @@ SWEEP_WARPS = [dict(gate_up_warps=w) for w in (2, 4, 8)] + [dict(down_warps=w) f
 # How the register loops keep loads in flight: one or two steps ahead in registers (each kernel
 # its own), Triton's software pipeline of 2 to 4 stages through shared memory, or neither.
 SWEEP_PREFETCH = [dict(gate_up_prefetch=g, down_prefetch=d, gemv_stages=0) for g, d in ((1, 1), (2, 1), (2, 2), (1, 2))]
-SWEEP_PREFETCH += [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s) for s in (2, 3, 4, 0)]
+SWEEP_PREFETCH += [dict(gate_up_prefetch=0, down_prefetch=0, shared_prefetch=0, gemv_stages=s) for s in (2, 3, 4, 0)]
+# The shared expert's gate_up loop on its own (with gemv_stages set, these fail validation and are skipped).
+SWEEP_SHARED_PREFETCH = [dict(shared_prefetch=s) for s in (1, 2, 0)]
 # Triton's software pipeline with tiles of few registers a thread (so several programs an SM),
 # since at the register path's usual tiles one program of 8 warps filled an SM and waited on its
 # loads (Nsight Compute, notes/moe-h200.md run 9).
-SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, gemv_stages=s, gate_up_block_n=n, gate_up_block_k=k,
-                       down_block_n=32, down_block_k=256, down_warps=4)
+SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, shared_prefetch=0, gemv_stages=s, gate_up_block_n=n,
+                       gate_up_block_k=k, down_block_n=32, down_block_k=256, down_warps=4)
                   for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
 SWEEP_ROUTER = [dict(router_fused=True), dict(router_fused=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
@@ -302,7 +304,7 @@ SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=Tru
 # The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
 # prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
 # tuning out of time skips the rest.
-SWEEPS = {"prefetch": (SWEEP_PREFETCH,), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,),
+SWEEPS = {"prefetch": (SWEEP_PREFETCH, SWEEP_SHARED_PREFETCH), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,),
           "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
           "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
