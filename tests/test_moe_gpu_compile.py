@@ -141,6 +141,12 @@ def _reads(text: str, reg: int) -> bool:
     return re.search(rf"\bR{reg}\b", operands) is not None
 
 
+def _writes(text: str) -> int | None:
+    """The register an instruction writes (its first operand), if it writes one."""
+    m = _SASS_DEST.match(text)
+    return int(m.group(1)) if m else None
+
+
 def loop_load_copies(cubin: bytes, skip=("IDP.4A",)) -> list[str]:
     """Register copies inside a loop of a compiled kernel that carry a global load issued earlier
     in the same pass into a later one (the copy's register is not read again in this pass): the
@@ -161,12 +167,10 @@ def loop_load_copies(cubin: bytes, skip=("IDP.4A",)) -> list[str]:
             m = _SASS_COPY.match(text)
             if m and int(m.group(2)) in in_flight:
                 dest = int(m.group(1))
-                later = next((t for _, t in loop[i + 1:] if _reads(t, dest) or _SASS_DEST.match(t)
-                              and int(_SASS_DEST.match(t).group(1)) == dest), None)
+                later = next((t for _, t in loop[i + 1:] if _reads(t, dest) or _writes(t) == dest), None)
                 if later is None or not _reads(later, dest):  # carried to the next pass
                     found.append(f"{addr:#06x} {text} copies {in_flight[int(m.group(2))]}")
-            if m := _SASS_DEST.match(text):
-                in_flight.pop(int(m.group(1)), None)
+            in_flight.pop(_writes(text), None)
     return found
 
 

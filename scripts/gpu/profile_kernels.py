@@ -52,11 +52,11 @@ def kernel_table(title: str, replay, steps_per_replay: int = 1, reset=lambda: No
     end.record()
     torch.cuda.synchronize()
     wall = start.elapsed_time(end) * 1e3 / REPLAYS / steps_per_replay
-    if not any(ev.device_type == torch.autograd.DeviceType.CUDA for ev in prof.events()):
+    kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
         print(f"\n== {title}: wall {wall:.1f} us/step (no kernel events: another profiler holds CUPTI)")
         return wall
     per = collections.defaultdict(lambda: [0, 0.0])
-    kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     for ev in kernels:
         per[_short(ev.name)][0] += 1
         per[_short(ev.name)][1] += ev.device_time_total
