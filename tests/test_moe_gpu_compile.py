@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = [(True, 0, 0, False), (True, 0, 0, True), (True, 1, 0, False), (True, 4, 1, False), (True, 4, 2, False),
             (True, 1, 3, False), (True, 4, 3, False), (False, 0, 0, False), (False, 4, 0, False)]
 TILES = [(32, 128)]
+# The router's top-k constexprs at the Ling-3.0-flash shape (512 experts in 8 groups, top 4, top 8).
+TOPK_LING3 = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, E_PAD=512, K_PAD=8)
 MORE_TILES = [(16, 512), (64, 256), (16, 32)]
 
 
@@ -225,6 +227,7 @@ def programs_per_sm(regs: int, num_warps: int, shared: int) -> int:
 def _moe_ptr_types(w_type: str, dp4a: bool) -> dict:
     """Pointer types of the expert kernels' arguments, weights as `w_type`."""
     return dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_type, ws_ptr="*u8",
+                logits_ptr="*fp32", bias_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32",
                 xq_ptr="*i32", xs_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32",
                 act_ptr="*i32" if dp4a else "*bf16", act_s_ptr="*fp32")
 
@@ -266,7 +269,10 @@ def _compile_all(tiles) -> int:
                       WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
                       SHARED_BLOCK_K=64 if rows else bk, EVEN=i % 2 == 0,  # masked and unmasked loads
                       GEMV_PIPELINE=pipeline, SHARED_PIPELINE=pipeline,
-                      PDL=word32 != 2)  # (launched without PDL, the kernels compile as they did before it)
+                      PDL=word32 != 2,  # (launched without PDL, the kernels compile as they did before it)
+                      # One token: the top-k in the kernels (Ling-3.0-flash's router), which must
+                      # also write nothing before the wait.
+                      TOPK=rows == 1)
         # Register paths whose loops stay inside each thread: dp4a, and plain weights (the
         # shared expert of every register path is plain, so with one row all its loops are).
         # (Triton's software pipeline waits for its copies at a barrier a step: only without it.)
@@ -275,9 +281,11 @@ def _compile_all(tiles) -> int:
         label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']} "
                  f"even={consts['EVEN']} gemv_pipeline={pipeline}")
         ptr_types = _moe_ptr_types(w_t, word32 == 3)
-        attempt(f"moe_gate_up_kernel {label}", tm.moe_gate_up_kernel, consts, ptr_types, barrier_free=barrier_free)
-        attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']}", tm.moe_down_kernel, down_consts,
-                ptr_types, barrier_free=barrier_free)
+        attempt(f"moe_gate_up_kernel {label} topk={consts['TOPK']}", tm.moe_gate_up_kernel,
+                dict(consts, **(TOPK_LING3 if consts["TOPK"] else tm.NO_TOPK)), ptr_types, ("routed_scaling",),
+                barrier_free=barrier_free)
+        attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']} topk={consts['TOPK']}",
+                tm.moe_down_kernel, down_consts, ptr_types, barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
     routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
@@ -315,15 +323,32 @@ def _compile_all(tiles) -> int:
     return failures
 
 
-def _shared_width(key: dict) -> int:
-    """The shared expert's width for a tuned shape: the matching preset's, else one of width I."""
+def _preset(key: dict):
+    """The model preset of a tuned shape, or None."""
     from impl.model.config import PRESETS, get_config
     for name in PRESETS:
         c = get_config(name)
         if (c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k) == (
                 key["experts"], key["hidden"], key["intermediate"], key["top_k"]):
-            return c.shared_intermediate_size
-    return key["intermediate"]
+            return c
+    return None
+
+
+def _shared_width(key: dict) -> int:
+    """The shared expert's width for a tuned shape: the matching preset's, else one of width I."""
+    preset = _preset(key)
+    return preset.shared_intermediate_size if preset else key["intermediate"]
+
+
+def _topk(key: dict, cfg) -> dict | None:
+    """The top-k constexprs of the expert kernels for a tuned entry that routes a decode step in
+    them (`topk_in_experts` at one token): the matching preset's router, else a softmax one."""
+    if not (cfg.topk_in_experts and key["m_bucket"] == 1):
+        return None
+    from types import SimpleNamespace
+    from impl.moe.triton_routing import topk_consts
+    router = _preset(key) or SimpleNamespace(router="softmax", top_k=key["top_k"], norm_topk_prob=True)
+    return topk_consts(router, key["experts"], router.router == "sigmoid_grouped")[0]
 
 
 def config_resources(key: dict, config: dict) -> list[dict]:
@@ -337,12 +362,14 @@ def config_resources(key: dict, config: dict) -> list[dict]:
     mxfp4 = key["format"] == "mxfp4"
     m = key["m_bucket"]
     launch = tm.expert_launch(cfg, tokens=m, num_slots=min(m * key["top_k"], key["experts"]), hidden=key["hidden"],
-                              inter=key["intermediate"], i_shared=_shared_width(key), mxfp4=mxfp4, pdl=cfg.pdl)
+                              inter=key["intermediate"], i_shared=_shared_width(key), mxfp4=mxfp4, pdl=cfg.pdl,
+                              topk=_topk(key, cfg))
     word32 = launch.gate_up.consts["WORD32"]
     ptr_types = _moe_ptr_types(("*i32" if word32 else "*u8") if mxfp4 else "*bf16", word32 == tm.DP4A.value)
     rows = []
     for name, fn, k in (("gate_up", tm.moe_gate_up_kernel, launch.gate_up), ("down", tm.moe_down_kernel, launch.down)):
-        compiled = compile_one(fn, k.consts, ptr_types, num_warps=k.num_warps, num_stages=k.num_stages)
+        compiled = compile_one(fn, k.consts, ptr_types, ("routed_scaling",), num_warps=k.num_warps,
+                               num_stages=k.num_stages)
         regs, spilled = resources(compiled.asm["cubin"])
         shared = compiled.metadata.shared
         per_sm = programs_per_sm(regs, k.num_warps, shared)

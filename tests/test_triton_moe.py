@@ -531,18 +531,22 @@ def test_launch_config_rejects_bad_shared_k_tiles(value):
         MoELaunchConfig(shared_block_k=value)
 
 
-@pytest.mark.parametrize("fmt,router_fused", [("mxfp4", False), ("bf16", False), ("mxfp4", True)])
-def test_layer_with_overlapping_launches_matches_reference(fmt, router_fused, monkeypatch):
+@pytest.mark.parametrize("fmt,router", [("mxfp4", "two"), ("bf16", "two"), ("mxfp4", "fused"),
+                                        ("mxfp4", "experts"), ("bf16", "experts")])
+def test_layer_with_overlapping_launches_matches_reference(fmt, router, monkeypatch):
     """The whole layer (router kernels + expert kernels) under a tuned config with PDL (on a GPU:
     each launch starting while the one before finishes, the shared expert's gate_up during the
     router's top-k) against the oracle backend on the same block, twice in a row (the second
     call's router overlapping the first call's down kernel); the router overlaps too, in the
-    launches the config asks for (provenance)."""
+    launches the config asks for (provenance): two, one fused, or (one token) the logits alone
+    with the top-k in the expert kernels."""
+    router_fused, in_experts = router == "fused", router == "experts"
     from impl.model.config import get_config
     from impl.moe.random_layer import random_moe_block
     cfg = get_config("tiny")
     tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True, pdl_prefetch=True,
-                            router_fused=router_fused, **(dict(gemv_decode="dp4a") if fmt == "mxfp4" else {}))
+                            router_fused=router_fused, topk_in_experts=in_experts,
+                            **(dict(gemv_decode="dp4a") if fmt == "mxfp4" else {}))
     for bucket in (1, 2):
         monkeypatch.setitem(configs.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
                                             bucket, fmt, configs.device_name(DEVICE)), tuned)
@@ -553,14 +557,17 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, router_fused, mo
         with backends.record_provenance() as prov, torch.no_grad():
             out = ours(x)
             ref = oracle(x)
+        kernels = ("router_logits_kernel" if in_experts and tokens == 1 else "router_fused_kernel" if router_fused
+                   else "router_logits_kernel+router_topk_kernel")
         assert [(e.kernel, e.config.get("pdl"), e.config.get("prefetch")) for e in prov.events
-                if "router" in e.kernel] == [
-            ("router_fused_kernel" if router_fused else "router_logits_kernel+router_topk_kernel", True, True)]
+                if "router" in e.kernel] == [(kernels, True, True)]
+        assert [e.config["topk_in_experts"] for e in prov.events if "product" in e.config] == [
+            in_experts and tokens == 1]
         assert [e.config["config"] for e in prov.events if "config" in e.config] == [tuned]
         assert_rows_close(out.cpu(), ref.cpu(), variant_rtol("dp4a" if fmt == "mxfp4" else fmt))
 
 
-@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch", "router_fused"])
+@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch", "router_fused", "topk_in_experts"])
 def test_launch_config_rejects_non_bool_pdl_flags(field):
     with pytest.raises(TypeError, match=f"{field} must be a bool, got 1"):
         MoELaunchConfig(**{field: 1})

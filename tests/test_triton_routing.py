@@ -170,3 +170,62 @@ def test_route_triton_rejects_malformed_split_buffers():
     with pytest.raises(ValueError, match="x_split needs the hidden size to be a multiple of 32, .* got 40"):
         route_triton(x40, torch.randn(64, 40, device=DEVICE), None, cfg,
                      x_split=(torch.empty(2, 4, 5, dtype=torch.int32, device=DEVICE), torch.empty(2, 1, device=DEVICE)))
+
+
+# The Ling-3.0-flash router (512 experts in 8 groups, top 4 groups, top 8) beside the small ones.
+LING3_ROUTER = SimpleNamespace(router="sigmoid_grouped", num_experts=512, top_k=8, n_group=8, topk_group=4,
+                               norm_topk_prob=True, routed_scaling_factor=2.5)
+EXPERT_PATHS = {  # the expert kernels' launch configs: register path with dp4a MXFP4, tensor cores with bf16
+    "mxfp4-dp4a": ("mxfp4", dict(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_k=64, down_block_k=64)),
+    "bf16-dot": ("bf16", dict(gate_up_block_k=64, down_block_k=64)),
+}
+
+
+@pytest.mark.parametrize("path", list(EXPERT_PATHS))
+@pytest.mark.parametrize("name", [*CONFIGS, "ling-3.0-flash-router"])
+def test_topk_in_experts_routes_as_the_topk_kernel(name, path):
+    """A decode step routed up to its logits (`route_logits`), the top-k done by the expert
+    kernels themselves: the same experts and weights as the top-k kernel's, bit for bit (the same
+    Triton functions on the same logits), hence the same layer output bit for bit; the ids,
+    weights and slots the kernels write for the caller equal the top-k kernel's. A kernel that
+    took another choice for a slot, or another weight, changes the output."""
+    from impl.moe.configs import MoELaunchConfig
+    from impl.moe.triton_moe import moe_experts
+    from impl.moe.triton_routing import route_logits
+    from test_triton_moe import make_shared, make_weights
+    cfg = CONFIGS.get(name, LING3_ROUTER)
+    fmt, fields = EXPERT_PATHS[path]
+    hidden, inter = 64, 32
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, hidden, generator=g).to(DEVICE)
+    w = (torch.randn(cfg.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE)
+    bias = (torch.randn(cfg.num_experts, generator=g) * 0.1).to(DEVICE) if cfg.router != "softmax" else None
+    gu, dn = (t.to(DEVICE) for t in make_weights(cfg.num_experts, hidden, inter, fmt))
+    shared = make_shared(hidden, 32, torch.float32 if fmt == "mxfp4" else torch.bfloat16)
+    shared = type(shared)(*(t.to(DEVICE) for t in (shared.gate, shared.up, shared.down)))
+    x = x if fmt == "mxfp4" else x.bfloat16()
+    launch = MoELaunchConfig(pdl=True, pdl_prefetch=True, **fields)
+    slots, want_w, want_ids = route_triton(x, w, bias, cfg, pdl=True)
+    want = moe_experts(x, slots, gu, dn, shared, launch)
+    for _ in range(2):  # the buffers the kernels fill start as garbage each call
+        routing = route_logits(x, w, bias, cfg, pdl=True, prefetch=True)
+        got = moe_experts(x, routing, gu, dn, shared, launch)
+        assert torch.equal(got, want)
+        assert torch.equal(routing.ids, want_ids) and torch.equal(routing.weights, want_w)
+        for field in ("expert", "tokens", "weight"):
+            assert torch.equal(getattr(routing.slots, field), getattr(slots, field)), field
+
+
+def test_topk_in_experts_takes_one_token():
+    from impl.moe import triton_moe
+    from impl.moe.configs import MoELaunchConfig
+    from impl.moe.triton_routing import route_logits
+    cfg = CONFIGS["softmax-e64-k6"]
+    x, w = torch.randn(2, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="route_logits routes one token .a decode step., got 2"):
+        route_logits(x, w, None, cfg)
+    with pytest.raises(ValueError, match="the expert kernels route one token .a decode step. themselves, got 2"):
+        triton_moe.expert_launch(MoELaunchConfig(), tokens=2, num_slots=12, hidden=32, inter=32, i_shared=0,
+                                 mxfp4=False, pdl=False, topk=dict(triton_moe.NO_TOPK))
+    with pytest.raises(ValueError, match="router_fused and topk_in_experts are two places for the top-k"):
+        MoELaunchConfig(router_fused=True, topk_in_experts=True)

@@ -79,6 +79,10 @@ class MoELaunchConfig:
     # The layer's routing in one launch (logits, then top-k by the last program to finish) instead
     # of two: one launch boundary less on the critical path.
     router_fused: bool = False
+    # At one token (a decode step): the router stops at its logits and each expert kernel program
+    # does the top-k itself (impl/moe/triton_topk.py), so the step's critical path has no top-k
+    # launch between the logits and the experts' first loads. Ignored for more tokens.
+    topk_in_experts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k", "shared_block_k"):
@@ -99,7 +103,7 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("pdl", "pdl_prefetch", "router_fused"):
+        for name in ("pdl", "pdl_prefetch", "router_fused", "topk_in_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("gate_up_prefetch", "down_prefetch", "shared_prefetch"):
@@ -110,6 +114,8 @@ class MoELaunchConfig:
             raise ValueError(f"gemv_stages must be 0, 2, 3 or 4, got {self.gemv_stages}")
         if self.gemv_stages and (self.gate_up_prefetch or self.down_prefetch or self.shared_prefetch):
             raise ValueError("gemv_stages and the prefetches are two ways to keep loads in flight: choose one")
+        if self.router_fused and self.topk_in_experts:
+            raise ValueError("router_fused and topk_in_experts are two places for the top-k: choose one")
         if self.pdl_prefetch and not self.pdl:
             raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:

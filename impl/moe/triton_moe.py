@@ -33,6 +33,7 @@ from impl.moe.shared import SharedExpert
 from impl.moe.triton_dp4a import (_dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
                                   store_split_int8)
 from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl
+from impl.moe.triton_topk import decode_route, store_decode_routing
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import ASM, FP32_MATH, INTERPRET, tl, triton
 
@@ -40,6 +41,9 @@ M_PAD = 16  # tokens per kernel call; larger batches are processed in chunks of 
 SPLIT_BLOCK_K = 512  # columns of x a program of `split_int8_kernel` splits (the dp4a decode)
 TWO_POW_126 = tl.constexpr(2.0 ** 126)  # undoes the 2**-126 of `_e2m1_word_to_fp32`, exactly
 DP4A = tl.constexpr(WORD_DECODES["dp4a"])  # the kernels' WORD32 level of the dp4a decode
+# Partial values the down kernel's combine has in flight at once (up to 8 partial tiles): at
+# the committed tiles no kernel takes more registers for it (tests/test_moe_gpu_compile.py configs).
+COMBINE_ELEMENTS = tl.constexpr(8192)
 
 
 @triton.jit
@@ -754,7 +758,8 @@ def moe_slots_kernel(ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slo
 
 @triton.jit
 def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_SHARED,
-                       slot_expert_ptr, slot_tokens_ptr, num_slots,
+                       slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr, num_slots,
+                       logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, TOP_K, routed_scaling,
                        w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
                        sg_ptr, su_ptr, stride_shn,
                        act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr, stride_sam,
@@ -762,7 +767,9 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                        SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                       GEMV_PIPELINE: tl.constexpr, SHARED_PIPELINE: tl.constexpr, PDL: tl.constexpr):
+                       GEMV_PIPELINE: tl.constexpr, SHARED_PIPELINE: tl.constexpr, PDL: tl.constexpr,
+                       TOPK: tl.constexpr, ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows, in K tiles of SHARED_BLOCK_K: its bf16 rows hold
@@ -772,15 +779,33 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
     SCALED choose the MXFP4 decode (see `MoELaunchConfig`); the shared expert is never MXFP4.
     With the dp4a decode (WORD32 == DP4A) the routed experts read x split into int8 planes (xq_ptr,
     row stride stride_xqm; scales xs_ptr) and write their activations split the same way (act_ptr
-    planes, act_s_ptr scales, slot strides stride_as / stride_ass), ready for the down kernel."""
+    planes, act_s_ptr scales, slot strides stride_as / stride_ass), ready for the down kernel.
+    TOPK (one token): the slots are not given; each routed program takes its expert from the
+    router's logits (`decode_route`, the router constexprs and E, TOP_K, routed_scaling as the
+    top-k kernel's), and program (num_slots, 0), after the routed ones and its share of the shared
+    expert if any, writes ids, weights and slots as that kernel would."""
     slot = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     if slot < num_slots:
-        pdl_wait(PDL)  # the slots come from the launch before this one
+        pdl_wait(PDL)  # the slots (or the logits) come from the launch before this one
         pdl_release(PDL)
-        expert = tl.load(slot_expert_ptr + slot)
+        if TOPK:
+            ids, _ = decode_route(logits_ptr, bias_ptr, E, TOP_K, routed_scaling, ROUTER, RENORMALIZE, HAS_BIAS,
+                                  N_GROUP, TOPK_GROUP, E_PAD, K_PAD)
+            # Every routed program writes the slots' experts (the same values), then reads its own
+            # back: ptxas keeps a value loaded from one address in uniform registers, and the weight
+            # addresses built on it with it (taken from `ids` by a reduction, the Ling-3.0-flash
+            # gate_up tiles would take about 25 more registers a thread).
+            offs_k = tl.arange(0, K_PAD)
+            tl.store(slot_expert_ptr + offs_k, tl.reshape(ids, (K_PAD,)), mask=offs_k < TOP_K)
+            tl.debug_barrier()  # the program's stores are visible to all its threads
+            expert = tl.load(slot_expert_ptr + slot)
+            tokens = slot * 0 + 1  # token 0 alone (an int32 like the slots' bit masks)
+        else:
+            expert = tl.load(slot_expert_ptr + slot)
+            tokens = tl.load(slot_tokens_ptr + slot)
         if expert >= 0:
             if n0 < I:
                 n_mask = (offs_n < I) | EVEN
@@ -792,7 +817,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                     a_ptr, stride_a, as_ptr = x_ptr, stride_xm, x_ptr
                 act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
-                                   tl.load(slot_tokens_ptr + slot), M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
+                                   tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32,
                                    SCALED, FP32_MATH, GEMV_PIPELINE, EVEN)
                 if WORD32 == DP4A:
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
@@ -801,20 +826,31 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 else:
                     tl.store(act_ptr + slot * stride_as + offs_m[:, None] * stride_am + offs_n[None, :],
                              act.to(act_ptr.dtype.element_ty), mask=n_mask[None, :])
-    elif HAS_SHARED:
+    else:  # after the slots: the shared expert's programs, and (TOPK) the routing's writer
         # Reads x and the shared weights only (two or more launches old): computes before the slots.
         pdl_release(PDL)
-        BLOCK_S: tl.constexpr = BLOCK_N // SHARED_SPLIT
-        s0 = n0 + (slot - num_slots) * BLOCK_S
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        if n0 < I_SHARED:
-            s_mask = (offs_s < I_SHARED) | EVEN
-            act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
-                               stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, False, False,
-                               FP32_MATH, SHARED_PIPELINE, EVEN)
-            pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
-            tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
-                     act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
+        if HAS_SHARED:
+            BLOCK_S: tl.constexpr = BLOCK_N // SHARED_SPLIT
+            s0 = n0 + (slot - num_slots) * BLOCK_S
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            if n0 < I_SHARED:
+                s_mask = (offs_s < I_SHARED) | EVEN
+                act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
+                                   stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, False, False,
+                                   FP32_MATH, SHARED_PIPELINE, EVEN)
+                pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
+                tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
+                         act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])
+        if TOPK:
+            # One program, after its share of the shared expert, writes the whole routing for the
+            # down kernel and the caller (done by a routed program, the weights' gather and stores
+            # cost the Ling-3.0-flash gate_up tiles 60 registers a thread).
+            if (slot == num_slots) & (n0 == 0):
+                pdl_wait(PDL)  # the logits
+                ids, weights = decode_route(logits_ptr, bias_ptr, E, TOP_K, routed_scaling, ROUTER, RENORMALIZE,
+                                            HAS_BIAS, N_GROUP, TOPK_GROUP, E_PAD, K_PAD)
+                store_decode_routing(ids, weights, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr,
+                                     slot_tokens_ptr, TOP_K, K_PAD, M_PAD)
 
 
 @triton.jit
@@ -828,7 +864,7 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
                     WORD32: tl.constexpr, SCALED: tl.constexpr, FP32_MATH: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                     GEMV_PIPELINE: tl.constexpr, SHARED_PIPELINE: tl.constexpr, PDL: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, TOPK: tl.constexpr):
     """Program (hidden block, slot): weight * act[slot] Wd[e_slot]^T for that block, or for the
     SHARED_SPLIT slots after the last, the shared expert's product over a share of its K
     (`shared_chunk` columns, whole blocks of 32: `_shared_chunk`) in K tiles of SHARED_BLOCK_K.
@@ -837,7 +873,9 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     counter) sums the block's partials in slot order and writes the output once in its dtype,
     then resets the counter for the next call: deterministic, no memset.
     With the dp4a decode (WORD32 == DP4A) the routed activations come split (planes at act_ptr,
-    scales at act_s_ptr), as the gate_up kernel wrote them."""
+    scales at act_s_ptr), as the gate_up kernel wrote them.
+    TOPK: the gate_up kernel, the launch before, wrote the slots (its own top-k of a decode
+    step): they are read after the wait, and no weights are asked for in L2 before it."""
     hb = tl.program_id(0)
     slot = tl.program_id(1)
     arrivals = tl.num_programs(1)
@@ -845,20 +883,24 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
     n_mask = (offs_n < H) | EVEN
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    # The slots are two launches old: read before waiting for the gate_up kernel's activations.
+    if TOPK:  # the slots come from the gate_up kernel
+        pdl_wait(PDL)
+        pdl_release(PDL)
+    # Else the slots are two launches old: read before waiting for the gate_up kernel's activations.
     expert = tl.load(slot_expert_ptr + slot, mask=slot < num_slots, other=-1)
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     ws_e = ws_ptr + expert.to(tl.int64) * stride_se
-    if PREFETCH:  # this program's weight rows, while the gate_up kernel runs
-        n1 = tl.minimum(hb * BLOCK_N + BLOCK_N, H)
-        if expert >= 0:
-            prefetch_l2(w_e + hb * BLOCK_N * stride_wn, w_e + n1 * stride_wn, ASM)
-            if MXFP4:
-                prefetch_l2(ws_e + hb * BLOCK_N * stride_sn, ws_e + n1 * stride_sn, ASM)
-        elif slot >= num_slots and HAS_SHARED and SHARED_SPLIT == 1:  # whole shared rows: one range
-            prefetch_l2(sd_ptr + hb * BLOCK_N * stride_sdn, sd_ptr + n1 * stride_sdn, ASM)
-    pdl_wait(PDL)  # the gate_up kernel's activations
-    pdl_release(PDL)
+    if not TOPK:
+        if PREFETCH:  # this program's weight rows, while the gate_up kernel runs
+            n1 = tl.minimum(hb * BLOCK_N + BLOCK_N, H)
+            if expert >= 0:
+                prefetch_l2(w_e + hb * BLOCK_N * stride_wn, w_e + n1 * stride_wn, ASM)
+                if MXFP4:
+                    prefetch_l2(ws_e + hb * BLOCK_N * stride_sn, ws_e + n1 * stride_sn, ASM)
+            elif slot >= num_slots and HAS_SHARED and SHARED_SPLIT == 1:  # whole shared rows: one range
+                prefetch_l2(sd_ptr + hb * BLOCK_N * stride_sdn, sd_ptr + n1 * stride_sdn, ASM)
+        pdl_wait(PDL)  # the gate_up kernel's activations
+        pdl_release(PDL)
     if slot < num_slots:
         if expert >= 0:
             a_ptr = act_ptr + slot * stride_as
@@ -866,24 +908,32 @@ def moe_down_kernel(act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared
             acc = _matmul(a_ptr, stride_am, act_s_ptr + slot * stride_ass, M, I, w_e, ws_e, w_e, ws_e, offs_n, n_mask,
                           stride_wn, stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, WORD32, SCALED,
                           FP32_MATH, False, GEMV_PIPELINE, EVEN)[0]
-            weight = tl.load(slot_weight_ptr + slot * M_PAD + offs_m)
             chose = ((tokens >> offs_m) & 1) != 0
             # A token that did not choose this expert adds exactly nothing (not 0 * inf = NaN).
-            acc = tl.where(chose[:, None], acc * weight[:, None], 0.0)
+            acc = tl.where(chose[:, None], acc * tl.load(slot_weight_ptr + slot * M_PAD + offs_m)[:, None], 0.0)
     elif HAS_SHARED:
         k_lo = tl.multiple_of((slot - num_slots) * shared_chunk, 32)  # aligned, so its loads vectorize as x's do
         acc = _matmul(shared_act_ptr + k_lo, stride_sam, shared_act_ptr, M, tl.minimum(shared_chunk, I_SHARED - k_lo),
                       sd_ptr + k_lo, sd_ptr, sd_ptr, sd_ptr, offs_n, n_mask, stride_sdn, 0, -1, M_PAD, BLOCK_N,
                       SHARED_BLOCK_K, False, GEMV_ROWS, False, False, FP32_MATH, False, SHARED_PIPELINE, EVEN)[0]
-    tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc, mask=n_mask[None, :])
+    # The partials of the tokens there are (a decode step writes 1 row of M_PAD, not 16).
+    tl.store(partial_ptr + slot * stride_ps + offs_m[:, None] * H + offs_n[None, :], acc,
+             mask=(offs_m[:, None] < M) & n_mask[None, :])
     tl.debug_barrier()  # every thread's partial is written before the release below
     if tl.atomic_add(counter_ptr + hb, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+        mask = (offs_m[:, None] < M) & n_mask[None, :]
         total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for s in range(0, arrivals):
-            total += tl.load(partial_ptr + s * stride_ps + offs_m[:, None] * H + offs_n[None, :],
-                             mask=n_mask[None, :], other=0.0, cache_modifier=".cg")
+        # Several partials in flight at a time (up to COMBINE_ELEMENTS values), added in slot
+        # order (deterministic): a load at a time, the combine was one L2 round trip per slot on
+        # the step's critical path.
+        LOADS: tl.constexpr = max(1, min(8, COMBINE_ELEMENTS // (M_PAD * BLOCK_N)))
+        for s0 in range(0, arrivals, LOADS):
+            for j in tl.static_range(LOADS):
+                total += tl.load(partial_ptr + (s0 + j) * stride_ps + offs_m[:, None] * H + offs_n[None, :],
+                                 mask=mask & (offs_m[:, None] * 0 + s0 + j < arrivals), other=0.0,
+                                 cache_modifier=".cg")
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
-                 mask=(offs_m[:, None] < M) & n_mask[None, :])
+                 mask=mask)
         tl.store(counter_ptr + hb, 0)
 
 
@@ -967,6 +1017,26 @@ class Slots:
     @property
     def num_slots(self) -> int:
         return self.expert.shape[0]
+
+
+# The gate_up kernel's top-k constexprs when the slots are given (no top-k in the kernels).
+NO_TOPK = dict(ROUTER=0, RENORMALIZE=False, HAS_BIAS=False, N_GROUP=1, TOPK_GROUP=1, E_PAD=1, K_PAD=1)
+
+
+@dataclass(frozen=True)
+class DecodeRouting:
+    """A decode step's routing left to the expert kernels (`MoELaunchConfig.topk_in_experts`): the
+    router's logits [1, E], its correction bias, the top-k's constexprs (`NO_TOPK`'s keys) and
+    routed scaling; the gate_up kernel fills `slots`, `weights` and `ids` as the top-k kernel
+    would (`impl.moe.triton_routing.route_logits`)."""
+
+    logits: torch.Tensor
+    bias: torch.Tensor | None
+    consts: dict
+    routed_scaling: float
+    slots: Slots
+    weights: torch.Tensor
+    ids: torch.Tensor
 
 
 def slots_from_routing(weights: torch.Tensor, ids: torch.Tensor, experts: int) -> Slots:
@@ -1074,10 +1144,13 @@ class ExpertLaunch:
 
 
 def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: int, inter: int, i_shared: int,
-                  mxfp4: bool, pdl: bool) -> ExpertLaunch:
+                  mxfp4: bool, pdl: bool, topk: dict | None = None) -> ExpertLaunch:
     """The launches `moe_experts` makes for `tokens` tokens grouped in `num_slots` slots, weights
     [E, 2 * inter, hidden] and [E, hidden, inter] (MXFP4 or plain), a shared expert of width
-    `i_shared` (0: none), with programmatic dependent launch or not."""
+    `i_shared` (0: none), with programmatic dependent launch or not; `topk`: the router's top-k
+    constexprs (`DecodeRouting.consts`) when the kernels route a decode step themselves."""
+    if topk is not None and tokens != 1:
+        raise ValueError(f"the expert kernels route one token (a decode step) themselves, got {tokens}")
     gemv_rows, word32 = _products(cfg, tokens, mxfp4)
     # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
     split = (cfg.shared_split if gemv_rows else 1) if i_shared else 1
@@ -1086,15 +1159,18 @@ def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: 
     even_a, even_b = _even_tiles(cfg, hidden, inter, i_shared, split, shared_k)
     common = dict(M_PAD=M_PAD, MXFP4=mxfp4, HAS_SHARED=i_shared > 0, GEMV_ROWS=gemv_rows, WORD32=word32,
                   SCALED=mxfp4 and gemv_rows == 0 and cfg.mxfp4_product == "scaled", FP32_MATH=FP32_MATH,
-                  SHARED_SPLIT=split, PDL=pdl)
+                  SHARED_SPLIT=split, PDL=pdl, TOPK=topk is not None)
+    # With the top-k in the kernels, the routing's writer is the gate_up program after the slots:
+    # the shared expert's first, else one more.
+    topk_writer = 1 if topk is not None and not i_shared else 0
 
     def pipeline(prefetch: int) -> int:  # the register loops' GEMV_PIPELINE: see `_stages`
         return (prefetch or -cfg.gemv_stages) if gemv_rows else 0
 
     gate_up = KernelLaunch(
-        (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n)),
-        dict(common, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, SHARED_BLOCK_K=shared_k[0],
-             EVEN=even_a, GEMV_PIPELINE=pipeline(cfg.gate_up_prefetch),
+        (num_slots + shared_slots + topk_writer, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n)),
+        dict(common, **(topk or NO_TOPK), BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k,
+             SHARED_BLOCK_K=shared_k[0], EVEN=even_a, GEMV_PIPELINE=pipeline(cfg.gate_up_prefetch),
              SHARED_PIPELINE=pipeline(cfg.shared_prefetch)),
         cfg.gate_up_warps, cfg.gate_up_stages)
     down = KernelLaunch(
@@ -1106,12 +1182,15 @@ def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: 
     return ExpertLaunch(gate_up, down, _shared_chunk(i_shared, split))
 
 
-def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
-                config: MoELaunchConfig | None = None,
+def moe_experts(x: torch.Tensor, routing: Slots | DecodeRouting, w_gate_up, w_down,
+                shared: SharedExpert | None = None, config: MoELaunchConfig | None = None,
                 x_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The expert kernels for at most M_PAD tokens whose routing is already grouped in `slots`.
-    `x_split`: x already split for the dp4a decode, in buffers from `split_buffers` (ignored by
-    the other decodes)."""
+    """The expert kernels for at most M_PAD tokens whose routing is already grouped in slots, or
+    for one token whose top-k the kernels do themselves from the router's logits (`routing` a
+    `DecodeRouting`). `x_split`: x already split for the dp4a decode, in buffers from
+    `split_buffers` (ignored by the other decodes)."""
+    route = routing if isinstance(routing, DecodeRouting) else None
+    slots = route.slots if route is not None else routing
     m, top_k, num_slots = slots.num_tokens, slots.top_k, slots.num_slots
     cfg, fmt, gemv_rows, word32 = _plan(m, top_k, w_gate_up, w_down, x.device, config)
     mxfp4 = fmt == "mxfp4"
@@ -1123,12 +1202,13 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     dp4a = word32 == DP4A.value
     split_here = dp4a and x_split is None
     backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
-                  format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product)
+                  format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product,
+                  topk_in_experts=route is not None)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     pdl = use_pdl(cfg.pdl, dev)
     launch = expert_launch(cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared,
-                           mxfp4=mxfp4, pdl=pdl)
+                           mxfp4=mxfp4, pdl=pdl, topk=route.consts if route is not None else None)
     if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)
@@ -1145,14 +1225,20 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     shared_act = torch.empty(M_PAD, max(i_shared, 1), dtype=act_dtype, device=dev)
     out = torch.empty(m, hidden, dtype=x.dtype, device=dev)
     slot_expert, slot_weight, slot_tokens = slots.expert, slots.weight, slots.tokens
+    if route is not None:  # for the gate_up kernel's top-k: logits and bias, ids and weights to fill
+        bias = route.bias if route.bias is not None else route.logits
+        topk_args = (route.logits, bias, route.logits.shape[1], top_k, route.routed_scaling)
+        outputs = (route.ids, route.weights)
+    else:  # unread
+        topk_args, outputs = (slot_weight, slot_weight, 0, top_k, 1.0), (slot_expert, slot_weight)
 
     gw, gs, s_we, s_wn, s_se, s_sn = _weight_args(w_gate_up, word32)
     sg = shared.gate if shared is not None else x
     su = shared.up if shared is not None else x
     k = launch.gate_up
     moe_gate_up_kernel[k.grid](
-        x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_tokens, num_slots,
-        gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
+        x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slot_expert, slot_weight, slot_tokens,
+        num_slots, *topk_args[:2], *outputs, *topk_args[2:], gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
         **k.consts, launch_pdl=pdl, num_warps=k.num_warps, num_stages=k.num_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, word32)
@@ -1161,8 +1247,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     partial = torch.empty(k.grid[1], M_PAD, hidden, dtype=torch.float32, device=dev)
     moe_down_kernel[k.grid](
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
-        slot_expert, slot_weight, slot_tokens, num_slots,
-        dw, ds, d_we, d_wn, d_se, d_sn, sd, sd.stride(0), partial, partial.stride(0), _counters(dev, k.grid[0]),
+        slot_expert, slot_weight, slot_tokens, num_slots, dw, ds, d_we, d_wn, d_se, d_sn,
+        sd, sd.stride(0), partial, partial.stride(0), _counters(dev, k.grid[0]),
         out, out.stride(0), m, hidden, inter, i_shared, launch.shared_chunk,
         **k.consts, launch_pdl=pdl, num_warps=k.num_warps, num_stages=k.num_stages)
     return out

@@ -43,7 +43,7 @@ from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
 from impl.moe.shared import SharedExpert  # noqa: E402
 from impl.moe.triton_moe import launch_config, moe_experts, split_buffers  # noqa: E402
-from impl.moe.triton_routing import route_triton  # noqa: E402
+from impl.moe.triton_routing import route_layer, route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
 from impl.graphs import capture_graph  # noqa: E402
 
@@ -169,23 +169,20 @@ ROUTING_VARIANTS = {"fused": dict(fused=True), "top-k 1 warp": dict(topk_warps=1
 
 
 def layer_routing(block, cfg, x, launch_cfg=None, split_in_router=True):
-    """The layer's routing as the backend runs it, with an explicit launch config (None: the
-    committed one): with the dp4a decode the router's logits kernel splits x, and the router
-    overlaps its launches as the config's `pdl` says. Returns what the expert kernels take:
-    (launch config, x split or None, slots)."""
+    """The layer's routing as the backend runs it (`route_layer`), with an explicit launch config
+    (None: the committed one): with the dp4a decode the router's logits kernel splits x, and the
+    router overlaps its launches, and places its top-k, as the config says. Returns what the
+    expert kernels take: (launch config, x split or None, slots or a decode step's logits)."""
     gu, dn = block.experts.weights()
-    gate = block.gate
     lc = launch_config(x, cfg.top_k, gu, dn, launch_cfg)
     x_split = split_buffers(x, cfg.top_k, gu, dn, lc) if split_in_router else None
-    slots, _, _ = route_triton(x, gate.weight, gate.e_score_correction_bias, cfg, x_split=x_split, pdl=lc.pdl,
-                               prefetch=lc.pdl_prefetch, fused=lc.router_fused)
-    return lc, x_split, slots
+    return lc, x_split, route_layer(x, block.gate, lc, x_split)
 
 
 def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
     """The whole layer as the backend runs it: `layer_routing`, then the expert kernels."""
-    lc, x_split, slots = layer_routing(block, cfg, x, launch_cfg, split_in_router)
-    return moe_experts(x, slots, *block.experts.weights(), shared_of(block), lc, x_split=x_split)
+    lc, x_split, routing = layer_routing(block, cfg, x, launch_cfg, split_in_router)
+    return moe_experts(x, routing, *block.experts.weights(), shared_of(block), lc, x_split=x_split)
 
 
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):
@@ -298,7 +295,10 @@ SWEEP_SHARED_PREFETCH = [dict(shared_prefetch=s) for s in (1, 2, 0)]
 SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, shared_prefetch=0, gemv_stages=s, gate_up_block_n=n,
                        gate_up_block_k=k, down_block_n=32, down_block_k=256, down_warps=4)
                   for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
-SWEEP_ROUTER = [dict(router_fused=True), dict(router_fused=False)]
+# Where the top-k runs: its own launch, the logits kernel's last program, or (one token) every
+# expert kernel program.
+SWEEP_ROUTER = [dict(router_fused=True, topk_in_experts=False), dict(router_fused=False, topk_in_experts=True),
+                dict(router_fused=False, topk_in_experts=False)]
 SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
              dict(pdl=False, pdl_prefetch=False)]
 # The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
