@@ -194,6 +194,15 @@ def _logits_launch(x, router_weight, block_e, block_k, x_split):
             dict(ROWS=triton.next_power_of_2(m), BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_X=x_split is not None))
 
 
+def _run_logits(x, router_weight, logits, block_e, block_k, x_split, pdl, prefetch, warps) -> None:
+    """logits [M, E] = x Wr^T (and x split into `x_split` if given) in one launch."""
+    m, hidden = x.shape
+    grid, split_args, meta = _logits_launch(x, router_weight, block_e, block_k, x_split)
+    router_logits_kernel[grid](x, x.stride(0), router_weight, router_weight.stride(0), logits, m,
+                               router_weight.shape[0], hidden, *split_args, **meta, PDL=pdl, PREFETCH=prefetch,
+                               num_warps=warps, launch_pdl=pdl)
+
+
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
                  block_e: int = 2, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
                  logits_warps: int = 4, x_split: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -221,17 +230,15 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     pdl = use_pdl(pdl, dev)
     topk_meta = dict(consts, ROWS=triton.next_power_of_2(m), M_PAD=M_PAD,
                      S_PAD=triton.next_power_of_2(slots.num_slots), PDL=pdl)
-    grid, split_args, logits_meta = _logits_launch(x, router_weight, block_e, block_k, x_split)
     prefetch = prefetch and pdl
     if fused:
+        grid, split_args, logits_meta = _logits_launch(x, router_weight, block_e, block_k, x_split)
         router_fused_kernel[grid](
             x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
             m, experts, hidden, top_k, slots.num_slots, scaling, *split_args, **{**logits_meta, **topk_meta},
             PREFETCH=prefetch, num_warps=logits_warps, launch_pdl=pdl)
         return slots, weights, ids
-    router_logits_kernel[grid](
-        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden, *split_args,
-        **logits_meta, PDL=pdl, PREFETCH=prefetch, num_warps=logits_warps, launch_pdl=pdl)
+    _run_logits(x, router_weight, logits, block_e, block_k, x_split, pdl, prefetch, logits_warps)
     router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
                              num_warps=topk_warps, launch_pdl=pdl)
     return slots, weights, ids
@@ -245,7 +252,7 @@ def route_logits(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     left to the expert kernels: `moe_experts` takes the result in place of slots, and its gate_up
     kernel fills the result's slots, weights and ids. Arguments as `route_triton`'s."""
     _check_route_args(x, router_weight, config, block_e, block_k, 4, logits_warps, x_split, pdl, prefetch)
-    m, hidden = x.shape
+    m = x.shape[0]
     if m != 1:
         raise ValueError(f"route_logits routes one token (a decode step), got {m}")
     experts = router_weight.shape[0]
@@ -253,10 +260,7 @@ def route_logits(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
     consts, scaling = topk_consts(config, experts, bias is not None)
     pdl = use_pdl(pdl, dev)
-    grid, split_args, logits_meta = _logits_launch(x, router_weight, block_e, block_k, x_split)
-    router_logits_kernel[grid](
-        x, x.stride(0), router_weight, router_weight.stride(0), logits, m, experts, hidden, *split_args,
-        **logits_meta, PDL=pdl, PREFETCH=prefetch and pdl, num_warps=logits_warps, launch_pdl=pdl)
+    _run_logits(x, router_weight, logits, block_e, block_k, x_split, pdl, prefetch and pdl, logits_warps)
     return DecodeRouting(logits, bias, consts, scaling, Slots.empty(m, config.top_k, experts, dev),
                          torch.empty(m, config.top_k, dtype=torch.float32, device=dev),
                          torch.empty(m, config.top_k, dtype=torch.int32, device=dev))
