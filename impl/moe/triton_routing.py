@@ -152,13 +152,15 @@ def topk_consts(config, experts: int, has_bias: bool) -> tuple[dict, float]:
     sigmoid = config.router == "sigmoid_grouped"
     if sigmoid and config.n_group > 1 and triton.next_power_of_2(experts) != experts:
         raise ValueError(f"grouped routing needs a power-of-two expert count, got {experts}")
-    consts = dict(ROUTER=int(sigmoid), RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=has_bias,
+    consts = dict(ROUTER=ROUTER_SIGMOID_GROUPED if sigmoid else ROUTER_SOFTMAX,
+                  RENORMALIZE=bool(config.norm_topk_prob), HAS_BIAS=has_bias,
                   N_GROUP=config.n_group if sigmoid else 1, TOPK_GROUP=config.topk_group if sigmoid else 1,
                   E_PAD=triton.next_power_of_2(experts), K_PAD=triton.next_power_of_2(config.top_k))
     return consts, float(config.routed_scaling_factor if sigmoid else 1.0)
 
 
-def _check_route_args(x, router_weight, config, block_e, block_k, topk_warps, logits_warps, x_split, pdl, prefetch):
+def _check_route_args(x, router_weight, config, block_e, block_k, logits_warps, x_split, pdl, prefetch,
+                      topk_warps=4):
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:
@@ -216,7 +218,7 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     `pdl`: programmatic dependent launches (impl/moe/triton_pdl.py), as the MoE's `pdl`; `prefetch`
     (with `pdl`): the logits programs ask for their router rows in L2 while waiting, as the MoE's
     `pdl_prefetch`."""
-    _check_route_args(x, router_weight, config, block_e, block_k, topk_warps, logits_warps, x_split, pdl, prefetch)
+    _check_route_args(x, router_weight, config, block_e, block_k, logits_warps, x_split, pdl, prefetch, topk_warps)
     m, hidden = x.shape
     experts = router_weight.shape[0]
     dev = x.device
@@ -251,7 +253,7 @@ def route_logits(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     """A decode step's routing up to its logits (one launch, `router_logits_kernel`), the top-k
     left to the expert kernels: `moe_experts` takes the result in place of slots, and its gate_up
     kernel fills the result's slots, weights and ids. Arguments as `route_triton`'s."""
-    _check_route_args(x, router_weight, config, block_e, block_k, 4, logits_warps, x_split, pdl, prefetch)
+    _check_route_args(x, router_weight, config, block_e, block_k, logits_warps, x_split, pdl, prefetch)
     m = x.shape[0]
     if m != 1:
         raise ValueError(f"route_logits routes one token (a decode step), got {m}")
