@@ -83,11 +83,6 @@ class MoELaunchConfig:
     # does the top-k itself (impl/moe/triton_topk.py), so the step's critical path has no top-k
     # launch between the logits and the experts' first loads. Ignored for more tokens.
     topk_in_experts: bool = False
-    # On the register path (at most gemv_max_tokens tokens): the gate_up and down products in one
-    # launch (impl/moe/triton_fused.py): each gate_up program also multiplies its block of
-    # activations by its slice of the down weights (down_block_n rows a step), the last programs
-    # sum the partials. Needs gate_up_block_n (and its shared share) to tile I (and I_shared).
-    fused_down: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k", "shared_block_k"):
@@ -108,7 +103,7 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("pdl", "pdl_prefetch", "router_fused", "topk_in_experts", "fused_down"):
+        for name in ("pdl", "pdl_prefetch", "router_fused", "topk_in_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("gate_up_prefetch", "down_prefetch", "shared_prefetch"):
@@ -121,8 +116,6 @@ class MoELaunchConfig:
             raise ValueError("gemv_stages and the prefetches are two ways to keep loads in flight: choose one")
         if self.router_fused and self.topk_in_experts:
             raise ValueError("router_fused and topk_in_experts are two places for the top-k: choose one")
-        if self.fused_down and self.topk_in_experts:
-            raise ValueError("fused_down takes its slots from the router's top-k kernel: not with topk_in_experts")
         if self.pdl_prefetch and not self.pdl:
             raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:

@@ -23,7 +23,6 @@ Provenance records which one ran as `product`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -994,19 +993,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program
-    at a time)."""
-    if device.type != "cuda":
-        return 1
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -1215,34 +1201,25 @@ def moe_experts(x: torch.Tensor, routing: Slots | DecodeRouting, w_gate_up, w_do
                else f"dot-{cfg.mxfp4_product if mxfp4 else 'plain'}")
     dp4a = word32 == DP4A.value
     split_here = dp4a and x_split is None
+    backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
+                  format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product,
+                  topk_in_experts=route is not None)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     pdl = use_pdl(cfg.pdl, dev)
-    from impl.moe.triton_fused import fused_launch, moe_fused  # it builds on this module's products
-    fused = None if route is not None else fused_launch(
-        cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared, gemv_rows=gemv_rows,
-        word32=word32, mxfp4=mxfp4, pdl=pdl, sms=sm_count(dev))
-    kernels = "moe_fused_kernel" if fused is not None else "moe_gate_up_kernel+moe_down_kernel"
-    backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + kernels,
-                  format=fmt, tokens=m, shared=shared is not None, config=cfg, product=product,
-                  topk_in_experts=route is not None, fused_down=fused is not None)
-    if dp4a:  # x as int8 splits (impl.moe.triton_dp4a)
+    launch = expert_launch(cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared,
+                           mxfp4=mxfp4, pdl=pdl, topk=route.consts if route is not None else None)
+    if dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)
         xq, xs = x_split or empty_split(m, hidden, dev)
         if split_here:
             split_int8_kernel[(m, triton.cdiv(hidden, SPLIT_BLOCK_K))](x, x.stride(0), xq, xs, hidden,
                                                                        BLOCK_K=SPLIT_BLOCK_K, num_warps=4)
-    else:
-        xq, xs = x, x
-    if fused is not None:
-        return moe_fused(x, xq, xs, slots, w_gate_up, w_down, shared, fused, _weight_args, act_dtype)
-    launch = expert_launch(cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared,
-                           mxfp4=mxfp4, pdl=pdl, topk=route.consts if route is not None else None)
-    if dp4a:  # the routed activations split as x is
         act = torch.empty(num_slots, M_PAD, 4, inter // 8, dtype=torch.int32, device=dev)
         act_s = torch.empty(num_slots, M_PAD, inter // 32, dtype=torch.float32, device=dev)
     else:
+        xq, xs = x, x
         act = torch.empty(num_slots, M_PAD, inter, dtype=act_dtype, device=dev)
         act_s = act
     shared_act = torch.empty(M_PAD, max(i_shared, 1), dtype=act_dtype, device=dev)
