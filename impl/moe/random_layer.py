@@ -32,6 +32,24 @@ def random_moe_block(config: ModelConfig, fmt: str, device, backend: str = "trit
     return block.eval()
 
 
+# The timing inputs' own seed: a draw from the global generator depends on what ran before, and
+# at a few tokens the inputs decide how many distinct experts a call reads (its bytes).
+INPUT_SEED = 1234
+
+
+def random_inputs(config: ModelConfig, tokens: int, calls: int, device, seed: int = INPUT_SEED) -> list[torch.Tensor]:
+    """`calls` bf16 inputs [tokens, hidden] N(0, 1), the same for a seed whatever ran before."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(tokens, config.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+            for _ in range(calls)]
+
+
+def distinct_experts(block: MoEBlock, xs: list[torch.Tensor]) -> float:
+    """Mean number of distinct routed experts one call on each of `xs` [tokens, hidden] reads."""
+    with torch.no_grad():
+        return sum(len(torch.unique(block.gate(x)[1])) for x in xs) / len(xs)
+
+
 def shared_of(block: MoEBlock) -> SharedExpert | None:
     s = block.shared_experts
     return None if s is None else SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)

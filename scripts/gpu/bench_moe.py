@@ -40,7 +40,8 @@ from impl.moe.configs import (GEMV_DECODES, MXFP4_PRODUCTS, TUNED_PATH, MoELaunc
                               device_name, lookup, m_bucket, save_tuned)
 from impl.moe.gather import moe_gather  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
-from impl.moe.random_layer import bytes_per_token, random_moe_block, shared_of  # noqa: E402
+from impl.moe.random_layer import (bytes_per_token, distinct_experts, random_inputs, random_moe_block,  # noqa: E402
+                                   shared_of)
 from impl.moe.shared import SharedExpert  # noqa: E402
 from impl.moe.triton_moe import launch_config, moe_experts, split_buffers  # noqa: E402
 from impl.moe.triton_routing import route_layer, route_triton  # noqa: E402
@@ -107,12 +108,7 @@ def parity(block, cfg, fmt: str, rows: list) -> None:
 
 
 def inputs(cfg, m: int):
-    return [torch.randn(m, cfg.hidden_size, device=DEV, dtype=torch.bfloat16) for _ in range(CALLS_PER_GRAPH)]
-
-
-def distinct_experts(block, xs) -> float:
-    with torch.no_grad():
-        return sum(len(torch.unique(block.gate(x)[1])) for x in xs) / len(xs)
+    return random_inputs(cfg, m, CALLS_PER_GRAPH, DEV)
 
 
 def humming_layers(block, cfg):

@@ -107,14 +107,14 @@ def profile_model(name: str, moe_backend: str) -> None:
 
 def profile_moe(shape: str, fmt: str, m: int, without_shared: bool = False, label: str = "") -> None:
     from impl.model.config import get_config
-    from impl.moe.random_layer import random_moe_block
+    from impl.moe.random_layer import random_inputs, random_moe_block
     cfg = get_config(shape)
     if without_shared:  # what the shared expert's programs cost the step
         cfg = dataclasses.replace(cfg, num_shared_experts=0)
     block = random_moe_block(cfg, fmt, torch.device("cuda"), "triton", 0)
-    xs = [torch.randn(1, m, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(10)]
+    xs = random_inputs(cfg, m, 10, torch.device("cuda"))
     with torch.inference_mode():  # the block's forward: the `triton` backend's whole layer
-        graph = capture_graph([lambda x=x: block(x) for x in xs])
+        graph = capture_graph([lambda x=x: block(x[None]) for x in xs])
     kernel_table(f"MoE layer {shape} {fmt} M={m}{' without shared expert' if without_shared else ''}{label}",
                  graph.replay, steps_per_replay=len(xs))
 
