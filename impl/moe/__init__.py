@@ -36,20 +36,11 @@ def _triton(x, weights, ids, w_gate_up, w_down, shared=None):
 
 
 def _triton_layer(x, router, w_gate_up, w_down, shared=None):
-    from impl.moe.triton_moe import M_PAD, launch_config, moe_experts, split_buffers
-    from impl.moe.triton_routing import fused_routing_supported, route_layer
+    from impl.moe.triton_layer import moe_triton_layer
+    from impl.moe.triton_routing import fused_routing_supported
     if not fused_routing_supported(router.config):
         return _triton(x, *router(x), w_gate_up, w_down, shared)
-    outs = []
-    for i in range(0, x.shape[0], M_PAD):
-        chunk = x[i:i + M_PAD]
-        # One launch config for the router and the experts (PDL, prefetch, where the top-k runs);
-        # with the dp4a decode the router's logits kernel also splits x for the experts.
-        cfg = launch_config(chunk, router.config.top_k, w_gate_up, w_down)
-        x_split = split_buffers(chunk, router.config.top_k, w_gate_up, w_down, cfg)
-        routing = route_layer(chunk, router, cfg, x_split)
-        outs.append(moe_experts(chunk, routing, w_gate_up, w_down, shared, cfg, x_split=x_split))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return moe_triton_layer(x, router, w_gate_up, w_down, shared)
 
 
 backends.register(backends.Backend(

@@ -83,6 +83,20 @@ class MoELaunchConfig:
     # does the top-k itself (impl/moe/triton_topk.py), so the step's critical path has no top-k
     # launch between the logits and the experts' first loads. Ignored for more tokens.
     topk_in_experts: bool = False
+    # The whole layer in one persistent launch (impl/moe/triton_layer.py) for at most 4 tokens:
+    # routing, experts, shared expert and combine between two grid-wide barriers. Its products
+    # take the register path's tiles and prefetches above (gate_up_*, down_*, shared_block_k,
+    # shared_prefetch; MXFP4 through the dp4a decode), its programs gate_up_warps warps each.
+    one_launch: bool = False
+    # Programs of the one launch: 0, one an SM (all resident at once: its barriers need that).
+    layer_programs: int = 0
+    # Weights asked for in L2 as soon as a one-launch program knows them: 0 never; 1 its down
+    # rows while it waits at the second barrier; 2 also its router, shared and routed gate_up rows.
+    l2_prefetch: int = 0
+    # 3: the one launch's phases as three launches with no grid-wide barriers (for a GPU whose
+    # SMs other work may hold, so that not every program would be resident; and to time each
+    # phase alone); 1: one launch.
+    layer_launches: int = 1
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_k", "down_block_k", "shared_block_k"):
@@ -103,7 +117,7 @@ class MoELaunchConfig:
                 raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
-        for name in ("pdl", "pdl_prefetch", "router_fused", "topk_in_experts"):
+        for name in ("pdl", "pdl_prefetch", "router_fused", "topk_in_experts", "one_launch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("gate_up_prefetch", "down_prefetch", "shared_prefetch"):
@@ -118,6 +132,12 @@ class MoELaunchConfig:
             raise ValueError("router_fused and topk_in_experts are two places for the top-k: choose one")
         if self.pdl_prefetch and not self.pdl:
             raise ValueError("pdl_prefetch needs pdl (it prefetches while waiting for the launch before)")
+        if isinstance(self.layer_programs, bool) or not isinstance(self.layer_programs, int) or self.layer_programs < 0:
+            raise ValueError(f"layer_programs must be an int >= 0 (0: one an SM), got {self.layer_programs!r}")
+        if self.layer_launches not in (1, 3):
+            raise ValueError(f"layer_launches must be 1 or 3, got {self.layer_launches!r}")
+        if self.l2_prefetch not in (0, 1, 2):
+            raise ValueError(f"l2_prefetch must be 0, 1 or 2, got {self.l2_prefetch!r}")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
             raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
                              f"in blocks of 32), got {self.gate_up_block_n}")

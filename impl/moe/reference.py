@@ -27,10 +27,11 @@ def expert_weight(w, expert: int) -> torch.Tensor:
     return w[expert].float()
 
 
-def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None,
                      w_gate_up: torch.Tensor, w_down: torch.Tensor, check_ids: bool = True) -> None:
     """Raise a named error for any shape, dtype or device mismatch between the MoE operands.
-    `check_ids` reads the ids' range back to the host: leave it off inside a CUDA graph capture."""
+    `check_ids` reads the ids' range back to the host: leave it off inside a CUDA graph capture.
+    Routing None (weights and ids): a layer that routes itself; x and the weights are checked."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
     tokens, hidden = x.shape
@@ -42,19 +43,21 @@ def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         raise ValueError(f"gate_up weight {tuple(w_gate_up.shape)} does not fit hidden size {hidden}")
     if w_down.shape != (experts, hidden, two_i // 2):
         raise ValueError(f"down weight must be {(experts, hidden, two_i // 2)}, got {tuple(w_down.shape)}")
-    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != tokens:
-        raise ValueError(f"routing ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be "
-                         f"[{tokens}, top_k]")
-    if ids.dtype not in (torch.int32, torch.int64):
+    routed = weights is not None or ids is not None
+    if routed and (ids is None or weights is None or ids.shape != weights.shape or ids.dim() != 2
+                   or ids.shape[0] != tokens):
+        raise ValueError(f"routing ids {None if ids is None else tuple(ids.shape)} and weights "
+                         f"{None if weights is None else tuple(weights.shape)} must both be [{tokens}, top_k]")
+    if routed and ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"routing ids must be int32 or int64, got {ids.dtype}")
     for name, t in (("x", x), ("routing weights", weights), ("gate_up weight", w_gate_up),
                     ("down weight", w_down)):
-        if not t.is_floating_point():
+        if t is not None and not t.is_floating_point():
             raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    devices = {t.device for t in (x, weights, ids, w_gate_up, w_down)}
+    devices = {t.device for t in (x, weights, ids, w_gate_up, w_down) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"MoE operands are on different devices: {sorted(map(str, devices))}")
-    if check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+    if routed and check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
         raise ValueError(f"expert ids must be in [0, {experts}), got range "
                          f"[{int(ids.min())}, {int(ids.max())}]")
 

@@ -724,7 +724,7 @@ def write_slots(expert, weight, valid, token, slot_expert_ptr, slot_weight_ptr, 
                 P_PAD: tl.constexpr, S_PAD: tl.constexpr, M_PAD: tl.constexpr):
     """Pairs (token, expert) [P_PAD] -> slots: slot_expert[s] (-1 if unused), slot_weight[s, m]
     (sum of token m's weights for that expert) and slot_tokens[s] (bit m set if token m chose it).
-    Called by a single program."""
+    Called by a single program. Returns the number of slots used (they come first)."""
     offs_p = tl.arange(0, P_PAD)
     same = (expert[:, None] == expert[None, :]) & valid[:, None] & valid[None, :]
     seen_before = tl.sum((same & (offs_p[None, :] < offs_p[:, None])).to(tl.int32), axis=1)
@@ -741,6 +741,7 @@ def write_slots(expert, weight, valid, token, slot_expert_ptr, slot_weight_ptr, 
     tl.atomic_add(slot_weight_ptr + slot * M_PAD + token, weight, mask=valid)
     tl.atomic_or(slot_tokens_ptr + slot, 1 << token, mask=valid)
     tl.static_assert(M_PAD <= 31)  # slot_tokens is a 32-bit mask of tokens
+    return tl.sum(first.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -949,7 +950,8 @@ def _weight_args(w, words: bool = False):
 
 
 def check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared) -> tuple[int, int, int]:
-    """Shapes, dtypes, devices and layout the kernels rely on; returns (E, H, I)."""
+    """Shapes, dtypes, devices and layout the kernels rely on; returns (E, H, I). Routing None
+    (weights and ids): a layer that routes itself, checked without."""
     from impl.moe.reference import check_moe_inputs, logical_weight
     gu, dn = logical_weight(w_gate_up), logical_weight(w_down)
     # The kernels take CUDA tensors (CPU ones under the interpreter); meta or other devices
@@ -958,7 +960,7 @@ def check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared) -> tuple[int
     if x.device.type not in devices:
         raise ValueError(f"the Triton MoE needs {' or '.join(devices)} tensors, got x on {x.device}")
     check_moe_inputs(x, weights, ids, gu, dn, check_ids=not _capturing(x))
-    if ids.shape[1] == 0:  # no (token, expert) pair: the kernels would leave the output unwritten
+    if ids is not None and ids.shape[1] == 0:  # no (token, expert) pair: the kernels would leave the output unwritten
         raise ValueError(f"the Triton MoE needs top_k >= 1, got routing ids of shape {tuple(ids.shape)}")
     experts, two_i, hidden = gu.shape
     for name, w in (("gate_up", w_gate_up), ("down", w_down)):

@@ -31,13 +31,42 @@ ROUTER_SOFTMAX, ROUTER_SIGMOID_GROUPED = 0, 1
 
 
 @triton.jit
+def split_x_block(x_ptr, stride_xm, xq_ptr, xs_ptr, M, H, c, ROWS: tl.constexpr):
+    """Columns c..c+31 of x [M, H] split for the dp4a decode (impl.moe.triton_dp4a) into planes
+    xq_ptr [M, 4, H/8] and scales xs_ptr [M, H/32]."""
+    offs_r = tl.arange(0, ROWS)
+    offs_c = c + tl.arange(0, 32)
+    a = tl.load(x_ptr + offs_r[:, None] * stride_xm + offs_c[None, :], mask=(offs_r < M)[:, None],
+                other=0.0).to(tl.float32)
+    store_split_int8(xq_ptr, H // 2, xs_ptr, H // 32, a, offs_r, offs_r < M, c, H, ROWS, 32)
+
+
+@triton.jit
+def logits_block(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, offs_e, e_end,
+                 ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """logits[:, offs_e] = x Wr[offs_e]^T for the experts before e_end, as fp32 multiply-adds (a
+    GEMV per token: no tensor-core padding to 16 rows, and no tf32 rounding). Each weight tile is
+    loaded once and met by the tokens one at a time, so the tile (and the number of K steps, each
+    a memory round trip) does not shrink as tokens are added."""
+    offs_m = tl.arange(0, ROWS)
+    e_mask = offs_e < e_end
+    acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :], mask=e_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            x = tl.load(x_ptr + r * stride_xm + offs_k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
+            acc += tl.where(offs_m[:, None] == r, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+    tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=(offs_m[:, None] < M) & e_mask[None, :])
+
+
+@triton.jit
 def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr,
                          ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
                          PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """logits[:, block] = x Wr[block]^T as fp32 multiply-adds (a GEMV per token: no tensor-core
-    padding to 16 rows, and no tf32 rounding). Each weight tile is loaded once and met by the
-    tokens one at a time, so the tile (and the number of K steps, each a memory round trip) does
-    not shrink as tokens are added.
+    """logits[:, block] = x Wr[block]^T (`logits_block`), a block of BLOCK_E experts a program.
     SPLIT_X: the programs also split x for the MoE's dp4a decode (impl.moe.triton_dp4a), a block
     of 32 columns each in turn, into planes xq_ptr [M, 4, H/8] and scales xs_ptr [M, H/32]: the
     MoE's own split launch is saved.
@@ -48,25 +77,10 @@ def router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H
     pdl_wait(PDL)  # x's writer
     pdl_release(PDL)
     if SPLIT_X:
-        offs_r = tl.arange(0, ROWS)
         for c in range(tl.program_id(0) * 32, H, tl.num_programs(0) * 32):
-            offs_c = c + tl.arange(0, 32)
-            a = tl.load(x_ptr + offs_r[:, None] * stride_xm + offs_c[None, :], mask=(offs_r < M)[:, None],
-                        other=0.0).to(tl.float32)
-            store_split_int8(xq_ptr, H // 2, xs_ptr, H // 32, a, offs_r, offs_r < M, c, H, ROWS, 32)
-    offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_m = tl.arange(0, ROWS)
-    acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < H
-        w = tl.load(w_ptr + offs_e[:, None] * stride_we + offs_k[None, :],
-                    mask=(offs_e[:, None] < E) & k_mask[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            x = tl.load(x_ptr + r * stride_xm + offs_k, mask=k_mask & (offs_k * 0 + r < M), other=0.0).to(tl.float32)
-            acc += tl.where(offs_m[:, None] == r, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
-    tl.store(logits_ptr + offs_m[:, None] * E + offs_e[None, :], acc,
-             mask=(offs_m[:, None] < M) & (offs_e[None, :] < E))
+            split_x_block(x_ptr, stride_xm, xq_ptr, xs_ptr, M, H, c, ROWS)
+    logits_block(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H,
+                 tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E), E, ROWS, BLOCK_E, BLOCK_K)
 
 
 @triton.jit

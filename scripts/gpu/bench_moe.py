@@ -43,6 +43,7 @@ from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import (bytes_per_token, distinct_experts, random_inputs, random_moe_block,  # noqa: E402
                                    shared_of)
 from impl.moe.shared import SharedExpert  # noqa: E402
+from impl.moe.triton_layer import moe_triton_layer  # noqa: E402
 from impl.moe.triton_moe import launch_config, moe_experts, split_buffers  # noqa: E402
 from impl.moe.triton_routing import route_layer, route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
@@ -176,7 +177,11 @@ def layer_routing(block, cfg, x, launch_cfg=None, split_in_router=True):
 
 
 def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
-    """The whole layer as the backend runs it: `layer_routing`, then the expert kernels."""
+    """The whole layer as the backend runs it (`moe_triton_layer`: one launch, or the routing and
+    the expert kernels); with `split_in_router` False the multi-launch path with x split in its
+    own launch."""
+    if split_in_router:
+        return moe_triton_layer(x, block.gate, *block.experts.weights(), shared_of(block), launch_cfg)
     lc, x_split, routing = layer_routing(block, cfg, x, launch_cfg, split_in_router)
     return moe_experts(x, routing, *block.experts.weights(), shared_of(block), lc, x_split=x_split)
 

@@ -163,7 +163,11 @@ def main() -> None:
             for fmt in args.formats.split(","):
                 for m in map(int, args.ms.split(",")):
                     for without in (False, True) if args.without_shared else (False,):
-                        profile_moe(shape, fmt, m, without, label)
+                        try:
+                            profile_moe(shape, fmt, m, without, label)
+                        except Exception as e:  # e.g. a config out of registers: the other tables still run
+                            print(f"\n== MoE layer {shape} {fmt} M={m}{label}: failed: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@
 #                                         # sweep (tuned configs in $OUT/tuned_configs.json)
 #     bash scripts/gpu/run_all.sh bench   # the same with the committed configs (no sweep);
 #                                         # CHECKS="files" narrows the correctness suites
+#     bash scripts/gpu/run_all.sh layer   # the one-launch MoE layer's GPU tests, then a profile
+#                                         # A/B: the committed configs against each override of
+#                                         # LAYER_AB (space-separated), over SHAPES, FORMATS, MS
 #     bash scripts/gpu/run_all.sh gate    # FP8 head bench, then the main job `pytest --moe-bench`
 #                                         # on CUDA, gated against (FREEZE=1: frozen into) a copy
 #                                         # of baselines/ in $OUT/baselines.tar
@@ -32,6 +35,18 @@ if [ "$PART" = tune ] || [ "$PART" = bench ] || [ "$PART" = all ]; then
   timeout "${CHECK_SECONDS:-200}" $PYTEST -rf --durations=15 $CHECKS > "$OUT/checks.log" 2>&1
   echo "gpu checks rc=$?"
   grep -A60 "== summary" "$OUT/moe.log" | grep -v "^TUNED"; tail -25 "$OUT/checks.log"
+fi
+if [ "$PART" = layer ]; then
+  if [ -z "${SKIP_CHECKS:-}" ]; then
+    timeout "${CHECK_SECONDS:-240}" $PYTEST -rf tests/test_triton_layer.py > "$OUT/layer-checks.log" 2>&1
+    echo "layer checks rc=$?"; tail -4 "$OUT/layer-checks.log"
+  fi
+  overrides=(--override "")
+  for o in ${LAYER_AB:-one_launch=true}; do overrides+=(--override "$o"); done
+  timeout "${AB_SECONDS:-300}" python3 scripts/gpu/profile_kernels.py --model= \
+    --moe-shapes "${SHAPES:-ling-3.0-flash,ling-flash-2.0}" --formats "${FORMATS:-mxfp4,bf16}" --ms "${MS:-1,4}" \
+    "${overrides[@]}" > "$OUT/layer-ab${TAG:-}.log" 2>&1; echo "profile rc=$?"
+  grep "^== " "$OUT/layer-ab${TAG:-}.log"
 fi
 if [ "$PART" = gate ] || [ "$PART" = all ]; then
   timeout "${HEAD_SECONDS:-100}" python3 scripts/gpu/bench_head.py --quick > "$OUT/head.log" 2>&1

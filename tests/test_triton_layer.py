@@ -1,0 +1,234 @@
+"""The one-launch MoE layer (impl/moe/triton_layer.py) against the oracles: the router's own
+top-k (impl.routing, through `Router.forward`) and `moe_reference` on the same weights.
+
+On CPU the kernel runs under the interpreter as its three phase launches, with a few programs of
+unequal shares (3, and 7: more programs than some phases have units); on a GPU as one launch of
+one program an SM with its grid-wide barriers, at the Ling shapes too.
+
+Tolerances, norm-wise relative error per token row against the oracle in fp32:
+- plain experts, `RTOL_PLAIN = 1e-5` on CPU: everything in fp32 there (fp32 activations, bf16
+  weights widened exactly), only the summation order differs (K <= 256 terms; seen: 3e-7 to
+  4e-7);
+- MXFP4 experts, `RTOL_DP4A = 2e-3` on CPU: the dp4a decode splits x and the activations into two
+  int8 terms a block of 32 (impl/moe/triton_dp4a.py), |error| <= 2**-13 of the block's largest
+  magnitude per element (seen: 5e-5 to 1e-4 of a row's norm through both products); 2e-3 is
+  20x that and still 25x under a dropped expert of the tiny shapes;
+- on a GPU, `RTOL_GPU = 1e-2`: the output is bf16 (u = 2**-9 a rounding), as the parity suite's
+  RTOL_BF16 argues, plus the split's 1e-4.
+The routing must choose the oracle's experts exactly and its weights to 1e-6 (both fp32 from the
+same logits: the top-k's inputs are bit-equal but for the summation order of the logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from impl import backends
+from impl.model.config import get_config
+from impl.model.layers import Router
+from impl.moe.configs import MoELaunchConfig
+from impl.moe.random_layer import random_moe_block, shared_of
+from impl.moe.reference import moe_reference
+from impl.moe.shared import SharedExpert
+from impl.moe.triton_layer import MAX_TOKENS, moe_layer, moe_layer_routed, moe_triton_layer
+from impl.triton_env import INTERPRET
+
+RTOL_PLAIN = 1e-5
+RTOL_DP4A = 2e-3
+RTOL_GPU = 1e-2
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+ACT_DTYPE = torch.float32 if INTERPRET else torch.bfloat16
+
+# Small tiles so that the tiny shapes have several units a phase, K steps a unit and programs
+# with unequal shares.
+TINY_LAUNCH = MoELaunchConfig(one_launch=True, gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=32,
+                              gate_up_block_k=64, down_block_n=16, down_block_k=64, shared_block_k=64,
+                              gate_up_prefetch=2, down_prefetch=1, shared_prefetch=1, l2_prefetch=2)
+
+
+def tiny_config(**changes):
+    """The tiny preset's MoE (8 experts, top-2, H = I = 128), with changes (e.g. its router)."""
+    return dataclasses.replace(get_config("tiny"), **changes)
+
+
+def oracle(block, x):
+    """(out fp32, weights, ids) of the oracles: the block's router, then moe_reference."""
+    with torch.no_grad():
+        weights, ids = block.gate(x)
+        sh = shared_of(block)
+        shared = None if sh is None else SharedExpert(sh.gate.float(), sh.up.float(), sh.down.float())
+        return moe_reference(x.float(), weights, ids, *block.experts.weights(), shared), weights, ids
+
+
+def row_errors(out, ref):
+    out, ref = out.double(), ref.double()
+    return (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+
+
+def check_against_oracle(block, x, launch, tol):
+    with backends.record_provenance() as prov:
+        out, weights, ids = moe_layer_routed(x, block.gate, *block.experts.weights(), shared_of(block), launch)
+    assert "moe_layer_kernel" in prov.kernels("moe"), f"the one launch did not run: {prov.kernels('moe')}"
+    ref, w_ref, ids_ref = oracle(block, x)
+    order, order_ref = ids.long().argsort(-1), ids_ref.argsort(-1)
+    assert torch.equal(ids.long().gather(-1, order), ids_ref.gather(-1, order_ref)), (ids, ids_ref)
+    torch.testing.assert_close(weights.gather(-1, order), w_ref.gather(-1, order_ref), rtol=1e-6, atol=1e-7)
+    rel = row_errors(out, ref)
+    assert out.dtype == x.dtype and (rel <= tol).all(), f"relative error per row {rel.tolist()} > {tol}"
+    return out
+
+
+def tolerance(fmt: str) -> float:
+    if DEVICE.type == "cuda":
+        return RTOL_GPU
+    return RTOL_DP4A if fmt == "mxfp4" else RTOL_PLAIN
+
+
+def fresh_x(config, tokens, seed):
+    """Fresh N(0, 1) activations: fp32 on CPU (as the parity suite: no output rounding there),
+    bf16 on a GPU."""
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    return torch.randn(tokens, config.hidden_size, generator=g, device=DEVICE).to(ACT_DTYPE)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_one_launch_matches_the_oracles(fmt, tokens):
+    config = tiny_config()
+    block = random_moe_block(config, fmt, DEVICE, "triton", seed=tokens)
+    check_against_oracle(block, fresh_x(config, tokens, torch.seed() % 2**31), TINY_LAUNCH, tolerance(fmt))
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+@pytest.mark.parametrize("programs", [1, 7])
+def test_one_launch_any_prefetch_and_programs(ahead, programs):
+    """Every load-ahead depth of the streams, one program (every unit its own) and more programs
+    than some phases have units (empty shares), without a shared expert."""
+    config = tiny_config(num_shared_experts=0)
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=ahead)
+    launch = dataclasses.replace(TINY_LAUNCH, gate_up_prefetch=ahead, down_prefetch=ahead, shared_prefetch=ahead,
+                                 layer_programs=programs, l2_prefetch=ahead)
+    check_against_oracle(block, fresh_x(config, 2, 100 + ahead), launch, tolerance("mxfp4"))
+
+
+@pytest.mark.parametrize("router", ["softmax", "grouped"])
+def test_one_launch_routers(router):
+    """A softmax router (renormalized top-k) and sigmoid routing in groups (16 experts, 4 groups,
+    the best 2 kept), at one and at four tokens."""
+    changes = (dict(router="softmax") if router == "softmax" else
+               dict(num_experts=16, n_group=4, topk_group=2, top_k=3, routed_scaling_factor=2.5))
+    config = tiny_config(**changes)
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=3)
+    for tokens in (1, 4):
+        check_against_oracle(block, fresh_x(config, tokens, 7 + tokens), TINY_LAUNCH, tolerance("mxfp4"))
+
+
+def test_one_launch_nan_stays_in_its_row():
+    """A NaN in one token's input reaches that token's output row and no other."""
+    config = tiny_config()
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=5)
+    x = fresh_x(config, 3, 11)
+    x[1, 17] = float("nan")
+    out = moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), TINY_LAUNCH)
+    finite = torch.isfinite(out).all(dim=-1)
+    assert finite.tolist() == [True, False, True]
+
+
+def test_one_launch_repeats_bit_for_bit():
+    """Deterministic: the same inputs give the same bits (no atomics in the sums), and the
+    barrier counters come back to zero after each call."""
+    config = tiny_config()
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=6)
+    x = fresh_x(config, 1, 12)
+    first = moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), TINY_LAUNCH)
+    again = moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), TINY_LAUNCH)
+    assert torch.equal(first, again)
+    from impl.moe.triton_layer import _sync
+    assert not _sync(DEVICE).any()
+
+
+def test_the_backend_runs_the_one_launch_when_its_config_says_so():
+    """`moe_triton_layer` (the `triton` backend's layer) takes the one launch for up to
+    MAX_TOKENS tokens of a one_launch config, and the multi-launch path beyond."""
+    config = tiny_config()
+    block = random_moe_block(config, "bf16", DEVICE, "triton", seed=8)
+    weights = block.experts.weights()
+    for tokens, kernel in ((MAX_TOKENS, "moe_layer_kernel"), (MAX_TOKENS + 1, "moe_gate_up_kernel")):
+        x = fresh_x(config, tokens, tokens)
+        with backends.record_provenance() as prov:
+            out = moe_triton_layer(x, block.gate, *weights, shared_of(block), TINY_LAUNCH)
+        assert any(kernel in k for k in prov.kernels("moe")), (tokens, prov.kernels("moe"))
+        ref = oracle(block, x)[0]
+        assert (row_errors(out, ref) <= tolerance("bf16")).all()
+
+
+@pytest.mark.parametrize("case", ["tokens", "router dtype", "decode", "format mix", "shape"])
+def test_one_launch_rejects_bad_input(case):
+    config = tiny_config()
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=9)
+    gu, dn = block.experts.weights()
+    x = fresh_x(config, 1, 0)
+    router, launch = block.gate, TINY_LAUNCH
+    if case == "tokens":
+        x, match = fresh_x(config, MAX_TOKENS + 1, 0), "at most|1 to 4 tokens"
+    elif case == "router dtype":
+        router = Router(config).to(DEVICE).to(torch.bfloat16)
+        match = "router weight must be fp32"
+    elif case == "decode":
+        launch, match = dataclasses.replace(TINY_LAUNCH, gemv_decode="word32"), "dp4a"
+    elif case == "format mix":
+        dn, match = torch.zeros(dn.shape, dtype=torch.bfloat16, device=DEVICE), "both be MXFP4"
+    else:
+        x, match = torch.zeros(1, config.hidden_size + 32, dtype=ACT_DTYPE, device=DEVICE), "hidden size"
+    with pytest.raises((ValueError, TypeError), match=match):
+        moe_layer(x, router, gu, dn, shared_of(block), launch)
+
+
+def ling_launch(fmt: str) -> MoELaunchConfig:
+    return MoELaunchConfig(one_launch=True, gemv_max_tokens=4, gemv_decode="dp4a" if fmt == "mxfp4" else "bits16",
+                           gate_up_block_n=32, gate_up_block_k=512, gate_up_warps=8, down_block_n=32, down_block_k=256,
+                           shared_block_k=128, gate_up_prefetch=2, down_prefetch=1, shared_prefetch=1, l2_prefetch=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+@pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
+def test_one_launch_ling_shapes(shape, fmt, tokens):
+    if DEVICE.type != "cuda":
+        pytest.skip("the Ling shapes run on a GPU")
+    config = get_config(shape)
+    block = random_moe_block(config, fmt, DEVICE, "triton", seed=tokens)
+    launch = ling_launch(fmt)
+    for seed in range(3):  # fresh inputs; the same bits on a repeat (barriers, counters reset)
+        x = fresh_x(config, tokens, 1000 * tokens + seed)
+        out = check_against_oracle(block, x, launch, RTOL_GPU)
+        assert torch.equal(out, moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), launch))
+
+
+@pytest.mark.gpu
+def test_one_launch_under_cuda_graphs():
+    """Captured and replayed: each replay recomputes every output (poisoned before it), bit for
+    bit as the eager call (the counters came back to zero after the capture's calls)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    from impl.graphs import capture_graph
+    config = get_config("ling-3.0-flash")
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=0)
+    weights, shared, launch = block.experts.weights(), shared_of(block), ling_launch("mxfp4")
+    xs = [fresh_x(config, 1, s) for s in range(4)]
+    outs = []
+    with torch.no_grad():
+        graph = capture_graph([lambda x=x: outs.append(moe_layer(x, block.gate, *weights, shared, launch)) for x in xs])
+        captured = outs[-len(xs):]  # the capture's own outputs (capture_graph runs each call 3 times)
+        for _ in range(2):
+            for out in captured:
+                out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for x, out in zip(xs, captured):
+                assert torch.equal(out, moe_layer(x, block.gate, *weights, shared, launch))
