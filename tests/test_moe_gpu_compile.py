@@ -232,6 +232,15 @@ def _moe_ptr_types(w_type: str, dp4a: bool) -> dict:
                 act_ptr="*i32" if dp4a else "*bf16", act_s_ptr="*fp32")
 
 
+def _layer_ptr_types(mxfp4: bool) -> dict:
+    """Pointer types of the one-launch layer kernel's arguments (MXFP4 weights as int32 words)."""
+    w, ws = ("*i32", "*u8") if mxfp4 else ("*bf16", "*bf16")
+    return dict(x_ptr="*bf16", router_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", xq_ptr="*i32",
+                xs_ptr="*fp32", w1_ptr=w, w1s_ptr=ws, w2_ptr=w, w2s_ptr=ws, r_expert_ptr="*i32", r_weight_ptr="*fp32",
+                r_tokens_ptr="*i32", act_ptr="*i32" if mxfp4 else "*fp32", act_s_ptr="*fp32", shared_act_ptr="*fp32",
+                ids_ptr="*i32", weights_ptr="*fp32", out_ptr="*bf16", sync_ptr="*i32")
+
+
 def _compile_all(tiles) -> int:
     sys.path.insert(0, str(ROOT))
     from impl.moe import triton_dp4a as td
@@ -287,6 +296,18 @@ def _compile_all(tiles) -> int:
         attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']} topk={consts['TOPK']}",
                 tm.moe_down_kernel, down_consts, ptr_types, barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
+    # The one-launch layer (impl/moe/triton_layer.py) at the Ling-3.0-flash shape on 132 programs:
+    # a decode step with MXFP4 experts, a verify step with plain ones.
+    from impl.moe import triton_layer as tlay
+    from impl.moe.configs import MoELaunchConfig
+    one = MoELaunchConfig(one_launch=True, gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_k=512,
+                          down_block_k=256, shared_block_k=128, gate_up_prefetch=1, down_prefetch=1, shared_prefetch=1,
+                          l2_prefetch=2)
+    for mx, tokens in ((True, 1), (False, 4)):
+        launch = tlay.layer_launch(one, tokens=tokens, experts=512, hidden=2560, inter=768, i_shared=768, top_k=8,
+                                   mxfp4=mx, programs=132, topk=TOPK_LING3)
+        attempt(f"moe_layer_kernel mxfp4={mx} tokens={tokens}", tlay.moe_layer_kernel, launch.consts,
+                _layer_ptr_types(mx), ("routed_scaling",), num_warps=launch.num_warps, num_stages=1)
     routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")

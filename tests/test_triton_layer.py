@@ -95,47 +95,50 @@ def fresh_x(config, tokens, seed):
     return torch.randn(tokens, config.hidden_size, generator=g, device=DEVICE).to(ACT_DTYPE)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+# MXFP4 (the dp4a decode under the interpreter is the slow part of these tests) at a decode step
+# and at a verify step padded to 4 rows; plain weights at every row count.
+@pytest.mark.parametrize("fmt, tokens", [("bf16", 1), ("bf16", 2), ("bf16", 3), ("bf16", 4), ("mxfp4", 1),
+                                         ("mxfp4", 3)])
 def test_one_launch_matches_the_oracles(fmt, tokens):
     config = tiny_config()
     block = random_moe_block(config, fmt, DEVICE, "triton", seed=tokens)
     check_against_oracle(block, fresh_x(config, tokens, torch.seed() % 2**31), TINY_LAUNCH, tolerance(fmt))
 
 
-@pytest.mark.parametrize("ahead", [0, 1, 2])
-@pytest.mark.parametrize("programs", [1, 7])
+@pytest.mark.parametrize("ahead, programs", [(0, 7), (1, 1), (2, 7), ("stages", 1)])
 def test_one_launch_any_prefetch_and_programs(ahead, programs):
-    """Every load-ahead depth of the streams, one program (every unit its own) and more programs
-    than some phases have units (empty shares), without a shared expert."""
+    """Every way the streams keep loads in flight (0-2 steps ahead in registers, Triton's
+    software pipeline), one program (every unit its own) and more programs than some phases
+    have units (empty shares), without a shared expert."""
     config = tiny_config(num_shared_experts=0)
-    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=ahead)
-    launch = dataclasses.replace(TINY_LAUNCH, gate_up_prefetch=ahead, down_prefetch=ahead, shared_prefetch=ahead,
-                                 layer_programs=programs, l2_prefetch=ahead)
-    check_against_oracle(block, fresh_x(config, 2, 100 + ahead), launch, tolerance("mxfp4"))
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=programs)
+    depth = 0 if ahead == "stages" else ahead
+    launch = dataclasses.replace(TINY_LAUNCH, gate_up_prefetch=depth, down_prefetch=depth, shared_prefetch=depth,
+                                 gemv_stages=3 if ahead == "stages" else 0, layer_programs=programs, l2_prefetch=depth)
+    check_against_oracle(block, fresh_x(config, 2, 100 + depth), launch, tolerance("mxfp4"))
 
 
 @pytest.mark.parametrize("router", ["softmax", "grouped"])
 def test_one_launch_routers(router):
     """A softmax router (renormalized top-k) and sigmoid routing in groups (16 experts, 4 groups,
-    the best 2 kept), at one and at four tokens."""
+    the best 2 kept), at one and at four tokens (plain experts: the routing is under test)."""
     changes = (dict(router="softmax") if router == "softmax" else
                dict(num_experts=16, n_group=4, topk_group=2, top_k=3, routed_scaling_factor=2.5))
     config = tiny_config(**changes)
-    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=3)
+    block = random_moe_block(config, "bf16", DEVICE, "triton", seed=3)
     for tokens in (1, 4):
-        check_against_oracle(block, fresh_x(config, tokens, 7 + tokens), TINY_LAUNCH, tolerance("mxfp4"))
+        check_against_oracle(block, fresh_x(config, tokens, 7 + tokens), TINY_LAUNCH, tolerance("bf16"))
 
 
 def test_one_launch_nan_stays_in_its_row():
     """A NaN in one token's input reaches that token's output row and no other."""
     config = tiny_config()
     block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=5)
-    x = fresh_x(config, 3, 11)
+    x = fresh_x(config, 2, 11)
     x[1, 17] = float("nan")
     out = moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), TINY_LAUNCH)
     finite = torch.isfinite(out).all(dim=-1)
-    assert finite.tolist() == [True, False, True]
+    assert finite.tolist() == [True, False]
 
 
 def test_one_launch_repeats_bit_for_bit():

@@ -153,53 +153,17 @@ def _gate_up_store(u, NB, g, up, r_weight_ptr, r_tokens_ptr, M, I, act_ptr, stri
 
 
 @triton.jit
-def _routed_gate_up(p, P, num_slots, r_expert_ptr, r_weight_ptr, r_tokens_ptr, a_ptr, stride_a, as_ptr, M, H, I,
-                    w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
-                    act_ptr, stride_as, stride_am, act_s_ptr, stride_ass,
-                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DP4A: tl.constexpr,
-                    AHEAD: tl.constexpr, EVEN: tl.constexpr):
-    """Phase C for program p: its units' K steps as one stream, loading AHEAD (0-2) steps ahead
-    in registers, across unit boundaries; each unit's activations stored at its last step."""
-    NB = tl.cdiv(I, BLOCK_N)
-    KSTEPS = tl.cdiv(H, BLOCK_K)
-    u_lo, u_hi = _span(p, P, num_slots * NB)
-    T = (u_hi - u_lo) * KSTEPS
-    COLS: tl.constexpr = _partial_cols(BLOCK_K, ROWS, DP4A, w_ptr.dtype.element_ty.primitive_bitwidth)
-    a0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    a1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    a2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    a3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    offs_r = tl.arange(0, BLOCK_N)  # the tiles' shape for the plain products
-    tl.static_assert(AHEAD <= 2)
-    if AHEAD >= 1:
-        n1w, n1ws, n1w2, n1ws2 = _gate_up_tiles(0, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we,
-                                                stride_wn, stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-    if AHEAD == 2:
-        n2w, n2ws, n2w2, n2ws2 = _gate_up_tiles(1, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we,
-                                                stride_wn, stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-    for t in range(0, T):
-        if AHEAD == 0:
-            w, ws, w2, ws2 = _gate_up_tiles(t, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_wn,
-                                            stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-        else:
-            w, ws, w2, ws2 = n1w, n1ws, n1w2, n1ws2
-            if AHEAD == 2:
-                n1w, n1ws, n1w2, n1ws2 = n2w, n2ws, n2w2, n2ws2
-                n2w, n2ws, n2w2, n2ws2 = _gate_up_tiles(t + 2, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr,
-                                                        stride_we, stride_wn, stride_se, stride_sn, H, I, BLOCK_N,
-                                                        BLOCK_K, DP4A, EVEN)
-            else:
-                n1w, n1ws, n1w2, n1ws2 = _gate_up_tiles(t + 1, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr,
-                                                        stride_we, stride_wn, stride_se, stride_sn, H, I, BLOCK_N,
-                                                        BLOCK_K, DP4A, EVEN)
-        k0 = (t % KSTEPS) * BLOCK_K
+def _gate_up_step(t, T, KSTEPS, NB, u_lo, w, ws, w2, ws2, a0, a1, a2, a3, b0, b1, b2, b3, a_ptr, stride_a, as_ptr,
+                  r_weight_ptr, r_tokens_ptr, M, H, I, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass,
+                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
+                  DP4A: tl.constexpr, EVEN: tl.constexpr):
+    """Step t of a program's gate_up stream on its loaded tiles (nothing past the stream's end):
+    the partials a<r> (gate) and b<r> (up) updated; at a unit's last K step its activations
+    stored and the partials zeroed."""
+    if t < T:
         a0, a1, a2, a3, b0, b1, b2, b3 = _gemv_step(a0, a1, a2, a3, b0, b1, b2, b3, w, ws, w2, ws2, a_ptr, stride_a,
-                                                    as_ptr, offs_r, k0, H, M, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A,
-                                                    True, EVEN)
+                                                    as_ptr, tl.arange(0, BLOCK_N), (t % KSTEPS) * BLOCK_K, H, M,
+                                                    BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, True, EVEN)
         if t % KSTEPS == KSTEPS - 1:
             g = _rows_tile(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1), 0, ROWS,
                            ROWS)
@@ -215,6 +179,76 @@ def _routed_gate_up(p, P, num_slots, r_expert_ptr, r_weight_ptr, r_tokens_ptr, a
             b1 = tl.zeros_like(b1)
             b2 = tl.zeros_like(b2)
             b3 = tl.zeros_like(b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
+def _routed_gate_up(p, P, num_slots, r_expert_ptr, r_weight_ptr, r_tokens_ptr, a_ptr, stride_a, as_ptr, M, H, I,
+                    w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
+                    act_ptr, stride_as, stride_am, act_s_ptr, stride_ass,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DP4A: tl.constexpr,
+                    AHEAD: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr):
+    """Phase C for program p: its units' K steps as one stream across unit boundaries, AHEAD
+    (0-2) steps of loads in flight while a step computes (STAGES > 1: Triton's software pipeline
+    of that many stages instead, the loads in flight in shared memory rather than registers). The stream runs AHEAD + 1 steps a
+    pass, each from its own register set, reloaded in place once its step is done: a set handed
+    on from one register to another would be copied, and a copy waits for its load (notes/
+    moe-h200.md, run 11), which would leave one memory round trip per step."""
+    NB = tl.cdiv(I, BLOCK_N)
+    KSTEPS = tl.cdiv(H, BLOCK_K)
+    u_lo, u_hi = _span(p, P, num_slots * NB)
+    T = (u_hi - u_lo) * KSTEPS
+    COLS: tl.constexpr = _partial_cols(BLOCK_K, ROWS, DP4A, w_ptr.dtype.element_ty.primitive_bitwidth)
+    a0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    b3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    if STAGES > 1:  # Triton's software pipeline: the loads of STAGES - 1 steps in flight in shared memory
+        for t in tl.range(0, T, num_stages=STAGES):
+            w, ws, w2, ws2 = _gate_up_tiles(t, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_wn,
+                                            stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+            a0, a1, a2, a3, b0, b1, b2, b3 = _gate_up_step(
+                t, T, KSTEPS, NB, u_lo, w, ws, w2, ws2, a0, a1, a2, a3, b0, b1, b2, b3, a_ptr, stride_a, as_ptr,
+                r_weight_ptr, r_tokens_ptr, M, H, I, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, ROWS,
+                BLOCK_N, BLOCK_K, COLS, DP4A, EVEN)
+        return
+    tl.static_assert(AHEAD <= 2)
+    G: tl.constexpr = AHEAD + 1
+    c0w, c0ws, c0w2, c0ws2 = _gate_up_tiles(0, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_wn,
+                                            stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    if G >= 2:
+        c1w, c1ws, c1w2, c1ws2 = _gate_up_tiles(1, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we,
+                                                stride_wn, stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    if G >= 3:
+        c2w, c2ws, c2w2, c2ws2 = _gate_up_tiles(2, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we,
+                                                stride_wn, stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    for t0 in range(0, T, G):
+        a0, a1, a2, a3, b0, b1, b2, b3 = _gate_up_step(
+            t0, T, KSTEPS, NB, u_lo, c0w, c0ws, c0w2, c0ws2, a0, a1, a2, a3, b0, b1, b2, b3, a_ptr, stride_a, as_ptr,
+            r_weight_ptr, r_tokens_ptr, M, H, I, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, ROWS, BLOCK_N,
+            BLOCK_K, COLS, DP4A, EVEN)
+        c0w, c0ws, c0w2, c0ws2 = _gate_up_tiles(t0 + G, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we,
+                                                stride_wn, stride_se, stride_sn, H, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+        if G >= 2:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _gate_up_step(
+                t0 + 1, T, KSTEPS, NB, u_lo, c1w, c1ws, c1w2, c1ws2, a0, a1, a2, a3, b0, b1, b2, b3, a_ptr, stride_a,
+                as_ptr, r_weight_ptr, r_tokens_ptr, M, H, I, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass,
+                ROWS, BLOCK_N, BLOCK_K, COLS, DP4A, EVEN)
+            c1w, c1ws, c1w2, c1ws2 = _gate_up_tiles(t0 + 1 + G, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr,
+                                                    stride_we, stride_wn, stride_se, stride_sn, H, I, BLOCK_N,
+                                                    BLOCK_K, DP4A, EVEN)
+        if G >= 3:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _gate_up_step(
+                t0 + 2, T, KSTEPS, NB, u_lo, c2w, c2ws, c2w2, c2ws2, a0, a1, a2, a3, b0, b1, b2, b3, a_ptr, stride_a,
+                as_ptr, r_weight_ptr, r_tokens_ptr, M, H, I, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass,
+                ROWS, BLOCK_N, BLOCK_K, COLS, DP4A, EVEN)
+            c2w, c2ws, c2w2, c2ws2 = _gate_up_tiles(t0 + 2 + G, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr,
+                                                    stride_we, stride_wn, stride_se, stride_sn, H, I, BLOCK_N,
+                                                    BLOCK_K, DP4A, EVEN)
 
 
 @triton.jit
@@ -229,51 +263,85 @@ def _down_tiles(t, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se,
 
 
 @triton.jit
+def _down_step(t, T, KSTEPS, w, ws, a0, a1, a2, a3, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, offs_n, M, I,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+               DP4A: tl.constexpr, EVEN: tl.constexpr):
+    """Step t of a down stream (slot t // KSTEPS, its weighted activations) on its loaded tiles."""
+    if t < T:
+        slot = t // KSTEPS
+        a0, a1, a2, a3, _, _, _, _ = _gemv_step(a0, a1, a2, a3, a0, a1, a2, a3, w, ws, w, ws, act_ptr + slot * stride_as,
+                                                stride_am, act_s_ptr + slot * stride_ass, offs_n,
+                                                (t % KSTEPS) * BLOCK_K, I, M, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A,
+                                                False, EVEN)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _down_stream(T, KSTEPS, a0, a1, a2, a3, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
+                 stride_wn, stride_sn, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, M, I,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 DP4A: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr):
+    """A block's down stream over (slot, K step): AHEAD + 1 steps a pass from their own register
+    sets (as `_routed_gate_up`), or STAGES > 1 Triton's software pipeline."""
+    if STAGES > 1:
+        for t in tl.range(0, T, num_stages=STAGES):
+            w, ws = _down_tiles(t, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
+                                stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+            a0, a1, a2, a3 = _down_step(t, T, KSTEPS, w, ws, a0, a1, a2, a3, act_ptr, stride_as, stride_am,
+                                        act_s_ptr, stride_ass, offs_n, M, I, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, EVEN)
+        return a0, a1, a2, a3
+    tl.static_assert(AHEAD <= 2)
+    G: tl.constexpr = AHEAD + 1
+    c0w, c0ws = _down_tiles(0, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
+                            stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    if G >= 2:
+        c1w, c1ws = _down_tiles(1, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
+                                stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    if G >= 3:
+        c2w, c2ws = _down_tiles(2, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
+                                stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    for t0 in range(0, T, G):
+        a0, a1, a2, a3 = _down_step(t0, T, KSTEPS, c0w, c0ws, a0, a1, a2, a3, act_ptr, stride_as, stride_am,
+                                    act_s_ptr, stride_ass, offs_n, M, I, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, EVEN)
+        c0w, c0ws = _down_tiles(t0 + G, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
+                                stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+        if G >= 2:
+            a0, a1, a2, a3 = _down_step(t0 + 1, T, KSTEPS, c1w, c1ws, a0, a1, a2, a3, act_ptr, stride_as, stride_am,
+                                        act_s_ptr, stride_ass, offs_n, M, I, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, EVEN)
+            c1w, c1ws = _down_tiles(t0 + 1 + G, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n,
+                                    n_mask, stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+        if G >= 3:
+            a0, a1, a2, a3 = _down_step(t0 + 2, T, KSTEPS, c2w, c2ws, a0, a1, a2, a3, act_ptr, stride_as, stride_am,
+                                        act_s_ptr, stride_ass, offs_n, M, I, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, EVEN)
+            c2w, c2ws = _down_tiles(t0 + 2 + G, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n,
+                                    n_mask, stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
+    return a0, a1, a2, a3
+
+
+@triton.jit
 def _down_rows(p, P, num_slots, r_expert_ptr, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr,
                M, H, I, I_SHARED, w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn, sd_ptr, stride_sdn,
                out_ptr, stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DP4A: tl.constexpr, AHEAD: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-               SHARED_PIPELINE: tl.constexpr, EVEN: tl.constexpr, EVEN_SHARED: tl.constexpr):
+               DP4A: tl.constexpr, AHEAD: tl.constexpr, STAGES: tl.constexpr, HAS_SHARED: tl.constexpr,
+               SHARED_BLOCK_K: tl.constexpr, SHARED_PIPELINE: tl.constexpr, EVEN: tl.constexpr,
+               EVEN_SHARED: tl.constexpr):
     """Phase D for program p: its range of hidden rows, blocks of BLOCK_N; per block the (slot,
-    K step) stream of the routed down projection (activations weighted already), then the
-    shared expert's, summed in registers and written once in the output dtype."""
+    K step) stream of the routed down projection (activations weighted already,
+    `_down_stream`), then the shared expert's, summed in registers and written once in the
+    output dtype."""
     h_lo, h_hi = _span(p, P, H)
     KSTEPS = tl.cdiv(I, BLOCK_K)
     T = num_slots * KSTEPS
     COLS: tl.constexpr = _partial_cols(BLOCK_K, ROWS, DP4A, w_ptr.dtype.element_ty.primitive_bitwidth)
     offs_m = tl.arange(0, ROWS)
-    tl.static_assert(AHEAD <= 2)
     for h0 in range(h_lo, h_hi, BLOCK_N):
         offs_n = h0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < h_hi
-        a0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-        a1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-        a2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-        a3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-        if AHEAD >= 1:
-            n1w, n1ws = _down_tiles(0, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
-                                    stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-        if AHEAD == 2:
-            n2w, n2ws = _down_tiles(1, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
-                                    stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-        for t in range(0, T):
-            if AHEAD == 0:
-                w, ws = _down_tiles(t, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se, offs_n, n_mask,
-                                    stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-            else:
-                w, ws = n1w, n1ws
-                if AHEAD == 2:
-                    n1w, n1ws = n2w, n2ws
-                    n2w, n2ws = _down_tiles(t + 2, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se,
-                                            offs_n, n_mask, stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-                else:
-                    n1w, n1ws = _down_tiles(t + 1, T, KSTEPS, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_se,
-                                            offs_n, n_mask, stride_wn, stride_sn, I, BLOCK_N, BLOCK_K, DP4A, EVEN)
-            slot = t // KSTEPS
-            a0, a1, a2, a3, _, _, _, _ = _gemv_step(a0, a1, a2, a3, a0, a1, a2, a3, w, ws, w, ws,
-                                                    act_ptr + slot * stride_as, stride_am,
-                                                    act_s_ptr + slot * stride_ass, offs_n, (t % KSTEPS) * BLOCK_K,
-                                                    I, M, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, False, EVEN)
+        zero = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+        a0, a1, a2, a3 = _down_stream(T, KSTEPS, zero, zero, zero, zero, r_expert_ptr, w_ptr, ws_ptr, stride_we,
+                                      stride_se, offs_n, n_mask, stride_wn, stride_sn, act_ptr, stride_as, stride_am,
+                                      act_s_ptr, stride_ass, M, I, BLOCK_N, BLOCK_K, ROWS, COLS, DP4A, AHEAD, STAGES,
+                                      EVEN)
         out = _rows_tile(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1), 0, ROWS,
                          ROWS)
         if HAS_SHARED:
@@ -325,7 +393,7 @@ def moe_layer_kernel(
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_AHEAD: tl.constexpr, EVEN_GATE_UP: tl.constexpr,
         BLOCK_H: tl.constexpr, DOWN_BLOCK_K: tl.constexpr, DOWN_AHEAD: tl.constexpr, EVEN_DOWN: tl.constexpr,
         SHARED_BLOCK_N: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, SHARED_PIPELINE: tl.constexpr,
-        EVEN_SHARED_H: tl.constexpr, EVEN_SHARED_I: tl.constexpr,
+        EVEN_SHARED_H: tl.constexpr, EVEN_SHARED_I: tl.constexpr, STREAM_STAGES: tl.constexpr,
         L2_PREFETCH: tl.constexpr, PHASE: tl.constexpr):
     """The layer for M <= ROWS tokens (module docstring): PHASE 0 runs phases A to D with the
     grid-wide barriers (sync_ptr: three counters, zero between calls); 1, 2, 3 run A, B + C and
@@ -382,7 +450,8 @@ def moe_layer_kernel(
             a_ptr, stride_a, as_ptr = x_ptr, stride_xm, x_ptr
         _routed_gate_up(p, P, num_slots, r_expert_ptr, r_weight_ptr, r_tokens_ptr, a_ptr, stride_a, as_ptr, M, H, I,
                         w1_ptr, w1s_ptr, stride_w1e, stride_w1n, stride_s1e, stride_s1n, act_ptr, stride_as,
-                        stride_am, act_s_ptr, stride_ass, ROWS, BLOCK_N, BLOCK_K, DP4A, GATE_UP_AHEAD, EVEN_GATE_UP)
+                        stride_am, act_s_ptr, stride_ass, ROWS, BLOCK_N, BLOCK_K, DP4A, GATE_UP_AHEAD, STREAM_STAGES,
+                        EVEN_GATE_UP)
         if ALL:
             _arrive(sync_ptr + 1)
         if L2_PREFETCH >= 1:  # this program's down rows of every slot, and of the shared expert
@@ -398,8 +467,8 @@ def moe_layer_kernel(
             _wait(sync_ptr + 1, P)
         _down_rows(p, P, num_slots, r_expert_ptr, act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr,
                    M, H, I, I_SHARED, w2_ptr, w2s_ptr, stride_w2e, stride_w2n, stride_s2e, stride_s2n, sd_ptr,
-                   stride_sdn, out_ptr, stride_om, ROWS, BLOCK_H, DOWN_BLOCK_K, DP4A, DOWN_AHEAD, HAS_SHARED,
-                   SHARED_BLOCK_K, SHARED_PIPELINE, EVEN_DOWN, EVEN_SHARED_I)
+                   stride_sdn, out_ptr, stride_om, ROWS, BLOCK_H, DOWN_BLOCK_K, DP4A, DOWN_AHEAD, STREAM_STAGES,
+                   HAS_SHARED, SHARED_BLOCK_K, SHARED_PIPELINE, EVEN_DOWN, EVEN_SHARED_I)
     if ALL:  # the last program out resets the counters for the next call (every other has passed both waits)
         tl.debug_barrier()
         if tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel", scope="gpu") == P - 1:
@@ -461,7 +530,8 @@ def layer_launch(cfg: MoELaunchConfig, *, tokens: int, experts: int, hidden: int
         DOWN_BLOCK_K=cfg.down_block_k, DOWN_AHEAD=cfg.down_prefetch, EVEN_DOWN=inter % cfg.down_block_k == 0,
         SHARED_BLOCK_N=triton.next_power_of_2(triton.cdiv(max(i_shared, 1), programs)), SHARED_BLOCK_K=shared_k,
         SHARED_PIPELINE=cfg.shared_prefetch, EVEN_SHARED_H=hidden % shared_k == 0,
-        EVEN_SHARED_I=i_shared % shared_k == 0, L2_PREFETCH=cfg.l2_prefetch, PHASE=0)
+        EVEN_SHARED_I=i_shared % shared_k == 0, STREAM_STAGES=cfg.gemv_stages, L2_PREFETCH=cfg.l2_prefetch,
+        PHASE=0)
     return KernelLaunch((programs, 1), consts, cfg.gate_up_warps, 1)
 
 
