@@ -171,14 +171,8 @@ def _gate_up_step(t, T, KSTEPS, NB, u_lo, w, ws, w2, ws2, a0, a1, a2, a3, b0, b1
                             ROWS)
             _gate_up_store(u_lo + t // KSTEPS, NB, g, up, r_weight_ptr, r_tokens_ptr, M, I, act_ptr, stride_as,
                            stride_am, act_s_ptr, stride_ass, ROWS, BLOCK_N, DP4A)
-            a0 = tl.zeros_like(a0)
-            a1 = tl.zeros_like(a1)
-            a2 = tl.zeros_like(a2)
-            a3 = tl.zeros_like(a3)
-            b0 = tl.zeros_like(b0)
-            b1 = tl.zeros_like(b1)
-            b2 = tl.zeros_like(b2)
-            b3 = tl.zeros_like(b3)
+            zero = tl.zeros_like(a0)
+            a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
@@ -199,14 +193,8 @@ def _routed_gate_up(p, P, num_slots, r_expert_ptr, r_weight_ptr, r_tokens_ptr, a
     u_lo, u_hi = _span(p, P, num_slots * NB)
     T = (u_hi - u_lo) * KSTEPS
     COLS: tl.constexpr = _partial_cols(BLOCK_K, ROWS, DP4A, w_ptr.dtype.element_ty.primitive_bitwidth)
-    a0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    a1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    a2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    a3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    b3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    zero = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
     if STAGES > 1:  # Triton's software pipeline: the loads of STAGES - 1 steps in flight in shared memory
         for t in tl.range(0, T, num_stages=STAGES):
             w, ws, w2, ws2 = _gate_up_tiles(t, T, u_lo, KSTEPS, NB, r_expert_ptr, w_ptr, ws_ptr, stride_we, stride_wn,
