@@ -102,7 +102,7 @@ def fresh_x(config, tokens, seed):
 def test_one_launch_matches_the_oracles(fmt, tokens):
     config = tiny_config()
     block = random_moe_block(config, fmt, DEVICE, "triton", seed=tokens)
-    check_against_oracle(block, fresh_x(config, tokens, torch.seed() % 2**31), TINY_LAUNCH, tolerance(fmt))
+    check_against_oracle(block, fresh_x(config, tokens, 10 + tokens), TINY_LAUNCH, tolerance(fmt))
 
 
 @pytest.mark.parametrize("ahead, programs", [(0, 7), (1, 1), (2, 7), ("stages", 1)])
@@ -141,17 +141,53 @@ def test_one_launch_nan_stays_in_its_row():
     assert finite.tolist() == [True, False]
 
 
-def test_one_launch_repeats_bit_for_bit():
-    """Deterministic: the same inputs give the same bits (no atomics in the sums), and the
-    barrier counters come back to zero after each call."""
+@pytest.mark.parametrize("case", ["uneven", "empty shares"])
+def test_one_launch_uneven_shapes_and_empty_shares(case):
+    """H and I not multiples of the tiles (masked K steps and column blocks: H = 160, I = 96,
+    64-column gate_up blocks, 5 programs), and more programs than every phase has units (70
+    programs at H = I = 64: most programs' shares are empty, in every phase)."""
+    if case == "uneven":
+        config = tiny_config(hidden_size=160, moe_intermediate_size=96)
+        launch = dataclasses.replace(TINY_LAUNCH, gate_up_block_n=64, layer_programs=5)
+        fmts, counts = ("bf16", "mxfp4"), (1, 3)
+    else:
+        config = tiny_config(hidden_size=64, moe_intermediate_size=64)
+        launch, fmts, counts = dataclasses.replace(TINY_LAUNCH, layer_programs=70), ("bf16",), (1, 3)
+    for fmt in fmts:
+        block = random_moe_block(config, fmt, DEVICE, "triton", seed=4)
+        for tokens in counts:
+            check_against_oracle(block, fresh_x(config, tokens, 20 + tokens), launch, tolerance(fmt))
+
+
+def test_one_launch_reads_a_strided_router():
+    """A router weight that is a view with a longer row stride routes as the oracle does."""
     config = tiny_config()
+    block = random_moe_block(config, "bf16", DEVICE, "triton", seed=2)
+    with torch.no_grad():
+        wide = torch.randn(config.num_experts, config.hidden_size + 32, device=DEVICE)
+        wide[:, :config.hidden_size] = block.gate.weight
+        block.gate.weight = torch.nn.Parameter(wide[:, :config.hidden_size], requires_grad=False)
+    assert not block.gate.weight.is_contiguous()
+    check_against_oracle(block, fresh_x(config, 2, 3), TINY_LAUNCH, tolerance("bf16"))
+
+
+@pytest.mark.gpu
+def test_one_launch_repeats_bit_for_bit():
+    """Deterministic with its grid-wide barriers: the same inputs give the same bits (no atomics
+    in the sums), and the barrier counters come back to zero after each call (on CPU the phases
+    are separate launches that use no counters, so this is a GPU test)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("the barriers run on a GPU")
+    config = get_config("ling-3.0-flash")
     block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=6)
-    x = fresh_x(config, 1, 12)
-    first = moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), TINY_LAUNCH)
-    again = moe_layer(x, block.gate, *block.experts.weights(), shared_of(block), TINY_LAUNCH)
-    assert torch.equal(first, again)
+    weights, shared, launch = block.experts.weights(), shared_of(block), ling_launch("mxfp4")
     from impl.moe.triton_layer import _sync
-    assert not _sync(DEVICE).any()
+    for tokens in (1, 4):
+        x = fresh_x(config, tokens, 12)
+        first = moe_layer(x, block.gate, *weights, shared, launch)
+        assert all(torch.equal(first, moe_layer(x, block.gate, *weights, shared, launch)) for _ in range(3))
+        torch.cuda.synchronize()
+        assert not _sync(DEVICE).any()
 
 
 def test_the_backend_runs_the_one_launch_when_its_config_says_so():
@@ -191,6 +227,17 @@ def test_one_launch_rejects_bad_input(case):
         moe_layer(x, router, gu, dn, shared_of(block), launch)
 
 
+def test_resident_programs_counts_what_an_sm_holds():
+    """The residency guard's arithmetic (H200 SM: 64K registers, 2048 threads, 227 KB shared):
+    128 registers at 4 warps fill an SM four times over, one register more three times; shared
+    memory and threads cap it too."""
+    from impl.moe.triton_layer import resident_programs
+    assert resident_programs(128, 4, 4096) == 4
+    assert resident_programs(129, 4, 4096) == 3
+    assert resident_programs(64, 8, 100 * 1024) == 2
+    assert resident_programs(32, 16, 0) == 4
+
+
 def ling_launch(fmt: str) -> MoELaunchConfig:
     return MoELaunchConfig(one_launch=True, gemv_max_tokens=4, gemv_decode="dp4a" if fmt == "mxfp4" else "bits16",
                            gate_up_block_n=32, gate_up_block_k=512, gate_up_warps=8, down_block_n=32, down_block_k=256,
@@ -214,24 +261,38 @@ def test_one_launch_ling_shapes(shape, fmt, tokens):
 
 
 @pytest.mark.gpu
+def test_one_launch_refuses_programs_that_cannot_be_resident():
+    """More programs than the GPU can hold at once is a clear error, not a hang."""
+    if DEVICE.type != "cuda":
+        pytest.skip("residency is a GPU's")
+    config = tiny_config()
+    block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=0)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    launch = dataclasses.replace(TINY_LAUNCH, layer_programs=33 * sms)  # an SM holds at most 32 programs
+    with pytest.raises(ValueError, match="cannot all be resident"):
+        moe_layer(fresh_x(config, 1, 0), block.gate, *block.experts.weights(), shared_of(block), launch)
+
+
+@pytest.mark.gpu
 def test_one_launch_under_cuda_graphs():
-    """Captured and replayed: each replay recomputes every output (poisoned before it), bit for
-    bit as the eager call (the counters came back to zero after the capture's calls)."""
+    """Captured once on a static input buffer, then replayed on fresh inputs copied into it:
+    every replay's output (poisoned before it) equals an eager call on that input bit for bit,
+    so each replay recomputed everything after both barriers (a stale read would show)."""
     if DEVICE.type != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     from impl.graphs import capture_graph
     config = get_config("ling-3.0-flash")
     block = random_moe_block(config, "mxfp4", DEVICE, "triton", seed=0)
     weights, shared, launch = block.experts.weights(), shared_of(block), ling_launch("mxfp4")
-    xs = [fresh_x(config, 1, s) for s in range(4)]
+    x_static = fresh_x(config, 1, 0)
     outs = []
     with torch.no_grad():
-        graph = capture_graph([lambda x=x: outs.append(moe_layer(x, block.gate, *weights, shared, launch)) for x in xs])
-        captured = outs[-len(xs):]  # the capture's own outputs (capture_graph runs each call 3 times)
-        for _ in range(2):
-            for out in captured:
-                out.fill_(float("nan"))
+        graph = capture_graph([lambda: outs.append(moe_layer(x_static, block.gate, *weights, shared, launch))])
+        out = outs[-1]  # the capture's own output buffer (capture_graph runs the call 3 times)
+        for seed in range(1, 5):
+            x = fresh_x(config, 1, seed)
+            x_static.copy_(x)
+            out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            for x, out in zip(xs, captured):
-                assert torch.equal(out, moe_layer(x, block.gate, *weights, shared, launch))
+            assert torch.equal(out, moe_layer(x, block.gate, *weights, shared, launch)), seed

@@ -25,9 +25,12 @@ rows while it waits at barrier 2; 2: also its router and shared rows at the star
 routed rows right after the top-k), so that DRAM has them in flight while the program waits
 or computes.
 
-Every program must be resident at once (a grid-wide wait): the wrapper launches at most one
-program an SM per `programs_per_sm`, and calls of the layer on one device must not overlap
-(they share the barrier counters, which the last program to leave resets). Under the
+Every program must be resident at once (a grid-wide wait): by default one program an SM;
+`layer_programs` beyond the SM count is refused unless the compiled kernel's registers and
+shared memory let every program be resident (`_check_resident`). Work that holds SMs on other
+streams or processes while the layer runs can still keep programs out: on such a GPU use
+`layer_launches=3`. Calls of the layer on one device must not overlap (they share the barrier
+counters, which the last program to leave resets). Under the
 interpreter programs run one after another, so a wait would never end: there the phases run as
 three launches (`PHASE` 1, 2, 3), the same code between the barriers, and the top-k runs in
 each launch that needs it.
@@ -367,7 +370,7 @@ def _prefetch_rows(base_ptr, stride_row, lo, hi):
 @triton.jit
 def moe_layer_kernel(
         x_ptr, stride_xm, M, H, I, I_SHARED, E, TOP_K, routed_scaling,
-        router_ptr, bias_ptr, logits_ptr, xq_ptr, xs_ptr,
+        router_ptr, stride_re, bias_ptr, logits_ptr, xq_ptr, xs_ptr,
         w1_ptr, w1s_ptr, stride_w1e, stride_w1n, stride_s1e, stride_s1n,
         w2_ptr, w2s_ptr, stride_w2e, stride_w2n, stride_s2e, stride_s2n,
         sg_ptr, su_ptr, sd_ptr, stride_sgn, stride_sdn,
@@ -397,7 +400,7 @@ def moe_layer_kernel(
     e_lo, e_hi = _span(p, P, E)
     if ALL or PHASE == 1:
         if L2_PREFETCH >= 2:
-            _prefetch_rows(router_ptr, H, e_lo, e_hi)
+            _prefetch_rows(router_ptr, stride_re, e_lo, e_hi)
             if HAS_SHARED:
                 s_lo, s_hi = _span(p, P, I_SHARED)
                 _prefetch_rows(sg_ptr, stride_sgn, s_lo, s_hi)
@@ -406,7 +409,7 @@ def moe_layer_kernel(
             for c in range(p * 32, H, P * 32):
                 split_x_block(x_ptr, stride_xm, xq_ptr, xs_ptr, M, H, c, ROWS)
         for e0 in range(e_lo, e_hi, BLOCK_E):
-            logits_block(x_ptr, stride_xm, router_ptr, H, logits_ptr, M, E, H, e0 + tl.arange(0, BLOCK_E), e_hi,
+            logits_block(x_ptr, stride_xm, router_ptr, stride_re, logits_ptr, M, E, H, e0 + tl.arange(0, BLOCK_E), e_hi,
                          ROWS, BLOCK_E, LOGITS_BLOCK_K)
         if ALL:
             _arrive(sync_ptr)
@@ -473,9 +476,45 @@ def _sync(device: torch.device) -> torch.Tensor:
     """The barrier counters of the one launch, zero between calls (its last program resets
     them); one persistent buffer per device, so that CUDA graphs capture a fixed address."""
     buf = _SYNC.get(device)
+    if buf is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Made inside a capture, its zeros would be written only when the graph replays.
+        raise RuntimeError("call the one-launch MoE layer once outside CUDA-graph capture first (its barrier "
+                           "counters are allocated and zeroed on the first call)")
     if buf is None:
         buf = _SYNC[device] = torch.zeros(4, dtype=torch.int32, device=device)
     return buf
+
+
+def resident_programs(regs: int, num_warps: int, shared: int, regs_per_sm: int = 65536, threads_per_sm: int = 2048,
+                      shared_per_sm: int = 227 * 1024, programs_per_sm: int = 32) -> int:
+    """Programs of a kernel one SM holds at once (registers are given out 256 a warp at a time);
+    the defaults are an H100/H200 SM's."""
+    regs_a_warp = -(-regs * 32 // 256) * 256
+    return min(regs_per_sm // (regs_a_warp * num_warps), threads_per_sm // (32 * num_warps), programs_per_sm,
+               shared_per_sm // shared if shared else programs_per_sm)
+
+
+_RESIDENT: dict = {}
+
+
+def _check_resident(programs: int, device: torch.device, args: tuple, consts: dict, num_warps: int) -> None:
+    """A clear error instead of a hang: more programs than one an SM only when the compiled
+    kernel's registers and shared memory let the GPU hold all of them at once (a program not
+    resident would never reach the barrier the others wait at)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs <= sms:
+        return
+    key = (device, num_warps, tuple(sorted(consts.items())))
+    if key not in _RESIDENT:
+        compiled = moe_layer_kernel.warmup(*args, grid=(programs,), **consts, num_warps=num_warps, num_stages=1)
+        compiled._init_handles()  # loads the binary: its register count comes from the driver
+        _RESIDENT[key] = (compiled.n_regs, compiled.metadata.shared)
+    regs, shared = _RESIDENT[key]
+    per_sm = resident_programs(regs, num_warps, shared)
+    if programs > per_sm * sms:
+        raise ValueError(f"layer_programs={programs} cannot all be resident: the kernel takes {regs} registers a "
+                         f"thread and {shared} bytes of shared memory at {num_warps} warps, {per_sm} programs an SM "
+                         f"on {sms} SMs ({per_sm * sms} at once); its grid-wide barriers would wait forever")
 
 
 def layer_programs(cfg: MoELaunchConfig, device: torch.device) -> int:
@@ -507,16 +546,22 @@ def layer_launch(cfg: MoELaunchConfig, *, tokens: int, experts: int, hidden: int
         raise ValueError(f"the one-launch MoE layer runs MXFP4 through the dp4a decode, whose activations are "
                          f"split in blocks of 32 columns: needs gemv_decode 'dp4a' and gate_up_block_n a multiple of "
                          f"32, got {cfg.gemv_decode!r} and {cfg.gate_up_block_n}")
-    block_e = triton.next_power_of_2(triton.cdiv(experts, programs))
+    # Per-program tiles of the phases split by programs; at most 64 rows (with few programs a
+    # program loops over several blocks instead of holding one huge tile).
+    block_e = min(64, triton.next_power_of_2(triton.cdiv(experts, programs)))
+    # The logits tile at most 16 fp32 values a thread: the kernel's registers are the most any of
+    # its phases needs, and a [4, 4096] tile (128 a thread at 4 warps) set them for every phase.
+    logits_k = min(triton.next_power_of_2(hidden), max(32, 16 * 32 * cfg.gate_up_warps // block_e))
     shared_k = cfg.shared_block_k or cfg.gate_up_block_k
     consts = dict(
         ROWS=rows, DP4A=mxfp4, HAS_SHARED=i_shared > 0, **topk, S_PAD=slot_capacity(tokens, top_k, experts),
-        BLOCK_E=block_e, LOGITS_BLOCK_K=min(triton.next_power_of_2(hidden), max(32, 16384 // block_e)),
+        BLOCK_E=block_e, LOGITS_BLOCK_K=logits_k,
         BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, GATE_UP_AHEAD=cfg.gate_up_prefetch,
         EVEN_GATE_UP=hidden % cfg.gate_up_block_k == 0 and inter % cfg.gate_up_block_n == 0,
         BLOCK_H=min(cfg.down_block_n, triton.next_power_of_2(triton.cdiv(hidden, programs))),
         DOWN_BLOCK_K=cfg.down_block_k, DOWN_AHEAD=cfg.down_prefetch, EVEN_DOWN=inter % cfg.down_block_k == 0,
-        SHARED_BLOCK_N=triton.next_power_of_2(triton.cdiv(max(i_shared, 1), programs)), SHARED_BLOCK_K=shared_k,
+        SHARED_BLOCK_N=min(64, triton.next_power_of_2(triton.cdiv(max(i_shared, 1), programs))),
+        SHARED_BLOCK_K=shared_k,
         SHARED_PIPELINE=cfg.shared_prefetch, EVEN_SHARED_H=hidden % shared_k == 0,
         EVEN_SHARED_I=i_shared % shared_k == 0, STREAM_STAGES=cfg.gemv_stages, L2_PREFETCH=cfg.l2_prefetch,
         PHASE=0)
@@ -528,6 +573,8 @@ def check_router(router, experts: int, hidden: int, device: torch.device) -> Non
     if w.shape != (experts, hidden) or w.dtype != torch.float32 or w.device != device:
         raise ValueError(f"router weight must be fp32 [{experts}, {hidden}] on {device}, got {w.dtype} "
                          f"{tuple(w.shape)} on {w.device}")
+    if w.stride(1) != 1:
+        raise ValueError(f"router weight must be contiguous along the hidden dimension, got strides {w.stride()}")
     if bias is not None and (bias.shape != (experts,) or bias.dtype != torch.float32 or bias.device != device):
         raise ValueError(f"router correction bias must be fp32 [{experts}] on {device}, got {bias.dtype} "
                          f"{tuple(bias.shape)} on {bias.device}")
@@ -586,13 +633,16 @@ def moe_layer_routed(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedE
     w2, w2s, s_w2e, s_w2n, s_s2e, s_s2n = _weight_args(w_down, mxfp4)
     sg, su, sd = (shared.gate, shared.up, shared.down) if shared is not None else (x, x, x)
     args = (x, x.stride(0), m, hidden, inter, i_shared, experts, top_k, scaling,
-            router.weight, bias if bias is not None else logits, logits, xq, xs,
+            router.weight, router.weight.stride(0), bias if bias is not None else logits, logits, xq, xs,
             w1, w1s, s_w1e, s_w1n, s_s1e, s_s1n, w2, w2s, s_w2e, s_w2n, s_s2e, s_s2n,
             sg, su, sd, sg.stride(0), sd.stride(0), r_expert, r_weight, r_tokens,
             act, act_strides[0], act_strides[1], act_s, act_strides[2], shared_act,
             ids, weights, out, out.stride(0), _sync(dev))
+    phases = PHASES if INTERPRET or cfg.layer_launches == 3 else (0,)
+    if phases == (0,):
+        _check_resident(programs, dev, args, launch.consts, launch.num_warps)
     # Programs run one after another under the interpreter: the phases as launches in order.
-    for phase in PHASES if INTERPRET or cfg.layer_launches == 3 else (0,):
+    for phase in phases:
         moe_layer_kernel[(programs,)](*args, **dict(launch.consts, PHASE=phase), num_warps=launch.num_warps,
                                       num_stages=1)
     return out, weights, ids
