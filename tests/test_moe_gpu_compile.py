@@ -214,14 +214,7 @@ def resources(cubin: bytes) -> tuple[int, int]:
 
 
 # An H200 (sm_90) SM: registers, threads, programs, shared memory (bytes a program may use).
-SMS, SM_REGS, SM_THREADS, SM_PROGRAMS, SM_SHARED = 132, 65536, 2048, 32, 227 * 1024
-
-
-def programs_per_sm(regs: int, num_warps: int, shared: int) -> int:
-    """Programs of a kernel an SM holds at once (registers are given out 256 a warp at a time)."""
-    regs_a_warp = -(-regs * 32 // 256) * 256
-    return min(SM_REGS // (regs_a_warp * num_warps), SM_THREADS // (32 * num_warps), SM_PROGRAMS,
-               SM_SHARED // shared if shared else SM_PROGRAMS)
+SMS = 132  # an H200's SMs (the SM's own limits: `triton_layer.resident_programs`' defaults)
 
 
 def _moe_ptr_types(w_type: str, dp4a: bool) -> dict:
@@ -379,6 +372,7 @@ def config_resources(key: dict, config: dict) -> list[dict]:
     the grid's programs over what the SMs hold at once (waves)."""
     from impl.moe import triton_moe as tm
     from impl.moe.configs import MoELaunchConfig
+    from impl.moe.triton_layer import resident_programs
     cfg = MoELaunchConfig(**config)
     mxfp4 = key["format"] == "mxfp4"
     m = key["m_bucket"]
@@ -393,7 +387,7 @@ def config_resources(key: dict, config: dict) -> list[dict]:
                                num_stages=k.num_stages)
         regs, spilled = resources(compiled.asm["cubin"])
         shared = compiled.metadata.shared
-        per_sm = programs_per_sm(regs, k.num_warps, shared)
+        per_sm = resident_programs(regs, k.num_warps, shared)
         rows.append(dict(kernel=name, warps=k.num_warps, regs=regs, spilled=spilled, shared=shared, per_sm=per_sm,
                          programs=k.grid[0] * k.grid[1], waves=k.grid[0] * k.grid[1] / (per_sm * SMS),
                          load_copies=len(loop_load_copies(compiled.asm["cubin"]))))

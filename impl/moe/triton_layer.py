@@ -41,16 +41,18 @@ Status: correct, and about 1.7x slower than the four launches on the H200 at Lin
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from impl import backends
 from impl.moe.configs import MoELaunchConfig, lookup
 from impl.moe.shared import SharedExpert
 from impl.moe.triton_dp4a import empty_split, store_split_int8
-from impl.moe.triton_moe import (_gemv_rows, _gemv_step, _partial_cols, _rows_tile, _step_weights, check_triton_inputs,
-                                 write_slots, _weight_args)
+from impl.moe.triton_moe import (KernelLaunch, _gemv_rows, _gemv_step, _partial_cols, _rows_tile, _step_weights,
+                                 _weight_args, check_triton_inputs, write_slots)
 from impl.moe.triton_pdl import prefetch_l2
-from impl.moe.triton_routing import fused_routing_supported, logits_block, split_x_block, topk_consts
+from impl.moe.triton_routing import check_router_weight, logits_block, split_x_block, topk_consts
 from impl.moe.triton_topk import batch_ids, choice_weights, decode_route
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import ASM, INTERPRET, tl, triton
@@ -471,6 +473,16 @@ def moe_layer_kernel(
             tl.store(sync_ptr + 2, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (cached: the layer asks on every call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 INTERPRET_PROGRAMS = 3  # programs under the interpreter: shares of unequal sizes, as on a GPU
 _SYNC: dict = {}
 
@@ -504,7 +516,7 @@ def _check_resident(programs: int, device: torch.device, args: tuple, consts: di
     """A clear error instead of a hang: more programs than one an SM only when the compiled
     kernel's registers and shared memory let the GPU hold all of them at once (a program not
     resident would never reach the barrier the others wait at)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _device_sms(device)
     if programs <= sms:
         return
     key = (device, num_warps, tuple(sorted(consts.items())))
@@ -525,7 +537,7 @@ def layer_programs(cfg: MoELaunchConfig, device: torch.device) -> int:
     if cfg.layer_programs:
         return cfg.layer_programs
     if device.type == "cuda" and not INTERPRET:
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _device_sms(device)
     return INTERPRET_PROGRAMS
 
 
@@ -541,7 +553,6 @@ def layer_launch(cfg: MoELaunchConfig, *, tokens: int, experts: int, hidden: int
     (`triton_routing.topk_consts`). The per-program tiles of the logits, the shared expert's
     gate/up and the down rows follow from the programs' shares; the routed products take the
     config's register-path tiles and prefetch depths."""
-    from impl.moe.triton_moe import KernelLaunch
     rows = triton.next_power_of_2(tokens)
     if rows > MAX_TOKENS:
         raise ValueError(f"the one-launch MoE layer takes at most {MAX_TOKENS} tokens, got {tokens}")
@@ -572,18 +583,16 @@ def layer_launch(cfg: MoELaunchConfig, *, tokens: int, experts: int, hidden: int
 
 
 def check_router(router, experts: int, hidden: int, device: torch.device) -> None:
+    """The routing kernels' demands (`check_router_weight`), plus what the one launch reads
+    beside them: the router and its correction bias (fp32 [experts], contiguous) on x's device."""
     w, bias = router.weight, router.e_score_correction_bias
-    if w.shape != (experts, hidden) or w.dtype != torch.float32 or w.device != device:
-        raise ValueError(f"router weight must be fp32 [{experts}, {hidden}] on {device}, got {w.dtype} "
-                         f"{tuple(w.shape)} on {w.device}")
-    if w.stride(1) != 1:
-        raise ValueError(f"router weight must be contiguous along the hidden dimension, got strides {w.stride()}")
-    if bias is not None and (bias.shape != (experts,) or bias.dtype != torch.float32 or bias.device != device):
-        raise ValueError(f"router correction bias must be fp32 [{experts}] on {device}, got {bias.dtype} "
-                         f"{tuple(bias.shape)} on {bias.device}")
-    if not fused_routing_supported(router.config):
-        raise ValueError(f"the one-launch MoE layer routes power-of-two groups of power-of-two experts, got "
-                         f"{router.config.num_experts} experts in {router.config.n_group} groups")
+    check_router_weight(w, router.config, experts, hidden)
+    if w.device != device:
+        raise ValueError(f"router weight must be on {device}, with x, got {w.device}")
+    if bias is not None and (bias.shape != (experts,) or bias.dtype != torch.float32 or bias.device != device
+                             or bias.stride(0) != 1):
+        raise ValueError(f"router correction bias must be contiguous fp32 [{experts}] on {device}, got {bias.dtype} "
+                         f"{tuple(bias.shape)} strides {bias.stride()} on {bias.device}")
     if not 1 <= router.config.top_k <= experts:
         raise ValueError(f"top_k must be in [1, {experts}], got {router.config.top_k}")
 

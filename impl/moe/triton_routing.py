@@ -173,18 +173,27 @@ def topk_consts(config, experts: int, has_bias: bool) -> tuple[dict, float]:
     return consts, float(config.routed_scaling_factor if sigmoid else 1.0)
 
 
+def check_router_weight(router_weight: torch.Tensor, config, experts: int, hidden: int) -> None:
+    """What the routing kernels read: an fp32 [experts, hidden] router whose rows are contiguous
+    (they step through a row by one), and a router config they can route."""
+    if router_weight.shape != (experts, hidden) or router_weight.dtype != torch.float32:
+        raise ValueError(f"router weight must be fp32 [{experts}, {hidden}], got {router_weight.dtype} "
+                         f"{tuple(router_weight.shape)}")
+    if router_weight.stride(1) != 1:
+        raise ValueError(f"router weight must be contiguous along the hidden dimension, got strides "
+                         f"{router_weight.stride()}")
+    if not fused_routing_supported(config):
+        raise ValueError(f"fused routing needs power-of-two groups and experts per group, got "
+                         f"{config.num_experts} experts in {config.n_group} groups")
+
+
 def _check_route_args(x, router_weight, config, block_e, block_k, logits_warps, x_split, pdl, prefetch,
                       topk_warps=4):
     m, hidden = x.shape
     experts = router_weight.shape[0]
     if m > M_PAD:
         raise ValueError(f"route_triton takes at most {M_PAD} tokens, got {m}")
-    if router_weight.shape != (experts, hidden) or router_weight.dtype != torch.float32:
-        raise ValueError(f"router weight must be fp32 [E, {hidden}], got {router_weight.dtype} "
-                         f"{tuple(router_weight.shape)}")
-    if not fused_routing_supported(config):
-        raise ValueError(f"fused routing needs power-of-two groups and experts per group, got "
-                         f"{config.num_experts} experts in {config.n_group} groups")
+    check_router_weight(router_weight, config, experts, hidden)
     if prefetch and not pdl:
         raise ValueError("prefetch needs pdl (it prefetches while waiting for the launch before)")
     if topk_warps not in (1, 2, 4, 8) or logits_warps not in (1, 2, 4, 8):
