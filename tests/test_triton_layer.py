@@ -227,6 +227,20 @@ def test_one_launch_rejects_bad_input(case):
         moe_layer(x, router, gu, dn, shared_of(block), launch)
 
 
+@pytest.mark.parametrize("field, value", [("layer_programs", 64), ("l2_prefetch", 1), ("layer_launches", 3),
+                                          ("l2_prefetch", 3), ("layer_launches", 2), ("layer_programs", -1)])
+def test_launch_config_rejects_one_launch_knobs_alone_or_out_of_range(field, value):
+    """The one launch's knobs are an error without one_launch (not silently ignored), and out of
+    their range with it."""
+    with pytest.raises(ValueError, match=field):
+        MoELaunchConfig(**{field: value})
+    if (field, value) in (("l2_prefetch", 3), ("layer_launches", 2), ("layer_programs", -1)):
+        with pytest.raises(ValueError, match=field):
+            MoELaunchConfig(one_launch=True, **{field: value})
+    else:
+        MoELaunchConfig(one_launch=True, **{field: value})
+
+
 def test_resident_programs_counts_what_an_sm_holds():
     """The residency guard's arithmetic (H200 SM: 64K registers, 2048 threads, 227 KB shared):
     128 registers at 4 warps fill an SM four times over, one register more three times; shared

@@ -138,6 +138,11 @@ class MoELaunchConfig:
             raise ValueError(f"layer_launches must be 1 or 3, got {self.layer_launches!r}")
         if self.l2_prefetch not in (0, 1, 2):
             raise ValueError(f"l2_prefetch must be 0, 1 or 2, got {self.l2_prefetch!r}")
+        layer_only = {f: getattr(self, f) for f in ("layer_programs", "l2_prefetch", "layer_launches")
+                      if getattr(self, f) != MoELaunchConfig.__dataclass_fields__[f].default}
+        if layer_only and not self.one_launch:
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in layer_only.items())} apply to the one launch only: "
+                             f"set one_launch=True, or leave them at their defaults")
         if self.gemv_decode == "dp4a" and self.gate_up_block_n < 32:
             raise ValueError(f"gemv_decode 'dp4a' needs gate_up_block_n >= 32 (the gate_up kernel splits its output "
                              f"in blocks of 32), got {self.gate_up_block_n}")
