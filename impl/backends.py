@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "moeperf.backends"
 # Modules whose import registers the built-in backends; imported on the first lookup.
 BUILTIN_MODULES = ("impl.moe", "impl.head")
 KINDS = ("moe", "head", "decoder")
+WEIGHT_FORMATS = ("bf16", "fp32", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class Backend:
     fn: Callable[..., Any]
     description: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # For kind "moe": the routed experts' weight formats it takes (WEIGHT_FORMATS); others are a
+    # TypeError from fn, and the suites skip them with that reason.
+    formats: tuple[str, ...] = ("bf16", "fp32", "mxfp4")
     # For kind "moe": optionally the whole layer, routing included (fused routing kernels):
     # layer(x, router, w_gate_up, w_down, shared) -> out. Without it, the model routes with
     # its own router and calls fn.
@@ -37,6 +41,10 @@ class Backend:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"backend {self.name!r} has unknown kind {self.kind!r}; expected one of {KINDS}")
+        unknown = set(self.formats) - set(WEIGHT_FORMATS)
+        if unknown or not self.formats:
+            raise ValueError(f"backend {self.name!r} has unknown or no weight formats {sorted(unknown)}; "
+                             f"expected some of {WEIGHT_FORMATS}")
 
 
 _registry: dict[tuple[str, str], Backend] = {}

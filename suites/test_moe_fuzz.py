@@ -201,34 +201,25 @@ def make_inputs(case: Case, device: torch.device, nan: str | None = None, nan_at
 
 @pytest.fixture(scope="session")
 def formats(backend, moe_device) -> tuple[str, ...]:
-    """The weight formats drawn for this backend: bf16 (and fp32 on a CPU), and MXFP4 unless the
-    backend declines MXFP4 experts with a TypeError (gather), which one tiny call finds out.
-    Drawing a format only to skip the whole property on it would skip every example."""
-    device = moe_device.torch_device
-    plain = ("bf16",) if device.type == "cuda" else ("bf16", "fp32")
-    probe = Case(1, 1, 1, 32, 32, None, "mxfp4", "uniform", 1.0, 1.0, seed=0)
-    try:
-        backend.fn(*make_inputs(probe, device))
-    except TypeError:
-        return plain
-    return plain + ("mxfp4",)
+    """The weight formats drawn for this backend: those it declares (`Backend.formats`) of bf16
+    (and fp32 on a CPU) and MXFP4. Drawing a format only to skip the whole property on it would
+    skip every example."""
+    candidates = ("bf16", "mxfp4") if moe_device.torch_device.type == "cuda" else ("bf16", "fp32", "mxfp4")
+    drawn = tuple(f for f in candidates if f in backend.formats)
+    if not drawn:
+        pytest.skip(f"backend {backend.name!r} takes none of the formats {candidates} on this device")
+    return drawn
 
 
 def skip_without_mxfp4(formats, backend) -> None:
     if "mxfp4" not in formats:
-        pytest.skip(f"backend {backend.name!r} does not take MXFP4 experts (TypeError)")
+        pytest.skip(f"backend {backend.name!r} does not take MXFP4 experts (Backend.formats)")
 
 
-def run_backend(backend, inputs, fmt: str):
-    """The backend's output, after checking that it (and only it) recorded the kernels it ran;
-    a backend that declines MXFP4 experts (TypeError) is skipped."""
+def run_backend(backend, inputs):
+    """The backend's output, after checking that it (and only it) recorded the kernels it ran."""
     with backends.record_provenance() as prov:
-        try:
-            out = backend.fn(*inputs)
-        except TypeError as e:
-            if fmt == "mxfp4":
-                pytest.skip(f"backend {backend.name!r} does not take MXFP4 experts: {e}")
-            raise
+        out = backend.fn(*inputs)
     ran = {e.backend for e in prov.events if e.kind == "moe"}
     assert ran == {backend.name}, f"provenance names backends {sorted(ran)}, expected only {backend.name!r}"
     return out
@@ -257,7 +248,7 @@ def test_fuzz_matches_reference(backend, moe_device, formats, data):
     device = moe_device.torch_device
     case = data.draw(cases(device, formats), label="case")
     inputs = make_inputs(case, device)
-    out = run_backend(backend, inputs, case.fmt)
+    out = run_backend(backend, inputs)
     assert out.dtype == inputs[0].dtype
     assert_rows_close(out, reference(inputs), tolerance(device), f"{backend.name} vs moe_reference, {case}")
 
@@ -280,7 +271,7 @@ def test_fuzz_nan_reaches_exactly_its_rows(backend, moe_device, formats, data):
     else:
         expert = int(ids[row, 0])
         poisoned = {t for t in range(case.tokens) if expert in ids[t].tolist()}
-    out = run_backend(backend, inputs, case.fmt).cpu()
+    out = run_backend(backend, inputs).cpu()
     what = f"{backend.name}, NaN in {where} at row {row}: {case}"
     for t in sorted(poisoned):
         assert out[t].isnan().all(), f"{what}: row {t} should be all NaN, has {int(out[t].isnan().sum())} NaN"
@@ -365,7 +356,7 @@ def decode_readback(backend, device, gate_up, down, ids=None):
     weights = torch.ones(n, 1, device=device)
     ids = torch.zeros(n, 1, dtype=torch.long) if ids is None else ids
     inputs = (x, weights, ids.to(device), gate_up.to(device), down.to(device), None)
-    return run_backend(backend, inputs, "mxfp4").float().cpu(), reference(inputs).cpu()
+    return run_backend(backend, inputs).float().cpu(), reference(inputs).cpu()
 
 
 ALL_SCALES = list(range(255))  # every finite E8M0 code: 2**-127 (an fp32 subnormal) .. 2**127

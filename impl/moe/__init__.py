@@ -46,9 +46,33 @@ def _triton_layer(x, router, w_gate_up, w_down, shared=None):
 backends.register(backends.Backend(
     "moe", "reference", _reference, "fp32 loop over the chosen experts (the oracle)"))
 backends.register(backends.Backend(
-    "moe", "gather", _gather, "gather the chosen experts' weights, two einsums; no host syncs; bf16 only"))
+    "moe", "gather", _gather, "gather the chosen experts' weights, two einsums; no host syncs; plain weights only",
+    formats=("bf16", "fp32")))
+def _humming(x, weights, ids, w_gate_up, w_down, shared=None):
+    from impl.moe.humming import moe_humming
+    return moe_humming(x, weights, ids, w_gate_up, w_down, shared)
+
+
+def _humming_layer(x, router, w_gate_up, w_down, shared=None):
+    from impl.moe.humming import moe_humming_layer
+    return moe_humming_layer(x, router, w_gate_up, w_down, shared)
+
+
+def register_humming() -> bool:
+    """Register the `humming` backend if `humming-kernels` is installed (not imported until used)."""
+    from impl.moe.humming import humming_importable
+    if not humming_importable():
+        return False
+    backends.register(backends.Backend(
+        "moe", "humming", _humming, "Humming's MXFP4 GEMMs (humming-kernels) with Triton routing preparation, "
+        "SwiGLU and combine; shared expert on cuBLAS, side stream; CUDA, MXFP4 only",
+        devices=("cuda",), formats=("mxfp4",), layer=_humming_layer), replace=True)
+    return True
+
+
 backends.register(backends.Backend(
     "moe", "triton", _triton, "fused Triton decode kernels, bf16 or MXFP4 experts, shared expert fused",
     layer=_triton_layer))
+register_humming()
 
 __all__ = ["SharedExpert", "check_moe_inputs", "moe_gather", "moe_reference", "swiglu"]

@@ -5,7 +5,7 @@ sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
-        [--paths gemv-dp4a,...] [--sweeps prefetch,router,shared,pdl,tiles,warps] [--from-committed]
+        [--paths gemv-dp4a,...] [--sweeps prefetch,router,shared,pdl,stages,tiles,warps] [--from-committed]
 
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
 (tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
@@ -38,7 +38,9 @@ import triton  # noqa: E402
 from impl.model.config import get_config  # noqa: E402
 from impl.moe.configs import (GEMV_DECODES, MXFP4_PRODUCTS, TUNED_PATH, MoELaunchConfig,  # noqa: E402
                               device_name, lookup, m_bucket, save_tuned)
+from impl import backends  # noqa: E402
 from impl.moe.gather import moe_gather  # noqa: E402
+from impl.moe.humming import humming_layer  # noqa: E402
 from impl.moe.reference import moe_reference  # noqa: E402
 from impl.moe.random_layer import (bytes_per_token, distinct_experts, random_inputs, random_moe_block,  # noqa: E402
                                    shared_of)
@@ -112,25 +114,11 @@ def inputs(cfg, m: int):
     return random_inputs(cfg, m, CALLS_PER_GRAPH, DEV)
 
 
-def humming_layers(block, cfg):
-    """Humming's MXFP4 gate_up and down layers on the same packed weights (None if unavailable)."""
-    from humming.layer import HummingLayer
-    gu, dn = block.experts.weights()
-    layers = []
-    for w, n, k in ((gu, 2 * cfg.moe_intermediate_size, cfg.hidden_size),
-                    (dn, cfg.hidden_size, cfg.moe_intermediate_size)):
-        layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"},
-                             num_experts=cfg.num_experts, torch_dtype=torch.bfloat16)
-        layer.load_from_tensors({"weight": w.packed, "weight_scale": w.scales})
-        layer = layer.cuda()
-        layer.transform()
-        layers.append(layer)
-    return layers
-
-
 def humming_calls(block, cfg, xs, rows, m):
+    """Humming's two GEMMs alone, on routing prepared before the timing (its reference figures)."""
     from humming.testing.data import generate_moe_tensors
-    gate_up, down = humming_layers(block, cfg)
+    gu, dn = block.experts.weights()
+    gate_up, down = humming_layer(gu), humming_layer(dn)
     calls, checks = [], []
     for x in xs:
         with torch.no_grad():
@@ -150,13 +138,29 @@ def humming_calls(block, cfg, xs, rows, m):
     # Humming's gate_up output for the first input against x W^T on our dequantized weights.
     x, ids = checks[0]
     y, _ = calls[0]()
-    gu, _ = block.experts.weights()
     ref = torch.stack([x[t].float() @ MXFP4Tensor(gu.packed[e], gu.scales[e]).dequantize().T
                        for t in range(m) for e in ids[t].tolist()])
     rows.append(dict(kind="parity", shape=cfg.name, fmt="mxfp4", M=m, contender="humming gate_up",
                      rel_err=rel_err(y.view(m * cfg.top_k, -1), ref)))
     log(f"parity humming gate_up {cfg.name} M={m}: rel_err={rows[-1]['rel_err']:.2e}")
     return calls
+
+
+def humming_whole_layer(block, cfg, xs, rows, m):
+    """The `humming` backend's whole layer (impl/moe/humming.py: our Triton routing, its routing
+    preparation, Humming's GEMMs, SwiGLU, combine, the shared expert on a side stream), checked
+    against the oracle on the first input."""
+    layer = backends.get("moe", "humming").layer
+    gu, dn = block.experts.weights()
+    sh = shared_of(block)
+    with torch.no_grad():
+        out = layer(xs[0], block.gate, gu, dn, sh)
+        w, ids = block.gate(xs[0])
+        ref = moe_reference(xs[0].float(), w, ids, gu, dn, SharedExpert(sh.gate.float(), sh.up.float(), sh.down.float()))
+    rows.append(dict(kind="parity", shape=cfg.name, fmt="mxfp4", M=m, contender="humming whole layer",
+                     rel_err=rel_err(out, ref)))
+    log(f"parity humming whole layer {cfg.name} M={m}: rel_err={rows[-1]['rel_err']:.2e}")
+    return [lambda x=x: layer(x, block.gate, gu, dn, sh) for x in xs]
 
 
 # route_triton's launch variants, timed beside the default (two kernels, 4 warps each).
@@ -233,17 +237,18 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
         contenders["gather+einsum eager"] = [lambda x=x: gathered(x) for x in xs]
         contenders["gather+einsum torch.compile"] = [lambda x=x: compiled(x) for x in xs]
     else:
-        try:
-            contenders["humming (2 GEMMs only)"] = humming_calls(block, cfg, xs, rows, m)
-        except Exception as e:  # the peer is optional: report why it did not run
-            log(f"humming unavailable: {type(e).__name__}: {e}")
-            traceback.print_exc()
+        for name, build in (("humming (whole layer)", humming_whole_layer), ("humming (2 GEMMs only)", humming_calls)):
+            try:
+                contenders[name] = build(block, cfg, xs, rows, m)
+            except Exception as e:  # the peer is optional: report why it did not run
+                log(f"{name} unavailable: {type(e).__name__}: {e}")
+                traceback.print_exc()
     results = {}
     for name, calls in contenders.items():
         try:
             with torch.no_grad():
                 us = graph_us(calls)
-            part = {"humming": nbytes["routed"], "experts only": whole - nbytes["router"],
+            part = {"2 GEMMs only": nbytes["routed"], "experts only": whole - nbytes["router"],
                     "routing": nbytes["router"]}
             floor = next((v for k, v in part.items() if k in name), whole) / bw * 1e6
             results[name] = us
@@ -284,6 +289,9 @@ SWEEP_GATE_UP = [dict(gate_up_block_n=n, gate_up_block_k=k)
 SWEEP_DOWN = [dict(down_block_n=n, down_block_k=k)
               for n, k in itertools.product((16, 32, 64, 128), (128, 256, 512, 1024))]
 SWEEP_WARPS = [dict(gate_up_warps=w) for w in (2, 4, 8)] + [dict(down_warps=w) for w in (2, 4, 8)]
+# Tensor-core path: stages of Triton's software pipeline (the weight tiles in flight in shared
+# memory), each kernel its own; a stage more is a tile more of bytes in flight per program.
+SWEEP_STAGES = [dict(gate_up_stages=s) for s in (2, 4, 5, 6)] + [dict(down_stages=s) for s in (2, 4, 5, 6)]
 # How the register loops keep loads in flight: one or two steps ahead in registers (each kernel
 # its own), Triton's software pipeline of 2 to 4 stages through shared memory, or neither.
 SWEEP_PREFETCH = [dict(gate_up_prefetch=g, down_prefetch=d, gemv_stages=0) for g, d in ((1, 1), (2, 1), (2, 2), (1, 2))]
@@ -306,7 +314,7 @@ SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=Tru
 # prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
 # tuning out of time skips the rest.
 SWEEPS = {"prefetch": (SWEEP_PREFETCH, SWEEP_SHARED_PREFETCH), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,),
-          "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
+          "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,), "stages": (SWEEP_STAGES,),
           "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
@@ -326,10 +334,9 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in the
     order given (`SWEEPS`): (register path) loading a K step ahead or in Triton's software pipeline
-    (also with smaller tiles) or neither, routing in one launch
-    or two, (register path, with a
-    shared expert) its split and K tile, launches overlapping (PDL) or not, the gate_up and down
-    tiles, and (register path) the warps.
+    (also with smaller tiles) or neither, routing in one launch or two, (register path, with a
+    shared expert) its split and K tile, launches overlapping (PDL) or not, (tensor-core path)
+    the pipeline's stages, the gate_up and down tiles, and the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
@@ -375,7 +382,7 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    applies = {"shared": gemv and sh is not None, "warps": gemv, "prefetch": gemv, "pipeline": gemv}
+    applies = {"shared": gemv and sh is not None, "prefetch": gemv, "pipeline": gemv, "stages": not gemv}
     for sweep in (sw for name in sweeps if applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}

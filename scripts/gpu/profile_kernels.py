@@ -105,17 +105,19 @@ def profile_model(name: str, moe_backend: str) -> None:
         kernel_table(f"{name} {part}", graph.graph.replay)
 
 
-def profile_moe(shape: str, fmt: str, m: int, without_shared: bool = False, label: str = "") -> None:
+def profile_moe(shape: str, fmt: str, m: int, without_shared: bool = False, label: str = "",
+                moe_backend: str = "triton") -> None:
     from impl.model.config import get_config
     from impl.moe.random_layer import random_inputs, random_moe_block
     cfg = get_config(shape)
     if without_shared:  # what the shared expert's programs cost the step
         cfg = dataclasses.replace(cfg, num_shared_experts=0)
-    block = random_moe_block(cfg, fmt, torch.device("cuda"), "triton", 0)
+    block = random_moe_block(cfg, fmt, torch.device("cuda"), moe_backend, 0)
     xs = random_inputs(cfg, m, 10, torch.device("cuda"))
-    with torch.inference_mode():  # the block's forward: the `triton` backend's whole layer
+    with torch.inference_mode():  # the block's forward: the backend's whole layer
         graph = capture_graph([lambda x=x: block(x[None]) for x in xs])
-    kernel_table(f"MoE layer {shape} {fmt} M={m}{' without shared expert' if without_shared else ''}{label}",
+    backend = "" if moe_backend == "triton" else f" ({moe_backend})"
+    kernel_table(f"MoE layer {shape} {fmt} M={m}{backend}{' without shared expert' if without_shared else ''}{label}",
                  graph.replay, steps_per_replay=len(xs))
 
 
@@ -164,7 +166,7 @@ def main() -> None:
                 for m in map(int, args.ms.split(",")):
                     for without in (False, True) if args.without_shared else (False,):
                         try:
-                            profile_moe(shape, fmt, m, without, label)
+                            profile_moe(shape, fmt, m, without, label, args.moe_backend)
                         except Exception as e:  # e.g. a config out of registers: the other tables still run
                             print(f"\n== MoE layer {shape} {fmt} M={m}{label}: failed: {type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}")

@@ -8,6 +8,8 @@
 #     bash scripts/gpu/run_all.sh layer   # the one-launch MoE layer's GPU tests, then a profile
 #                                         # A/B: the committed configs against each override of
 #                                         # LAYER_AB (space-separated), over SHAPES, FORMATS, MS
+#     bash scripts/gpu/run_all.sh humming # the humming backend's GPU tests, and the parity suite
+#                                         # with --moe-backend humming at the issue-3 shapes
 #     bash scripts/gpu/run_all.sh gate    # FP8 head bench, then the main job `pytest --moe-bench`
 #                                         # on CUDA, gated against (FREEZE=1: frozen into) a copy
 #                                         # of baselines/ in $OUT/baselines.tar
@@ -47,6 +49,12 @@ if [ "$PART" = layer ]; then
     --moe-shapes "${SHAPES:-ling-3.0-flash,ling-flash-2.0}" --formats "${FORMATS:-mxfp4,bf16}" --ms "${MS:-1,4}" \
     "${overrides[@]}" > "$OUT/layer-ab${TAG:-}.log" 2>&1; echo "profile rc=$?"
   grep "^== " "$OUT/layer-ab${TAG:-}.log"
+fi
+if [ "$PART" = humming ]; then
+  timeout "${CHECK_SECONDS:-240}" $PYTEST -rfs tests/test_moe_humming.py > "$OUT/humming-checks.log" 2>&1
+  echo "humming tests rc=$?"; tail -4 "$OUT/humming-checks.log"
+  timeout "${PARITY_SECONDS:-200}" $PYTEST -rf --moe-backend humming -k "ling and mxfp4" suites/test_moe_parity.py \
+    > "$OUT/humming-parity.log" 2>&1; echo "humming parity rc=$?"; tail -4 "$OUT/humming-parity.log"
 fi
 if [ "$PART" = gate ] || [ "$PART" = all ]; then
   timeout "${HEAD_SECONDS:-100}" python3 scripts/gpu/bench_head.py --quick > "$OUT/head.log" 2>&1

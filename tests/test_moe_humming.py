@@ -1,0 +1,185 @@
+"""The `humming` backend's own parts (impl/moe/humming.py): on CPU, under Triton's interpreter,
+the routing preparation (Humming's indexed layout), SwiGLU and combine kernels against plain
+torch, the input checks and the registration; on a GPU with `humming-kernels` installed, the whole
+backend against the oracle (the parity suite runs it too: `--moe-backend humming`).
+
+Tolerances: the layout is integer (exact); SwiGLU and the combine compute in fp32 like the torch
+expressions they are compared with, only the combine's summation order may differ (top-k <= 16
+terms): RTOL_FP32 = 1e-6 (seen: 0 to 1e-7). On the GPU, the parity suite's RTOL_BF16 = 1e-2 (its
+docstring argues it: bf16 intermediate and output roundings; Humming accumulates in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from impl import backends
+from impl.moe import register_humming
+from impl.moe import humming
+from impl.moe.humming import (HUMMING_BLOCK, MAX_SLOTS, check_humming_inputs, humming_align, humming_combine,
+                              humming_importable, humming_swiglu)
+from impl.quant.mxfp4 import quantize_mxfp4
+
+RTOL_FP32 = 1e-6
+RTOL_GPU = 1e-2
+
+
+def expected_layout(ids: torch.Tensor, experts: int, block: int = HUMMING_BLOCK):
+    """Humming's indexed layout as its own test helper builds it, on the host: experts ascending,
+    each in whole blocks, its slots in order, pads = the slot count."""
+    flat = ids.reshape(-1).tolist()
+    pad = len(flat)
+    sorted_ids, expert_ids = [], []
+    for e in range(experts):
+        slots = [s for s, v in enumerate(flat) if v == e]
+        blocks = math.ceil(len(slots) / block)
+        sorted_ids += slots + [pad] * (blocks * block - len(slots))
+        expert_ids += [e] * blocks
+    return sorted_ids, expert_ids
+
+
+def assert_layout(ids, experts, sorted_ids, expert_ids, padded, block=HUMMING_BLOCK):
+    want_sorted, want_experts = expected_layout(ids, experts, block)
+    n = int(padded.item())
+    assert n == len(want_sorted), f"num_tokens_padded {n}, expected {len(want_sorted)}"
+    assert sorted_ids[:n].tolist() == want_sorted, "sorted_ids differ from Humming's layout"
+    assert expert_ids[:n // block].tolist() == want_experts, "expert_ids differ from Humming's layout"
+    assert (sorted_ids[n:] == ids.numel()).all(), "entries past the last block must be pads"
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [
+    (1, 8, 512),   # a decode step: 8 distinct experts, 8 blocks of one slot
+    (4, 8, 64),    # a verify step: some experts chosen by several tokens
+    (16, 16, 4),   # 64 slots an expert: several blocks each
+    (16, 16, 1),   # every slot to one expert: 32 blocks
+    (1, 1, 1),
+])
+def test_align_matches_humming_layout(tokens, top_k, experts):
+    g = torch.Generator().manual_seed(tokens * 1000 + top_k * 10 + experts)
+    ids = torch.stack([torch.randperm(max(experts, top_k), generator=g)[:top_k] % experts for _ in range(tokens)])
+    assert_layout(ids, experts, *humming_align(ids, experts))
+
+
+@given(st.integers(1, 16), st.integers(1, 16), st.integers(1, 40), st.randoms(use_true_random=False))
+def test_align_property(tokens, top_k, experts, rnd):
+    """Any ids, repeats within a token included (the layout does not need them distinct)."""
+    ids = torch.tensor([[rnd.randrange(experts) for _ in range(top_k)] for _ in range(tokens)], dtype=torch.int64)
+    assert_layout(ids, experts, *humming_align(ids, experts))
+
+
+def test_layout_check_catches_a_wrong_layout():
+    """Negative control: the check above fails on a layout with two slots swapped across experts."""
+    ids = torch.tensor([[3, 1, 2, 0]])
+    sorted_ids, expert_ids, padded = humming_align(ids, 4)
+    sorted_ids = sorted_ids.clone()
+    sorted_ids[[0, HUMMING_BLOCK]] = sorted_ids[[HUMMING_BLOCK, 0]]
+    with pytest.raises(AssertionError, match="sorted_ids differ"):
+        assert_layout(ids, 4, sorted_ids, expert_ids, padded)
+
+
+def test_align_refuses_too_many_slots():
+    with pytest.raises(ValueError, match=f"1 to {MAX_SLOTS} slots"):
+        humming_align(torch.zeros(17, 16, dtype=torch.int64), 4)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 768), (32, 1024), (3, 96), (2, 1536)])
+def test_swiglu_matches_torch(rows, inter):
+    y = torch.randn(rows, 2 * inter) * 3
+    want = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    torch.testing.assert_close(humming_swiglu(y), want, rtol=RTOL_FP32, atol=0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2560), (4, 8, 96), (3, 1, 4096)])
+def test_combine_matches_torch(tokens, top_k, hidden, shared):
+    z = torch.randn(tokens * top_k, hidden)
+    w = torch.rand(tokens, top_k) * 2.5
+    s = torch.randn(tokens, hidden) if shared else None
+    want = (z.view(tokens, top_k, hidden) * w[..., None]).sum(1) + (s if shared else 0)
+    torch.testing.assert_close(humming_combine(z, w, s, torch.float32), want, rtol=RTOL_FP32, atol=1e-6)
+
+
+def test_combine_keeps_a_nan_row_in_its_token():
+    z = torch.randn(3 * 2, 64)
+    z[2, 5] = float("nan")  # token 1's first slot
+    out = humming_combine(z, torch.ones(3, 2), None, torch.float32)
+    assert out[1].isnan().any() and not out[[0, 2]].isnan().any()
+
+
+def _mxfp4_pair(experts=4, hidden=64, inter=32):
+    return (quantize_mxfp4(torch.randn(experts, 2 * inter, hidden)), quantize_mxfp4(torch.randn(experts, hidden, inter)))
+
+
+def test_inputs_named_errors():
+    gu, dn = _mxfp4_pair()
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    w, ids = torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="takes MXFP4 experts.*gate_up weight is a Tensor"):
+        check_humming_inputs(x, w, ids, torch.randn(4, 64, 64), dn)
+    with pytest.raises(ValueError, match="needs CUDA tensors.*got x on cpu"):
+        check_humming_inputs(x, w, ids, gu, dn)
+
+
+def test_registered_only_when_importable(monkeypatch):
+    """Not installed: no `humming` backend, and asking for one lists what there is; installed
+    (pretended here): registered for CUDA and MXFP4 only, with its whole-layer path."""
+    registry = dict(backends._registry)
+    try:
+        if not humming_importable():
+            with pytest.raises(ValueError, match="unknown moe backend 'humming'; available:"):
+                backends.get("moe", "humming")
+        monkeypatch.setattr(humming, "humming_importable", lambda: False)
+        backends._registry.pop(("moe", "humming"), None)
+        assert register_humming() is False and "humming" not in backends.available("moe")
+        monkeypatch.setattr(humming, "humming_importable", lambda: True)
+        assert register_humming() is True
+        b = backends.get("moe", "humming")
+        assert b.devices == ("cuda",) and b.formats == ("mxfp4",) and b.layer is not None
+    finally:
+        backends._registry.clear()
+        backends._registry.update(registry)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not humming_importable(), reason="needs CUDA and humming-kernels")
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])
+@pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
+def test_whole_layer_matches_the_oracle_and_replays_in_a_graph(shape, tokens):
+    """The layer (Triton routing, Humming's GEMMs, shared expert on the side stream) against
+    the oracle on the same routing and weights; then the same calls captured in a CUDA graph,
+    replayed on fresh inputs, give what eager calls give."""
+    from impl.graphs import capture_graph
+    from impl.model.config import get_config
+    from impl.moe.random_layer import random_moe_block, shared_of
+    from impl.moe.reference import moe_reference
+    from impl.moe.shared import SharedExpert
+    cfg = get_config(shape)
+    dev = torch.device("cuda")
+    block = random_moe_block(cfg, "mxfp4", dev, "humming", seed=tokens)
+    gu, dn = block.experts.weights()
+    sh = shared_of(block)
+    x = torch.randn(tokens, cfg.hidden_size, device=dev).to(torch.bfloat16)
+    layer = backends.get("moe", "humming").layer
+    with torch.no_grad():
+        with backends.record_provenance() as prov:
+            out = layer(x, block.gate, gu, dn, sh)
+        assert prov.backends("moe") == {"humming"}
+        w, ids = block.gate(x)
+        ref = moe_reference(x.float(), w, ids, gu, dn, SharedExpert(sh.gate.float(), sh.up.float(), sh.down.float()))
+        rel = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max().item()
+        assert rel <= RTOL_GPU, f"humming layer vs oracle: worst row relative error {rel:.3g}"
+        static, captured = x.clone(), {}
+
+        def call():
+            captured["out"] = layer(static, block.gate, gu, dn, sh)
+        graph = capture_graph([call])
+        fresh = torch.randn_like(x)
+        static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = layer(fresh, block.gate, gu, dn, sh)
+    assert torch.equal(captured["out"], eager), "graph replay on fresh inputs differs from an eager call"
