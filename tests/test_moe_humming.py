@@ -28,6 +28,13 @@ RTOL_FP32 = 1e-6
 RTOL_GPU = 1e-2
 
 
+@pytest.fixture(scope="module")
+def dev(moe_device):
+    """Where the kernels run: the GPU, or the CPU under the interpreter. Inputs are drawn on the
+    CPU and moved, results compared on the CPU."""
+    return moe_device.torch_device
+
+
 def expected_layout(ids: torch.Tensor, experts: int, block: int = HUMMING_BLOCK):
     """Humming's indexed layout as its own test helper builds it, on the host: experts ascending,
     each in whole blocks, its slots in order, pads = the slot count."""
@@ -58,55 +65,56 @@ def assert_layout(ids, experts, sorted_ids, expert_ids, padded, block=HUMMING_BL
     (16, 16, 1),   # every slot to one expert: 32 blocks
     (1, 1, 1),
 ])
-def test_align_matches_humming_layout(tokens, top_k, experts):
+def test_align_matches_humming_layout(dev, tokens, top_k, experts):
     g = torch.Generator().manual_seed(tokens * 1000 + top_k * 10 + experts)
     ids = torch.stack([torch.randperm(max(experts, top_k), generator=g)[:top_k] % experts for _ in range(tokens)])
-    assert_layout(ids, experts, *humming_align(ids, experts))
+    assert_layout(ids, experts, *(t.cpu() for t in humming_align(ids.to(dev), experts)))
 
 
 @given(st.integers(1, 16), st.integers(1, 16), st.integers(1, 40), st.randoms(use_true_random=False))
-def test_align_property(tokens, top_k, experts, rnd):
+def test_align_property(dev, tokens, top_k, experts, rnd):
     """Any ids, repeats within a token included (the layout does not need them distinct)."""
     ids = torch.tensor([[rnd.randrange(experts) for _ in range(top_k)] for _ in range(tokens)], dtype=torch.int64)
-    assert_layout(ids, experts, *humming_align(ids, experts))
+    assert_layout(ids, experts, *(t.cpu() for t in humming_align(ids.to(dev), experts)))
 
 
-def test_layout_check_catches_a_wrong_layout():
+def test_layout_check_catches_a_wrong_layout(dev):
     """Negative control: the check above fails on a layout with two slots swapped across experts."""
     ids = torch.tensor([[3, 1, 2, 0]])
-    sorted_ids, expert_ids, padded = humming_align(ids, 4)
+    sorted_ids, expert_ids, padded = (t.cpu() for t in humming_align(ids.to(dev), 4))
     sorted_ids = sorted_ids.clone()
     sorted_ids[[0, HUMMING_BLOCK]] = sorted_ids[[HUMMING_BLOCK, 0]]
     with pytest.raises(AssertionError, match="sorted_ids differ"):
         assert_layout(ids, 4, sorted_ids, expert_ids, padded)
 
 
-def test_align_refuses_too_many_slots():
+def test_align_refuses_too_many_slots(dev):
     with pytest.raises(ValueError, match=f"1 to {MAX_SLOTS} slots"):
-        humming_align(torch.zeros(17, 16, dtype=torch.int64), 4)
+        humming_align(torch.zeros(17, 16, dtype=torch.int64, device=dev), 4)
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 768), (32, 1024), (3, 96), (2, 1536)])
-def test_swiglu_matches_torch(rows, inter):
+def test_swiglu_matches_torch(dev, rows, inter):
     y = torch.randn(rows, 2 * inter) * 3
     want = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
-    torch.testing.assert_close(humming_swiglu(y), want, rtol=RTOL_FP32, atol=0)
+    torch.testing.assert_close(humming_swiglu(y.to(dev)).cpu(), want, rtol=RTOL_FP32, atol=1e-7)
 
 
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2560), (4, 8, 96), (3, 1, 4096)])
-def test_combine_matches_torch(tokens, top_k, hidden, shared):
+def test_combine_matches_torch(dev, tokens, top_k, hidden, shared):
     z = torch.randn(tokens * top_k, hidden)
     w = torch.rand(tokens, top_k) * 2.5
     s = torch.randn(tokens, hidden) if shared else None
     want = (z.view(tokens, top_k, hidden) * w[..., None]).sum(1) + (s if shared else 0)
-    torch.testing.assert_close(humming_combine(z, w, s, torch.float32), want, rtol=RTOL_FP32, atol=1e-6)
+    out = humming_combine(z.to(dev), w.to(dev), None if s is None else s.to(dev), torch.float32).cpu()
+    torch.testing.assert_close(out, want, rtol=RTOL_FP32, atol=1e-6)
 
 
-def test_combine_keeps_a_nan_row_in_its_token():
+def test_combine_keeps_a_nan_row_in_its_token(dev):
     z = torch.randn(3 * 2, 64)
     z[2, 5] = float("nan")  # token 1's first slot
-    out = humming_combine(z, torch.ones(3, 2), None, torch.float32)
+    out = humming_combine(z.to(dev), torch.ones(3, 2, device=dev), None, torch.float32).cpu()
     assert out[1].isnan().any() and not out[[0, 2]].isnan().any()
 
 

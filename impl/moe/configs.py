@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,7 +171,10 @@ def load_tuned(path: Path = TUNED_PATH) -> dict[tuple, MoELaunchConfig]:
 def save_tuned(tuned: dict[tuple, MoELaunchConfig], path: Path = TUNED_PATH) -> None:
     merged = {**load_tuned(path), **tuned}
     entries = [{"key": dict(zip(KEY_FIELDS, k)), "config": dataclasses.asdict(c)} for k, c in sorted(merged.items())]
-    path.write_text(json.dumps(entries, indent=1) + "\n")
+    # Atomically: a tuning cut short mid-write must not leave a truncated file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 TUNED: dict[tuple, MoELaunchConfig] = load_tuned()
