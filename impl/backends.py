@@ -23,6 +23,12 @@ KINDS = ("moe", "head", "decoder")
 WEIGHT_FORMATS = ("bf16", "fp32", "mxfp4")
 
 
+class Unsupported(ValueError):
+    """A backend's refusal of well-formed input it does not cover (a shape outside a peer
+    library's tiles, say): the suites skip such a case and say why; malformed input stays a
+    plain ValueError or TypeError, which fails them."""
+
+
 @dataclass(frozen=True)
 class Backend:
     kind: str

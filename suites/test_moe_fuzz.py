@@ -217,9 +217,14 @@ def skip_without_mxfp4(formats, backend) -> None:
 
 
 def run_backend(backend, inputs):
-    """The backend's output, after checking that it (and only it) recorded the kernels it ran."""
+    """The backend's output, after checking that it (and only it) recorded the kernels it ran. A
+    backend that declines a drawn case (`backends.Unsupported`, e.g. a peer library's shape
+    limits) skips the property, saying why."""
     with backends.record_provenance() as prov:
-        out = backend.fn(*inputs)
+        try:
+            out = backend.fn(*inputs)
+        except backends.Unsupported as e:
+            pytest.skip(f"backend {backend.name!r} does not cover a drawn case: {e}")
     ran = {e.backend for e in prov.events if e.kind == "moe"}
     assert ran == {backend.name}, f"provenance names backends {sorted(ran)}, expected only {backend.name!r}"
     return out

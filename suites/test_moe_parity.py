@@ -205,7 +205,10 @@ def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_sha
             torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))))
 
     with backends.record_provenance() as prov:
-        out = backend.fn(x, weights, ids, w_gate_up, w_down, shared)
+        try:
+            out = backend.fn(x, weights, ids, w_gate_up, w_down, shared)
+        except backends.Unsupported as e:  # a case outside what the backend covers, in its words
+            pytest.skip(f"backend {backend.name!r} does not cover this case: {e}")
     assert out.dtype == x.dtype, f"{what}: output dtype {out.dtype}, expected the activations' {x.dtype}"
     assert_ran(prov, backend, fmt)
     ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared)

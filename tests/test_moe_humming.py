@@ -11,6 +11,7 @@ docstring argues it: bf16 intermediate and output roundings; Humming accumulates
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -20,8 +21,8 @@ from hypothesis import given, strategies as st
 from impl import backends
 from impl.moe import register_humming
 from impl.moe import humming
-from impl.moe.humming import (HUMMING_BLOCK, MAX_SLOTS, check_humming_inputs, humming_align, humming_combine,
-                              humming_importable, humming_swiglu)
+from impl.moe.humming import (HUMMING_BLOCK, MAX_SLOTS, check_humming_inputs, check_humming_shape, humming_align,
+                              humming_combine, humming_importable, humming_swiglu)
 from impl.quant.mxfp4 import quantize_mxfp4
 
 RTOL_FP32 = 1e-6
@@ -132,6 +133,17 @@ def test_inputs_named_errors():
         check_humming_inputs(x, w, ids, gu, dn)
 
 
+def test_shapes_outside_humming_tiles_are_unsupported_in_words(monkeypatch):
+    """N = 96 (a tiny model's hidden size) is outside Humming's tiles: refused as Unsupported,
+    which the suites skip, naming the weight and the rule; the issue-3 shapes pass."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    with pytest.raises(backends.Unsupported, match=r"N a multiple of 128 .*down weight is \[E, N, K\] = \[4, 96, 64\]"):
+        check_humming_shape("down", quantize_mxfp4(torch.randn(4, 96, 64)), cuda)
+    for n, k in ((1536, 2560), (2560, 768), (2048, 4096), (4096, 1024)):
+        check_humming_shape("gate_up", quantize_mxfp4(torch.randn(1, n, k)), cuda)
+
+
 def test_registered_only_when_importable(monkeypatch):
     """Not installed: no `humming` backend, and asking for one lists what there is; installed
     (pretended here): registered for CUDA and MXFP4 only, with its whole-layer path."""
@@ -152,6 +164,13 @@ def test_registered_only_when_importable(monkeypatch):
         backends._registry.update(registry)
 
 
+@functools.lru_cache(maxsize=1)  # tests run shape by shape: one block (GBs) and its Humming layout at a time
+def _ling_block(shape: str):
+    from impl.model.config import get_config
+    from impl.moe.random_layer import random_moe_block
+    return random_moe_block(get_config(shape), "mxfp4", torch.device("cuda"), "humming", seed=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not humming_importable(), reason="needs CUDA and humming-kernels")
 @pytest.mark.parametrize("tokens", [1, 2, 4, 16])
@@ -162,12 +181,12 @@ def test_whole_layer_matches_the_oracle_and_replays_in_a_graph(shape, tokens):
     replayed on fresh inputs, give what eager calls give."""
     from impl.graphs import capture_graph
     from impl.model.config import get_config
-    from impl.moe.random_layer import random_moe_block, shared_of
+    from impl.moe.random_layer import shared_of
     from impl.moe.reference import moe_reference
     from impl.moe.shared import SharedExpert
     cfg = get_config(shape)
     dev = torch.device("cuda")
-    block = random_moe_block(cfg, "mxfp4", dev, "humming", seed=tokens)
+    block = _ling_block(shape)
     gu, dn = block.experts.weights()
     sh = shared_of(block)
     x = torch.randn(tokens, cfg.hidden_size, device=dev).to(torch.bfloat16)

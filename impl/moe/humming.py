@@ -173,6 +173,24 @@ def humming_layer(w: MXFP4Tensor):
     return _prepared.get(w.packed, build)
 
 
+# Humming 0.1.19's own limits on a weight [E, N, K] (transform.py; tune/sm90_policies.py keeps a
+# whole four-warp WGMMA group of bf16 activations across N: 128 columns). Named here so that a
+# shape outside them is refused in words, not by an assertion deep inside its tuning.
+HUMMING_N_MULTIPLE = {(9, 0): 128}
+HUMMING_N_MULTIPLE_DEFAULT = 64
+HUMMING_K_MULTIPLE = 32
+
+
+def check_humming_shape(name: str, w: MXFP4Tensor, device: torch.device) -> None:
+    _, n, k = w.shape
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    n_multiple = HUMMING_N_MULTIPLE.get(cap, HUMMING_N_MULTIPLE_DEFAULT)
+    if n % n_multiple or k % HUMMING_K_MULTIPLE:
+        raise backends.Unsupported(
+            f"the humming backend needs each weight's N a multiple of {n_multiple} and K of {HUMMING_K_MULTIPLE} "
+            f"on this GPU (Humming's tiles); the {name} weight is [E, N, K] = {list(w.shape)}")
+
+
 def check_humming_inputs(x, weights, ids, w_gate_up, w_down) -> None:
     """Named errors for what the humming backend does not take, beyond `check_moe_inputs`."""
     for name, w in (("gate_up", w_gate_up), ("down", w_down)):
@@ -187,6 +205,8 @@ def check_humming_inputs(x, weights, ids, w_gate_up, w_down) -> None:
     # The ids' range is read back to the host, which a CUDA graph capture does not allow.
     check_moe_inputs(x, weights, ids, logical_weight(w_gate_up), logical_weight(w_down),
                      check_ids=not torch.cuda.is_current_stream_capturing())
+    for name, w in (("gate_up", w_gate_up), ("down", w_down)):
+        check_humming_shape(name, w, x.device)
 
 
 def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, shared=None) -> torch.Tensor:
