@@ -176,37 +176,42 @@ def _ling_block(shape: str):
 @pytest.mark.parametrize("tokens", [1, 2, 4, 16])
 @pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
 def test_whole_layer_matches_the_oracle_and_replays_in_a_graph(shape, tokens):
-    """The layer (Triton routing, Humming's GEMMs, shared expert on the side stream) against
-    the oracle on the same routing and weights; then the same calls captured in a CUDA graph,
-    replayed on fresh inputs, give what eager calls give."""
+    """The layer (Triton routing, Humming's GEMMs, shared expert on the side stream) against the
+    oracle on the same routing and weights, eagerly and as a CUDA graph replayed on fresh inputs.
+    The replay is held to the oracle, not bit-compared with an eager call: cuBLAS may choose
+    another algorithm for the shared expert under capture (split-K at Ling-flash-2.0 M=1), which
+    rounds differently but within the same tolerance."""
     from impl.graphs import capture_graph
     from impl.model.config import get_config
     from impl.moe.random_layer import shared_of
     from impl.moe.reference import moe_reference
     from impl.moe.shared import SharedExpert
     cfg = get_config(shape)
-    dev = torch.device("cuda")
     block = _ling_block(shape)
     gu, dn = block.experts.weights()
     sh = shared_of(block)
-    x = torch.randn(tokens, cfg.hidden_size, device=dev).to(torch.bfloat16)
+    sh32 = SharedExpert(sh.gate.float(), sh.up.float(), sh.down.float())
     layer = backends.get("moe", "humming").layer
+
+    def assert_matches_oracle(x, out, what):
+        w, ids = block.gate(x)
+        ref = moe_reference(x.float(), w, ids, gu, dn, sh32)
+        rel = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max().item()
+        assert rel <= RTOL_GPU, f"humming layer vs oracle, {what}: worst row relative error {rel:.3g}"
+
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
         with backends.record_provenance() as prov:
             out = layer(x, block.gate, gu, dn, sh)
         assert prov.backends("moe") == {"humming"}
-        w, ids = block.gate(x)
-        ref = moe_reference(x.float(), w, ids, gu, dn, SharedExpert(sh.gate.float(), sh.up.float(), sh.down.float()))
-        rel = ((out.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)).max().item()
-        assert rel <= RTOL_GPU, f"humming layer vs oracle: worst row relative error {rel:.3g}"
+        assert_matches_oracle(x, out, "eager")
         static, captured = x.clone(), {}
 
         def call():
             captured["out"] = layer(static, block.gate, gu, dn, sh)
         graph = capture_graph([call])
-        fresh = torch.randn_like(x)
-        static.copy_(fresh)
+        static.copy_(torch.randn_like(x))
+        captured["out"].fill_(float("nan"))  # what the replay does not write stays NaN
         graph.replay()
         torch.cuda.synchronize()
-        eager = layer(fresh, block.gate, gu, dn, sh)
-    assert torch.equal(captured["out"], eager), "graph replay on fresh inputs differs from an eager call"
+        assert_matches_oracle(static, captured["out"], "graph replay on fresh inputs")
