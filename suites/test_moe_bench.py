@@ -6,6 +6,10 @@ stream from HBM rather than L2; the figure is microseconds per call. Tolerance 5
 captured graph on an otherwise idle GPU repeat to about 1% (notes/moe-h200.md), so 5% flags a
 real regression without flagging the card.
 
+`test_moe_layer_over_humming` times the backend under test beside the peer, Humming's whole layer
+(the `humming` backend, when humming-kernels is installed), on the same weights and inputs,
+interleaved sample by sample, and gates the ratio (below 1: faster than Humming side by side).
+
 The inputs come from a generator of their own (`random_inputs`), not the global one: its state
 depends on which tests ran before, and at M = 4 the inputs decide how many distinct experts a
 call reads (about 31 of 32 slots), so unseeded draws moved the bandwidth-bound bf16 M = 4
@@ -18,8 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from impl import backends
 from impl.model.config import get_config
-from impl.moe.random_layer import bytes_per_token, distinct_experts, random_inputs, random_moe_block
+from impl.moe.random_layer import bytes_per_token, distinct_experts, random_inputs, random_moe_block, shared_of
 from impl.graphs import capture_graph
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
@@ -42,8 +47,8 @@ def copy_bytes_per_s(moe_device):
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 @pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
 def test_moe_layer_us(shape, fmt, m, moe_device, moe_backend, moe_sampler, moe_gate, copy_bytes_per_s):
-    if fmt == "mxfp4" and moe_backend.name == "gather":
-        pytest.skip("the gather backend takes no MXFP4 weights")
+    if fmt not in moe_backend.formats:
+        pytest.skip(f"backend {moe_backend.name!r} takes {', '.join(moe_backend.formats)} experts, not {fmt}")
     cfg = get_config(shape)
     dev = moe_device.torch_device
     block = random_moe_block(cfg, fmt, dev, moe_backend.name)
@@ -62,3 +67,32 @@ def test_moe_layer_us(shape, fmt, m, moe_device, moe_backend, moe_sampler, moe_g
                             remeasure=microseconds)
     print(f"{shape} {fmt} M={m}: {result.current:.1f} us, floor {floor_us:.1f} us "
           f"({floor_us / result.current:.0%} of the bytes floor)")
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
+def test_moe_layer_over_humming(shape, m, moe_device, moe_backend, moe_sampler, moe_gate):
+    """MXFP4 layer time of the backend under test over Humming's whole layer, side by side."""
+    if "humming" not in backends.available("moe"):
+        pytest.skip("humming-kernels is not installed: no peer to time against")
+    if moe_backend.name == "humming" or "mxfp4" not in moe_backend.formats:
+        pytest.skip(f"backend {moe_backend.name!r} is the peer itself or takes no MXFP4 experts")
+    cfg = get_config(shape)
+    dev = moe_device.torch_device
+    block = random_moe_block(cfg, "mxfp4", dev, moe_backend.name)
+    xs = random_inputs(cfg, m, CALLS_PER_GRAPH, dev)
+    peer = backends.get("moe", "humming").layer
+    weights, shared = block.experts.weights(), shared_of(block)
+    with torch.no_grad():
+        graphs = {"ours": capture_graph([lambda x=x: block(x[None]) for x in xs]),
+                  "humming": capture_graph([lambda x=x: peer(x, block.gate, *weights, shared) for x in xs])}
+
+    def side_by_side():
+        s = moe_sampler.interleaved({k: g.replay for k, g in graphs.items()}, inner=REPLAYS_PER_SAMPLE)
+        return s["ours"], s["humming"]
+
+    result = moe_gate.check_ratio(f"moe_layer_over_humming[{shape},mxfp4,M={m}]", side_by_side, direction="lower",
+                                  tolerance=0.05, config={"shape": shape, "format": "mxfp4", "tokens": m,
+                                                          "distinct_experts": round(distinct_experts(block, xs), 2)})
+    print(f"{shape} mxfp4 M={m}: {moe_backend.name} / humming whole layer = {result.current:.3f}x "
+          f"({'faster' if result.current < 1 else 'not faster'} than Humming side by side)")
