@@ -144,6 +144,21 @@ def test_shapes_outside_humming_tiles_are_unsupported_in_words(monkeypatch):
         check_humming_shape("gate_up", quantize_mxfp4(torch.randn(1, n, k)), cuda)
 
 
+def test_prepared_state_is_rebuilt_when_its_inputs_change_and_dropped_with_them():
+    prepared = humming._Prepared()
+    gate, up = torch.ones(2, 4), torch.zeros(2, 4)
+    build = lambda: torch.cat((gate, up))  # noqa: E731
+    first = prepared.get(gate, build, up)
+    assert prepared.get(gate, build, up) is first, "an unchanged weight is converted once"
+    up.add_(1)  # the other input changes in place
+    second = prepared.get(gate, build, up)
+    assert second is not first and torch.equal(second[2:], up)
+    del gate, first, second, build
+    import gc
+    gc.collect()
+    assert not prepared._entries, "the state of a weight that is gone must go with it"
+
+
 def test_registered_only_when_importable(monkeypatch):
     """Not installed: no `humming` backend, and asking for one lists what there is; installed
     (pretended here): registered for CUDA and MXFP4 only, with its whole-layer path."""

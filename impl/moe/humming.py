@@ -144,14 +144,17 @@ class _Prepared:
     def __init__(self) -> None:
         self._entries: dict[int, tuple] = {}
 
-    def get(self, key: torch.Tensor, build):
-        """build() once per tensor `key` and version of it (an in-place change rebuilds)."""
+    def get(self, key: torch.Tensor, build, *inputs: torch.Tensor):
+        """build() once per tensor `key`, rebuilt when `key` or one of the other `inputs` it is
+        built from changes in place (their version counters)."""
+        versions = tuple(t._version for t in (key, *inputs))
         entry = self._entries.get(id(key))
-        if entry is not None and entry[0]() is key and entry[1] == key._version:
+        if entry is not None and entry[0]() is key and entry[1] == versions:
             return entry[2]
         value = build()
-        self._entries[id(key)] = (weakref.ref(key), key._version, value)
-        weakref.finalize(key, self._entries.pop, id(key), None)
+        if entry is None or entry[0]() is not key:
+            weakref.finalize(key, self._entries.pop, id(key), None)
+        self._entries[id(key)] = (weakref.ref(key), versions, value)
         return value
 
 
@@ -170,7 +173,7 @@ def humming_layer(w: MXFP4Tensor):
         layer = layer.to(w.packed.device)
         layer.transform()
         return layer
-    return _prepared.get(w.packed, build)
+    return _prepared.get(w.packed, build, w.scales)
 
 
 # Humming 0.1.19's own limits on a weight [E, N, K] (transform.py; tune/sm90_policies.py keeps a
@@ -218,7 +221,7 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
     shared_out = None
     if shared is not None:  # allocated on the main stream, which waits for the side stream before use
         side = _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
-        stacked = _prepared.get(shared.gate, lambda: torch.cat((shared.gate, shared.up)))
+        stacked = _prepared.get(shared.gate, lambda: torch.cat((shared.gate, shared.up)), shared.up)
         shared_h = torch.empty(tokens, stacked.shape[0], dtype=x.dtype, device=x.device)
         shared_act = torch.empty(tokens, shared.down.shape[1], dtype=x.dtype, device=x.device)
         shared_out = torch.empty(tokens, x.shape[1], dtype=x.dtype, device=x.device)
