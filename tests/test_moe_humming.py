@@ -19,10 +19,10 @@ import torch
 from hypothesis import given, strategies as st
 
 from impl import backends
-from impl.moe import register_humming
-from impl.moe import humming
+import impl.moe
+from impl.moe import humming, humming_importable, register_humming
 from impl.moe.humming import (HUMMING_BLOCK, MAX_SLOTS, check_humming_inputs, check_humming_shape, humming_align,
-                              humming_combine, humming_importable, humming_swiglu)
+                              humming_combine, humming_swiglu)
 from impl.quant.mxfp4 import quantize_mxfp4
 
 RTOL_FP32 = 1e-6
@@ -167,10 +167,10 @@ def test_registered_only_when_importable(monkeypatch):
         if not humming_importable():
             with pytest.raises(ValueError, match="unknown moe backend 'humming'; available:"):
                 backends.get("moe", "humming")
-        monkeypatch.setattr(humming, "humming_importable", lambda: False)
+        monkeypatch.setattr(impl.moe, "humming_importable", lambda: False)
         backends._registry.pop(("moe", "humming"), None)
         assert register_humming() is False and "humming" not in backends.available("moe")
-        monkeypatch.setattr(humming, "humming_importable", lambda: True)
+        monkeypatch.setattr(impl.moe, "humming_importable", lambda: True)
         assert register_humming() is True
         b = backends.get("moe", "humming")
         assert b.devices == ("cuda",) and b.formats == ("mxfp4",) and b.layer is not None

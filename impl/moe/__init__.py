@@ -5,6 +5,8 @@ A `moe` backend is fn(x [T, H], weights fp32 [T, k], ids [T, k], w_gate_up, w_do
 `shared` is a SharedExpert or None.
 """
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -58,9 +60,14 @@ def _humming_layer(x, router, w_gate_up, w_down, shared=None):
     return moe_humming_layer(x, router, w_gate_up, w_down, shared)
 
 
+def humming_importable() -> bool:
+    """Whether `humming-kernels` is installed, without importing it (it JIT-compiles on use) or
+    this package's module around it (Triton kernels)."""
+    return importlib.util.find_spec("humming") is not None
+
+
 def register_humming() -> bool:
     """Register the `humming` backend if `humming-kernels` is installed (not imported until used)."""
-    from impl.moe.humming import humming_importable
     if not humming_importable():
         return False
     backends.register(backends.Backend(

@@ -19,7 +19,6 @@ kept while the weight lives.
 
 from __future__ import annotations
 
-import importlib.util
 import weakref
 
 import torch
@@ -33,11 +32,6 @@ from impl.triton_env import tl, triton
 HUMMING_BLOCK = 8
 # Slots (tokens x top-k) one call may route: the decode and verify steps these kernels are for.
 MAX_SLOTS = 256
-
-
-def humming_importable() -> bool:
-    """Whether `humming-kernels` is installed (without importing it: it JIT-compiles on use)."""
-    return importlib.util.find_spec("humming") is not None
 
 
 @triton.jit
