@@ -23,6 +23,7 @@ import impl.moe
 from impl.moe import humming, humming_importable, register_humming
 from impl.moe.humming import (HUMMING_BLOCK, MAX_SLOTS, check_humming_inputs, check_humming_shape, humming_align,
                               humming_combine, humming_swiglu)
+from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import quantize_mxfp4
 
 RTOL_FP32 = 1e-6
@@ -131,6 +132,16 @@ def test_inputs_named_errors():
         check_humming_inputs(x, w, ids, torch.randn(4, 64, 64), dn)
     with pytest.raises(ValueError, match="needs CUDA tensors.*got x on cpu"):
         check_humming_inputs(x, w, ids, gu, dn)
+    with pytest.raises(ValueError, match="needs x contiguous"):
+        check_humming_inputs(torch.randn(64, 2).to(torch.bfloat16).t(), torch.ones(2, 2),
+                             torch.zeros(2, 2, dtype=torch.int32), gu, dn)
+    h, i_s = 64, 32
+    shared = SharedExpert(torch.randn(i_s, h).to(torch.bfloat16), torch.randn(i_s, h).to(torch.bfloat16),
+                          torch.randn(h, i_s))
+    with pytest.raises(TypeError, match="shared expert in x's dtype torch.bfloat16"):
+        check_humming_inputs(x, w, ids, gu, dn, shared)
+    with pytest.raises(ValueError, match="shared expert must be"):
+        check_humming_inputs(x, w, ids, gu, dn, SharedExpert(shared.gate, shared.up, shared.gate))
 
 
 def test_shapes_outside_humming_tiles_are_unsupported_in_words(monkeypatch):

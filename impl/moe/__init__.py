@@ -50,6 +50,8 @@ backends.register(backends.Backend(
 backends.register(backends.Backend(
     "moe", "gather", _gather, "gather the chosen experts' weights, two einsums; no host syncs; plain weights only",
     formats=("bf16", "fp32")))
+
+
 def _humming(x, weights, ids, w_gate_up, w_down, shared=None):
     from impl.moe.humming import moe_humming
     return moe_humming(x, weights, ids, w_gate_up, w_down, shared)

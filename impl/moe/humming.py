@@ -25,6 +25,7 @@ import torch
 
 from impl import backends
 from impl.moe.reference import check_moe_inputs, logical_weight
+from impl.moe.shared import check_shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import tl, triton
 
@@ -188,27 +189,36 @@ def check_humming_shape(name: str, w: MXFP4Tensor, device: torch.device) -> None
             f"on this GPU (Humming's tiles); the {name} weight is [E, N, K] = {list(w.shape)}")
 
 
-def check_humming_inputs(x, weights, ids, w_gate_up, w_down) -> None:
-    """Named errors for what the humming backend does not take, beyond `check_moe_inputs`."""
+def check_humming_inputs(x, weights, ids, w_gate_up, w_down, shared=None) -> None:
+    """Named errors for what the humming backend does not take, beyond `check_moe_inputs`:
+    device-independent ones first, then the device, dtype and Humming's shape limits."""
     for name, w in (("gate_up", w_gate_up), ("down", w_down)):
         if not isinstance(w, MXFP4Tensor):
             raise TypeError(f"the humming backend takes MXFP4 experts (MXFP4Tensor); the {name} weight is a "
                             f"{type(w).__name__} of {getattr(w, 'dtype', '?')}: use 'triton' for bf16 experts")
+    # The ids' range is read back to the host, which a CUDA graph capture does not allow.
+    check_moe_inputs(x, weights, ids, logical_weight(w_gate_up), logical_weight(w_down),
+                     check_ids=not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if not x.is_contiguous():
+        raise ValueError(f"the humming backend needs x contiguous, got strides {x.stride()}")
+    if shared is not None:  # cuBLAS GEMMs into buffers of x's dtype
+        check_shared_expert(shared, x.shape[1], x.device)
+        dtypes = {t.dtype for t in (shared.gate, shared.up, shared.down)}
+        if dtypes != {x.dtype}:
+            raise TypeError(f"the humming backend needs the shared expert in x's dtype {x.dtype}, "
+                            f"got {sorted(map(str, dtypes))}")
     if x.device.type != "cuda":
         raise ValueError(f"the humming backend needs CUDA tensors (Humming's kernels run on NVIDIA GPUs), "
                          f"got x on {x.device}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"the humming backend takes bf16 activations, got x in {x.dtype}")
-    # The ids' range is read back to the host, which a CUDA graph capture does not allow.
-    check_moe_inputs(x, weights, ids, logical_weight(w_gate_up), logical_weight(w_down),
-                     check_ids=not torch.cuda.is_current_stream_capturing())
     for name, w in (("gate_up", w_gate_up), ("down", w_down)):
         check_humming_shape(name, w, x.device)
 
 
 def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, shared=None) -> torch.Tensor:
     """The MoE layer on Humming's GEMMs: x [T, H] bf16, routing weights / ids [T, k]."""
-    check_humming_inputs(x, weights, ids, w_gate_up, w_down)
+    check_humming_inputs(x, weights, ids, w_gate_up, w_down, shared)
     gate_up, down = humming_layer(w_gate_up), humming_layer(w_down)
     tokens, top_k = ids.shape
     main = torch.cuda.current_stream(x.device)

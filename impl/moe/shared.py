@@ -14,3 +14,13 @@ class SharedExpert:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+
+
+def check_shared_expert(shared: SharedExpert, hidden: int, device: torch.device) -> None:
+    """Named errors for a shared expert that does not fit a layer of `hidden` on `device`."""
+    i_s = shared.gate.shape[0]
+    if shared.gate.shape != (i_s, hidden) or shared.up.shape != (i_s, hidden) or shared.down.shape != (hidden, i_s):
+        raise ValueError(f"shared expert must be [Is, {hidden}], [Is, {hidden}], [{hidden}, Is]; got "
+                         f"{tuple(shared.gate.shape)}, {tuple(shared.up.shape)}, {tuple(shared.down.shape)}")
+    if any(not t.is_contiguous() or t.device != device for t in (shared.gate, shared.up, shared.down)):
+        raise ValueError("shared expert weights must be contiguous and on the device of x")

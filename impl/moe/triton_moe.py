@@ -29,7 +29,7 @@ import torch
 
 from impl import backends
 from impl.moe.configs import WORD_DECODES, MoELaunchConfig, lookup
-from impl.moe.shared import SharedExpert
+from impl.moe.shared import SharedExpert, check_shared_expert
 from impl.moe.triton_dp4a import (_dp4a, _e2m1_word_to_int8x4, check_split, empty_split, split_int8_kernel,
                                   store_split_int8)
 from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl
@@ -974,12 +974,7 @@ def check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared) -> tuple[int
     if hidden % 32 or (two_i // 2) % 32:
         raise ValueError(f"the Triton MoE needs H and I to be multiples of 32, got H={hidden}, I={two_i // 2}")
     if shared is not None:
-        i_s = shared.gate.shape[0]
-        if shared.gate.shape != (i_s, hidden) or shared.up.shape != (i_s, hidden) or shared.down.shape != (hidden, i_s):
-            raise ValueError(f"shared expert must be [Is, {hidden}], [Is, {hidden}], [{hidden}, Is]; got "
-                             f"{tuple(shared.gate.shape)}, {tuple(shared.up.shape)}, {tuple(shared.down.shape)}")
-        if any(not t.is_contiguous() or t.device != x.device for t in (shared.gate, shared.up, shared.down)):
-            raise ValueError("shared expert weights must be contiguous and on the device of x")
+        check_shared_expert(shared, hidden, x.device)
     return experts, hidden, two_i // 2
 
 
