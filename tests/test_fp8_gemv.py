@@ -49,7 +49,10 @@ def weights(n: int, k: int, gen: torch.Generator, granularity: str = "row"):
 
 def activations(m: int, k: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """Rows of very different magnitudes (e**(3 N(0,1))): the split path's per-row scales matter."""
-    x = torch.randn(m, k, generator=gen) * torch.exp(3 * torch.randn(m, 1, generator=gen))
+    # Row factors capped so that |x| stays finite in fp16 (max 65504): at e**11 and more a draw
+    # overflowed to inf, and with it the reference.
+    row = torch.exp(3 * torch.randn(m, 1, generator=gen)).clamp(max=torch.finfo(dtype).max / 64)
+    x = torch.randn(m, k, generator=gen) * row
     return x.to(dtype).to(DEVICE)
 
 
@@ -66,7 +69,9 @@ CONFIGS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_kernel_equals_reference_default_config(m, granularity, dtype):
     """N=77, K=333: neither a multiple of any block (tails masked / clamped)."""
-    gen = torch.Generator().manual_seed(m * 31 + len(granularity) + hash(str(dtype)) % 97)
+    # Seeded by the dtype's position, not hash(str): string hashes change from process to process.
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    gen = torch.Generator().manual_seed(m * 31 + len(granularity) + 7 * dtypes.index(dtype))
     q = weights(77, 333, gen, granularity)
     x = activations(m, 333, gen, dtype)
     out = fp8_gemv(x, q.data, q.scale, torch.float32)
