@@ -171,12 +171,18 @@ FLAT_CONFIGS = [dict(BLOCK=b, warps=w, STAGES=s, waves=v)
                 for b, w, s, v in itertools.product((1024, 4096), (4, 8), (1, 3), (1, 2, 4))]
 
 
-def phases_of(cfg) -> dict[str, Phase]:
+def row_bytes(k: int, fmt: str) -> int:
+    """Bytes of one routed expert row of k weights: MXFP4 codes and E8M0 scales, or bf16."""
+    return k // 2 + k // 32 if fmt == "mxfp4" else 2 * k
+
+
+def phases_of(cfg, fmt: str) -> dict[str, Phase]:
+    """The layer's phases as the timed layer holds them: routed experts in `fmt`, the shared
+    expert in bf16, the router in fp32."""
     h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     ish = cfg.shared_intermediate_size
-    mx = lambda k: k // 2 + k // 32  # MXFP4 row: codes and E8M0 scales  # noqa: E731
-    return {"gate_up": Phase("gate_up", e, 2 * i, mx(h), 2 * ish, 2 * h),
-            "down": Phase("down", e, h, mx(i), h if ish else 0, 2 * ish),
+    return {"gate_up": Phase("gate_up", e, 2 * i, row_bytes(h, fmt), 2 * ish, 2 * h),
+            "down": Phase("down", e, h, row_bytes(i, fmt), h if ish else 0, 2 * ish),
             "router": Phase("router", 1, 1, 4, e, 4 * h)}  # the fp32 router as a dense read
 
 
@@ -209,7 +215,7 @@ def sweep(phase: Phase, ids: list[torch.Tensor], n_slots: int, bw: float, rows_o
             if kind not in best or us < best[kind][1]:
                 best[kind] = (c, us)
         c, us = best[kind]
-        log(f"{tag:22s} {phase.name:8s} {kind:4s} best {us:7.2f} us  {phase.bytes(n_slots) / us / 1e6:5.2f} TB/s "
+        log(f"{tag:28s} {phase.name:8s} {kind:4s} best {us:7.2f} us  {phase.bytes(n_slots) / us / 1e6:5.2f} TB/s "
             f"({phase.bytes(n_slots) / us / 1e6 / (bw / 1e12):5.1%} of copy)  {c}")
     return best
 
@@ -218,6 +224,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="ling-3.0-flash,ling-flash-2.0")
     ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--formats", default="mxfp4", help="routed expert formats, comma-separated (mxfp4, bf16)")
+    ap.add_argument("--skip-big-read", action="store_true", help="skip the 256 MiB read-bandwidth probe")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -227,7 +235,7 @@ def main() -> None:
     # read-only streaming of a large buffer: this kernel's own ceiling, beside the copy's
     big = Phase("big", 1, 1, 4, 2**14, 2**14)  # 256 MiB dense
     for c in FLAT_CONFIGS:
-        if c["waves"] != 4:
+        if c["waves"] != 4 or args.skip_big_read:
             continue
         launch = big.launcher("flat", c, 0, pdl=False)
         ids = torch.zeros(1, dtype=torch.int32, device=DEV)
@@ -235,13 +243,13 @@ def main() -> None:
         log(f"256 MiB read, flat {c}: {us:8.1f} us, {big.bytes(0) / us / 1e6:5.2f} TB/s")
     del big
 
-    for shape in args.shapes.split(","):
+    for shape, fmt in itertools.product(args.shapes.split(","), args.formats.split(",")):
         cfg = get_config(shape)
-        block = build_block(cfg, "mxfp4", seed=0)
-        phases = phases_of(cfg)
+        block = build_block(cfg, fmt, seed=0)
+        phases = phases_of(cfg, fmt)
         winners = {}
         for m in (int(v) for v in args.ms.split(",")):
-            tag = f"{shape} M={m}"
+            tag = f"{shape} {fmt} M={m}"
             xs = inputs(cfg, m)
             ids = routed_ids(block, cfg, xs)
             n_slots = m * cfg.top_k
@@ -277,7 +285,7 @@ def main() -> None:
             log(json.dumps(line))
 
     log("\n== summary (us; chain = real routing + stream-only gate_up and down: a ceiling for the layer)")
-    log(f"{'case':22s} {'floor':>6s} {'ours':>6s} {'routing':>7s} {'gate_up':>7s} {'down':>6s} {'router':>6s} "
+    log(f"{'case':28s} {'floor':>6s} {'ours':>6s} {'routing':>7s} {'gate_up':>7s} {'down':>6s} {'router':>6s} "
         f"{'chain':>6s} {'chain+PDL':>9s}")
     for s in summary:
         gu = min(s["gate_up_rows_us"], s["gate_up_flat_us"])
@@ -285,7 +293,7 @@ def main() -> None:
         rt = min(s["router_rows_us"], s["router_flat_us"])
         ch = min(s["chain_rows_us"], s["chain_flat_us"])
         chp = min(s["chain_rows_pdl_us"], s["chain_flat_pdl_us"])
-        log(f"{s['case']:22s} {s['floor_us']:6.1f} {s['ours_us']:6.1f} {s['routing_us']:7.1f} {gu:7.1f} {dn:6.1f} "
+        log(f"{s['case']:28s} {s['floor_us']:6.1f} {s['ours_us']:6.1f} {s['routing_us']:7.1f} {gu:7.1f} {dn:6.1f} "
             f"{rt:6.1f} {ch:6.1f} {chp:9.1f}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
