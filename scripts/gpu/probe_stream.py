@@ -111,7 +111,7 @@ def _sm_count() -> int:
 
 class Phase:
     """One expert phase's bytes: a pool of routed matrices [E, rows, words] int32 (one per expert,
-    contiguous) and one shared matrix [rows, words] (None: routed only)."""
+    contiguous) and one shared matrix [rows, words] (`shared_rows` 0: routed only)."""
 
     def __init__(self, name: str, experts: int, rows: int, row_bytes: int, shared_rows: int, shared_row_bytes: int):
         self.name = name
