@@ -47,6 +47,9 @@ def weights(n: int, k: int, gen: torch.Generator, granularity: str = "row"):
     return quantize_fp8(w, granularity).to(DEVICE)
 
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def activations(m: int, k: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """Rows of very different magnitudes (e**(3 N(0,1))): the split path's per-row scales matter."""
     # Row factors capped so that |x| stays finite in fp16 (max 65504): at e**11 and more a draw
@@ -66,12 +69,11 @@ CONFIGS = {
 
 @pytest.mark.parametrize("m", [1, 2, 4, 16, 19])
 @pytest.mark.parametrize("granularity", ["row", "tensor"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_equals_reference_default_config(m, granularity, dtype):
     """N=77, K=333: neither a multiple of any block (tails masked / clamped)."""
     # Seeded by the dtype's position, not hash(str): string hashes change from process to process.
-    dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    gen = torch.Generator().manual_seed(m * 31 + len(granularity) + 7 * dtypes.index(dtype))
+    gen = torch.Generator().manual_seed(m * 31 + len(granularity) + 7 * DTYPES.index(dtype))
     q = weights(77, 333, gen, granularity)
     x = activations(m, 333, gen, dtype)
     out = fp8_gemv(x, q.data, q.scale, torch.float32)

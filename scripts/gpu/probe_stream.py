@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from bench_moe import (CALLS_PER_GRAPH, DEV, build_block, copy_bandwidth, graph_us, inputs,  # noqa: E402
                        layer_call, log)
 from impl.model.config import get_config  # noqa: E402
+from impl.moe.random_layer import FORMATS  # noqa: E402
 from impl.moe.triton_pdl import pdl_release, pdl_wait  # noqa: E402
 from impl.moe.triton_routing import route_triton  # noqa: E402
 from impl.triton_env import tl, triton  # noqa: E402
@@ -196,12 +197,12 @@ def sweep(phase: Phase, ids: list[torch.Tensor], n_slots: int, bw: float, rows_o
     """Every stream config of one phase alone (or `only` {layout: (config, us)}, another case's
     winners): checked, then timed; returns the best per layout."""
     best = {}
+    want, nbytes = phase.reference(ids[0], n_slots), phase.bytes(n_slots)
     for kind, configs in (("rows", ROWS_CONFIGS), ("flat", FLAT_CONFIGS)):
         for c in (configs if only is None else [only[kind][0]]):
             launch = phase.launcher(kind, c, n_slots, pdl=False)
             try:
                 got = (int(launch(ids[0]).long().sum()) + 2**31) % 2**32 - 2**31
-                want = phase.reference(ids[0], n_slots)
                 if got != want:
                     log(f"WRONG {tag} {phase.name} {kind} {c}: {got} != {want}")
                     continue
@@ -209,22 +210,42 @@ def sweep(phase: Phase, ids: list[torch.Tensor], n_slots: int, bw: float, rows_o
             except Exception as ex:  # a config the compiler rejects (resources) is skipped, said so
                 log(f"skip {tag} {phase.name} {kind} {c}: {type(ex).__name__}: {str(ex)[:120]}")
                 continue
-            nbytes = phase.bytes(n_slots)
             rows_out.append(dict(kind="stream", case=tag, phase=phase.name, layout=kind, config=c, us=us,
                                  bytes=nbytes, tb_s=nbytes / us / 1e6))
             if kind not in best or us < best[kind][1]:
                 best[kind] = (c, us)
+        if kind not in best:
+            raise RuntimeError(f"{tag} {phase.name}: no {kind} config ran correctly (see the lines above)")
         c, us = best[kind]
-        log(f"{tag:28s} {phase.name:8s} {kind:4s} best {us:7.2f} us  {phase.bytes(n_slots) / us / 1e6:5.2f} TB/s "
-            f"({phase.bytes(n_slots) / us / 1e6 / (bw / 1e12):5.1%} of copy)  {c}")
+        log(f"{tag:28s} {phase.name:8s} {kind:4s} best {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s "
+            f"({nbytes / us / 1e6 / (bw / 1e12):5.1%} of copy)  {c}")
     return best
+
+
+def parse_formats(value: str) -> list[str]:
+    formats = [v for v in value.split(",") if v]
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"unknown or no expert formats {unknown}; known: {', '.join(FORMATS)}")
+    return formats
+
+
+def parse_ms(value: str) -> list[int]:
+    try:
+        ms = [int(v) for v in value.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token counts must be integers, got {value!r}") from None
+    if not ms or any(not 1 <= m <= 16 for m in ms):
+        raise argparse.ArgumentTypeError(f"token counts must be 1 to 16 (the decode kernels' range), got {value!r}")
+    return ms
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="ling-3.0-flash,ling-flash-2.0")
-    ap.add_argument("--ms", default="1,4")
-    ap.add_argument("--formats", default="mxfp4", help="routed expert formats, comma-separated (mxfp4, bf16)")
+    ap.add_argument("--ms", default="1,4", type=parse_ms, help="token counts, comma-separated (default: %(default)s)")
+    ap.add_argument("--formats", default="mxfp4", type=parse_formats,
+                    help="routed expert formats, comma-separated (mxfp4, bf16; default: %(default)s)")
     ap.add_argument("--skip-big-read", action="store_true", help="skip the 256 MiB read-bandwidth probe")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -234,31 +255,30 @@ def main() -> None:
 
     # read-only streaming of a large buffer: this kernel's own ceiling, beside the copy's
     big = Phase("big", 1, 1, 4, 2**14, 2**14)  # 256 MiB dense
+    no_ids = torch.zeros(1, dtype=torch.int32, device=DEV)  # for launches with no routed slots (never read)
     for c in FLAT_CONFIGS:
         if c["waves"] != 4 or args.skip_big_read:
             continue
         launch = big.launcher("flat", c, 0, pdl=False)
-        ids = torch.zeros(1, dtype=torch.int32, device=DEV)
-        us = graph_us([lambda: launch(ids)] * CALLS_PER_GRAPH, warmup=5, rep=50)
+        us = graph_us([lambda: launch(no_ids)] * CALLS_PER_GRAPH, warmup=5, rep=50)
         log(f"256 MiB read, flat {c}: {us:8.1f} us, {big.bytes(0) / us / 1e6:5.2f} TB/s")
     del big
 
-    for shape, fmt in itertools.product(args.shapes.split(","), args.formats.split(",")):
+    for shape, fmt in itertools.product(args.shapes.split(","), args.formats):
         cfg = get_config(shape)
         block = build_block(cfg, fmt, seed=0)
         phases = phases_of(cfg, fmt)
         winners = {}
-        for m in (int(v) for v in args.ms.split(",")):
+        for m in args.ms:
             tag = f"{shape} {fmt} M={m}"
             xs = inputs(cfg, m)
             ids = routed_ids(block, cfg, xs)
             n_slots = m * cfg.top_k
-            one = torch.zeros(1, dtype=torch.int32, device=DEV)
             # the configs are swept at the first M; later ones time its winners (the router's bytes
             # do not depend on M: timed once)
             best = {name: sweep(p, ids, n_slots, bw, rows_out, tag, winners.get(name))
                     for name, p in phases.items() if name != "router"}
-            best["router"] = winners.get("router") or sweep(phases["router"], [one] * len(ids), 0, bw, rows_out, tag)
+            best["router"] = winners.get("router") or sweep(phases["router"], [no_ids] * len(ids), 0, bw, rows_out, tag)
             winners = winners or best
             with torch.no_grad():
                 ours = graph_us([lambda x=x: layer_call(block, cfg, x) for x in xs])
