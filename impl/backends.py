@@ -10,15 +10,16 @@ than which flags were set.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import contextvars
+import importlib
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator
 
 ENTRY_POINT_GROUP = "moeperf.backends"
 # Modules whose import registers the built-in backends; imported on the first lookup.
-BUILTIN_MODULES = ("impl.moe", "impl.head")
+BUILTIN_MODULES = ("impl.moe", "impl.head", "impl.generate", "impl.spec.decoder")
 KINDS = ("moe", "head", "decoder")
 WEIGHT_FORMATS = ("bf16", "fp32", "mxfp4")
 
@@ -86,9 +87,12 @@ def get(kind: str, name: str) -> Backend:
         raise ValueError(f"unknown backend kind {kind!r}; expected one of {KINDS}")
     _load_entry_points()
     try:
-        return _registry[(kind, name)]
+        backend = _registry[(kind, name)]
     except KeyError:
         raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}") from None
+    # A planted slowdown (impl.plant, gate-trust runs) is handed out in the backend's place.
+    plant = sys.modules.get("impl.plant")
+    return backend if plant is None else plant.planted_backend(backend)
 
 
 def available(kind: str) -> list[str]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from impl import backends, plant
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -132,9 +134,22 @@ def prefill(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling
 def decode_step(model, state: DecodeState, sampling: SamplingConfig = SamplingConfig(),
                 generator: torch.Generator | None = None) -> None:
     """One token for every row: no host sync, static shapes."""
-    logits = model(state.tokens.index_select(1, state.pos), state.pos)
-    state.tokens.index_copy_(1, state.pos + 1, sample(logits[:, -1], sampling, generator)[:, None])
-    state.pos += 1
+    with plant.site("decoder", "plain", state.tokens.device):
+        logits = model(state.tokens.index_select(1, state.pos), state.pos)
+        state.tokens.index_copy_(1, state.pos + 1, sample(logits[:, -1], sampling, generator)[:, None])
+        state.pos += 1
+
+
+def greedy_step_at(model, token: torch.Tensor, pos: torch.Tensor) -> None:
+    """The greedy decode step of token [B, 1] at position pos [1], writing the next token back
+    into `token`: the same cache position is rewritten every time, so it can be replayed without
+    limit (the decode benchmark times it)."""
+    with plant.site("decoder", "plain", token.device):
+        token.copy_(model(token, pos)[:, -1].argmax(-1, keepdim=True))
+
+
+backends.register(backends.Backend(
+    "decoder", "plain", decode_step, "one plain decode step: the target's forward over the last token, then sampling"))
 
 
 @torch.inference_mode()

@@ -4,15 +4,29 @@ Import `triton`/`tl` from here in every kernel module: without a CUDA device thi
 interpreter on before any kernel is decorated (Triton reads TRITON_INTERPRET at decoration),
 so CI checks on CPU the very kernel source the GPU runs. The interpreter computes bf16
 arithmetic wrongly, so kernels take `FP32_MATH` as a constexpr and upcast before any math there.
+
+Import order: when something imported Triton earlier with TRITON_INTERPRET unset (transformers
+does), Triton's own `@triton.jit` helpers (`tl.zeros`, `tl.cdiv`, the reductions' combine
+functions: 83 of them in Triton 3.9) were built for the compiler, and an interpreted kernel that
+calls one fails with "Cannot call @triton.jit'd outside of the scope of a kernel". They are
+rebuilt here for the interpreter; where that cannot be done (a Triton whose internals differ),
+`TritonImportOrderError` says what to set instead, before any kernel runs.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
+
+class TritonImportOrderError(ImportError):
+    """Triton was imported for the compiler before this package turned its interpreter on."""
+
+
+_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") is None
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -23,6 +37,66 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP32_MATH = INTERPRET
 # Inline PTX in kernels (the interpreter runs an emulation, or nothing for mere hints, instead).
 ASM = tl.constexpr(not INTERPRET)
+
+_JIT_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline",
+                "launch_metadata")
+
+
+def _how_to_fix(why: str) -> str:
+    return (f"{why}. Triton was imported (e.g. by transformers) before impl set TRITON_INTERPRET=1, "
+            "which a machine without CUDA needs so that Triton's own @triton.jit helpers are built for its "
+            "interpreter. Set TRITON_INTERPRET=1 in the environment before Python starts, or import impl "
+            "(or impl.triton_env) before transformers or triton.")
+
+
+def adopt_preimported_triton() -> int:
+    """Rebuild, for the interpreter, the compiler-mode `@triton.jit` functions that Triton's
+    language modules defined when Triton was imported without TRITON_INTERPRET; returns how many.
+    Raises TritonImportOrderError where Triton's internals are not the ones this relies on."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError as e:
+        raise TritonImportOrderError(_how_to_fix(f"this Triton ({triton.__version__}) has no {e.name}")) from None
+    rebuilt: dict[int, object] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, obj in list(vars(module).items()):
+            if type(obj) is not JITFunction:
+                continue
+            if id(obj) not in rebuilt:
+                try:
+                    rebuilt[id(obj)] = InterpretedFunction(obj.fn, **{k: getattr(obj, k) for k in _JIT_OPTIONS})
+                except (AttributeError, TypeError) as e:
+                    raise TritonImportOrderError(_how_to_fix(
+                        f"{name}.{attr} cannot be rebuilt for the interpreter ({e})")) from None
+            setattr(module, attr, rebuilt[id(obj)])
+    return len(rebuilt)
+
+
+def _check_interpreter() -> None:
+    """One tiny kernel through the helpers that break in the wrong import order."""
+
+    @triton.jit
+    def probe_kernel(out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        acc = tl.zeros((N,), dtype=tl.float32) + offs.to(tl.float32)
+        tl.store(out_ptr + offs, acc + tl.sum(acc, axis=0) + tl.cdiv(N, 2))
+
+    out = torch.empty(4)
+    try:
+        probe_kernel[(1,)](out, N=4)
+    except Exception as e:  # noqa: BLE001  (any failure here means the interpreter is unusable)
+        raise TritonImportOrderError(_how_to_fix(f"Triton's interpreter fails a probe kernel ({e!r})")) from None
+    if out.tolist() != [8.0, 9.0, 10.0, 11.0]:
+        raise TritonImportOrderError(_how_to_fix(f"Triton's interpreter computes a probe kernel wrongly "
+                                                 f"({out.tolist()})"))
+
+
+if INTERPRET and _PREIMPORTED:
+    adopt_preimported_triton()
+    _check_interpreter()
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,4 +112,5 @@ def device_name(device: torch.device) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["ASM", "FP32_MATH", "INTERPRET", "device_name", "tl", "triton"]
+__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TritonImportOrderError", "adopt_preimported_triton", "device_name",
+           "tl", "triton"]

@@ -4,9 +4,11 @@
     {"schema": "pytest-moeperf/baseline/1",
      "entries": [{"fingerprint": {...}, "metrics": {"<metric id>": {<FrozenMetric fields>}}}]}
 
-Files are validated when loaded (errors name the file and the problem), only the entry whose
-fingerprint equals this device's is ever used, and freezing rewrites a file atomically while
-keeping every other entry and every metric that was not re-measured.
+Files are validated when loaded (errors name the file and the problem). A metric is gated against
+the entry whose fingerprint is this device's (or a schema-1 entry `device.schema1_match`
+accepts); a figure measured side by side in one run (`portable`) may also come from another
+machine of the same class (`device.class_of`), the newest such. Freezing rewrites a file
+atomically while keeping every other entry and every metric that was not re-measured.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pytest_moeperf.device import class_of, schema1_match, short_key
 from pytest_moeperf.stats import DIRECTIONS
 
 SCHEMA = "pytest-moeperf/baseline/1"
@@ -75,6 +78,22 @@ class BaselineFile:
         return next((e for e in self.entries if e["fingerprint"] == fingerprint), None)
 
 
+@dataclass(frozen=True)
+class Match:
+    """The frozen figure a metric is gated against, and which key found it."""
+
+    metric: FrozenMetric
+    scope: str  # "exact": this device's fingerprint; "class": another machine of its class (ratios)
+    fingerprint: dict  # the fingerprint of the entry it came from
+    path: Path
+
+
+@dataclass(frozen=True)
+class Lookup:
+    match: Match | None
+    reason: str = ""  # why there is no match, for the no-baseline message
+
+
 def load_file(path: Path) -> BaselineFile:
     try:
         raw = json.loads(path.read_text())
@@ -114,13 +133,19 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class BaselineStore:
-    """The folder of baseline files, as seen from one device."""
+    """The folder of baseline files, as seen from one device: its own file (`<slug>.json`) holds
+    its exact entries; every file may hold entries of its class (`device.class_of`)."""
 
     def __init__(self, folder: Path, fingerprint: dict, slug: str) -> None:
         self.folder = Path(folder)
         self.fingerprint = fingerprint
         self.path = self.folder / f"{slug}.json"
-        self._file = load_file(self.path) if self.path.exists() else BaselineFile(self.path, [])
+        self._files = self._load_all()
+
+    def _load_all(self) -> dict[Path, BaselineFile]:
+        files = {p: load_file(p) for p in self.validate_folder(self.folder)}
+        files.setdefault(self.path, BaselineFile(self.path, []))
+        return files
 
     @staticmethod
     def validate_folder(folder: Path) -> list[Path]:
@@ -130,13 +155,65 @@ class BaselineStore:
             load_file(p)
         return paths
 
+    def _exact_entries(self) -> list[dict]:
+        """This device's entries, most specific first: its own fingerprint, then a schema-1 entry
+        that `schema1_match` accepts (figures frozen before schema 2, not yet refrozen)."""
+        entries = self._files[self.path].entries
+        return ([e for e in entries if e["fingerprint"] == self.fingerprint]
+                + [e for e in entries if schema1_match(e["fingerprint"], self.fingerprint)])
+
     @property
     def metrics(self) -> dict[str, FrozenMetric]:
-        entry = self._file.entry_for(self.fingerprint)
-        return entry["metrics"] if entry else {}
+        """Every figure frozen for this exact device (a schema-2 entry's over a schema-1 one's)."""
+        merged: dict[str, FrozenMetric] = {}
+        for entry in reversed(self._exact_entries()):
+            merged.update(entry["metrics"])
+        return merged
 
     def other_fingerprints(self) -> list[dict]:
-        return [e["fingerprint"] for e in self._file.entries if e["fingerprint"] != self.fingerprint]
+        exact = [e["fingerprint"] for e in self._exact_entries()]
+        return [e["fingerprint"] for f in self._files.values() for e in f.entries if e["fingerprint"] not in exact]
+
+    def lookup(self, metric_id: str, config: dict, portable: bool) -> Lookup:
+        """The frozen figure for `metric_id` under `config`: from this device's exact entries, or,
+        when `portable` (measured side by side in one run), from the newest entry of another
+        machine of the same class. Without one, the reason names what was found instead."""
+        mismatch = None
+        for entry in self._exact_entries():
+            frozen = entry["metrics"].get(metric_id)
+            if frozen is not None and frozen.config == config:
+                return Lookup(Match(frozen, "exact", entry["fingerprint"], self.path))
+            mismatch = mismatch or frozen
+        mine = class_of(self.fingerprint)
+        same_class, elsewhere, schema1 = [], 0, 0
+        exact = [e["fingerprint"] for e in self._exact_entries()]
+        for path, f in self._files.items():
+            for entry in f.entries:
+                frozen = entry["metrics"].get(metric_id)
+                if frozen is None or entry["fingerprint"] in exact:
+                    continue
+                if mine is not None and class_of(entry["fingerprint"]) == mine:
+                    if frozen.config == config:
+                        same_class.append((frozen.frozen_at, Match(frozen, "class", entry["fingerprint"], path)))
+                elif "schema" not in entry["fingerprint"] and entry["fingerprint"].get("kind") == "cpu":
+                    schema1 += 1
+                else:
+                    elsewhere += 1
+        if portable and same_class:
+            return Lookup(max(same_class, key=lambda t: t[0])[1])
+        if mismatch is not None:
+            return Lookup(None, f"the figure frozen for this device was taken under another configuration "
+                                f"({_diff(mismatch.config, config)})")
+        if same_class:
+            return Lookup(None, f"frozen only on {len(same_class)} other machine(s) of this device's class "
+                                f"({_describe_class(mine)}); an absolute figure is gated only on the exact "
+                                f"fingerprint it was frozen on")
+        if schema1:
+            return Lookup(None, "frozen only under a schema-1 CPU fingerprint (model name and core count), which "
+                                "cannot tell machines apart, so it is never used")
+        where = f" ({elsewhere} figure(s) frozen on other devices)" if elsewhere else ""
+        return Lookup(None, f"no frozen figure for this device (fingerprint {short_key(self.fingerprint)}) in "
+                            f"{self.path}{where}")
 
     def freeze(self, metrics: dict[str, FrozenMetric]) -> Path:
         """Record `metrics` for this fingerprint. The read-modify-write runs under an exclusive
@@ -159,5 +236,15 @@ class BaselineStore:
              "metrics": {mid: asdict(m) for mid, m in sorted(e["metrics"].items())}}
             for e in current.entries]}
         atomic_write_text(self.path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
-        self._file = current
+        self._files[self.path] = current
         return self.path
+
+
+def _describe_class(cls: dict | None) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (cls or {}).items() if k != "kind")
+
+
+def _diff(frozen: dict, current: dict) -> str:
+    keys = sorted(set(frozen) | set(current))
+    return ", ".join(f"{k}: {frozen.get(k)!r} -> {current.get(k)!r}" for k in keys
+                     if frozen.get(k) != current.get(k))

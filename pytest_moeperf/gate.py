@@ -2,7 +2,16 @@
 
 Verdicts: "pass"; "regression" (the test fails); "refreeze" (better beyond tolerance: the test
 passes with a warning so the improvement is recorded rather than silently absorbed);
-"no-baseline" (skipped, saying how to freeze); "frozen" (recorded under --moe-freeze).
+"no-baseline" (skipped, saying how to freeze; under --moe-strict it fails); "frozen" (recorded
+under --moe-freeze).
+
+Which frozen figure: an absolute figure only the one frozen on this exact fingerprint; a
+`portable` one (a ratio measured side by side in one run, or a count such as an accept length)
+also one frozen on another machine of the same class. Each result says which (`scope`).
+
+Under --moe-trust N (gate-trust runs) each timed figure is gated N times in the run (its first
+measurement, then N-1 re-measurements), each by the same rule, confirmation included; the
+verdicts are recorded, not acted on.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Callable
 import pytest
 
 from pytest_moeperf.baselines import FrozenMetric
+from pytest_moeperf.device import short_key
 from pytest_moeperf.stats import DIRECTIONS, compare
 
 
@@ -39,6 +49,11 @@ class GateResult:
     verdict: str = ""
     message: str = ""
     samples: list[float] = field(default_factory=list)
+    portable: bool = False
+    scope: str | None = None  # "exact" or "class": the key the frozen figure was found under
+    baseline: str | None = None  # short key of the fingerprint it was frozen on
+    config: dict = field(default_factory=dict)
+    evaluations: list[dict] = field(default_factory=list)  # every verdict this run reached (--moe-trust)
 
 
 class Gate:
@@ -49,9 +64,12 @@ class Gate:
         self.nodeid = nodeid
 
     def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: float,
-              config: dict | None = None, remeasure: Callable[[], list[float]] | None = None) -> GateResult:
+              config: dict | None = None, remeasure: Callable[[], list[float]] | None = None,
+              portable: bool = False) -> GateResult:
         """Gate `samples` (in `unit`); `remeasure`, if given, takes fresh samples to confirm a
-        regression before failing (timings on shared machines)."""
+        regression before failing (timings on shared machines). `portable`: the figure does not
+        depend on the machine's speed (a ratio of two series measured side by side, a count), so
+        a figure frozen on another machine of this device's class may gate it."""
         samples = [float(s) for s in samples]
         if not samples:
             raise ValueError(f"metric {metric!r}: no samples to gate")
@@ -59,7 +77,7 @@ class Gate:
             raise ValueError(f"metric {metric!r}: direction must be one of {DIRECTIONS}, got {direction!r}")
         config = {**self.session.run_config, **(config or {})}
         result = GateResult(f"{self.nodeid}::{metric}", metric, unit, direction, statistics.median(samples),
-                            tolerance=tolerance, samples=samples)
+                            tolerance=tolerance, samples=samples, portable=portable, config=config)
         self.session.results.append(result)
         if self.session.freeze:
             self.session.to_freeze[result.metric_id] = FrozenMetric(
@@ -67,46 +85,68 @@ class Gate:
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
             result.verdict, result.message = "frozen", f"frozen into {self.session.store.path}"
             return result
-        frozen = self.session.store.metrics.get(result.metric_id)
-        if frozen is None or frozen.config != config:
+        found = self.session.store.lookup(result.metric_id, config, portable)
+        if found.match is None:
             result.verdict = "no-baseline"
-            why = ("no frozen figure" if frozen is None else
-                   f"the frozen figure was taken under another configuration ({_diff(frozen.config, config)})")
-            result.message = (f"{metric}: {why} for device {self.session.device.key} in "
-                              f"{self.session.store.path}; run with --moe-bench --moe-freeze to record one")
+            result.message = f"{metric}: {found.reason}; run with --moe-bench --moe-freeze to record one"
+            if self.session.options.strict:
+                pytest.fail(f"--moe-strict: {result.message}", pytrace=False)
             pytest.skip(result.message)
+        frozen = found.match.metric
         if (frozen.unit, frozen.direction) != (unit, direction):
             raise ValueError(f"{metric}: frozen as {frozen.unit!r}/{frozen.direction!r} but measured as "
                              f"{unit!r}/{direction!r}; refreeze after changing a metric's meaning")
         result.frozen, result.tolerance = frozen.value, frozen.tolerance
-        self._compare(result, samples, frozen)
-        if result.verdict == "regression" and remeasure is not None:
-            # A burst of host noise can slow one whole measurement; a real regression survives a
-            # second, independent one. The second measurement decides, and the message keeps both.
-            first = result.message
-            samples = [float(s) for s in remeasure()]
-            result.current, result.samples = statistics.median(samples), samples
-            self._compare(result, samples, frozen)
-            result.message += f" (re-measured after: {first})"
+        result.scope, result.baseline = found.match.scope, short_key(found.match.fingerprint)
+        trust = self.session.options.trust
+        for i in range(max(trust, 1) if remeasure is not None else 1):
+            if i:
+                samples = [float(s) for s in remeasure()]
+            result.evaluations.append(self._evaluate(result, samples, frozen, remeasure))
+        if trust:
+            first = result.evaluations[0]  # the table shows the first evaluation; the rest are counted
+            result.verdict, result.ratio, result.ci_low, result.ci_high = (
+                first["verdict"], first["ratio"], first["ci_low"], first["ci_high"])
+            return result
         if result.verdict == "regression":
             pytest.fail(result.message, pytrace=False)
         if result.verdict == "refreeze":
             warnings.warn(RefreezeWarning(result.message + "; run --moe-freeze to record the new level"))
         return result
 
+    def _evaluate(self, result: GateResult, samples: list[float], frozen: FrozenMetric,
+                  remeasure: Callable[[], list[float]] | None) -> dict:
+        """One verdict: `samples` against the frozen figure; a regression is confirmed by a
+        second, independent measurement when `remeasure` is given."""
+        self._compare(result, samples, frozen)
+        confirmed = False
+        if result.verdict == "regression" and remeasure is not None:
+            # A burst of host noise can slow one whole measurement; a real regression survives a
+            # second, independent one. The second measurement decides, and the message keeps both.
+            first = result.message
+            samples = [float(s) for s in remeasure()]
+            self._compare(result, samples, frozen)
+            result.message += f" (re-measured after: {first})"
+            confirmed = True
+        return {"verdict": result.verdict, "current": result.current, "ratio": result.ratio,
+                "ci_low": result.ci_low, "ci_high": result.ci_high, "remeasured": confirmed}
+
     @staticmethod
     def _compare(result: GateResult, samples: list[float], frozen: FrozenMetric) -> None:
         cmp = compare(samples, frozen.samples, result.direction, frozen.tolerance)
+        result.current, result.samples = statistics.median(samples), samples
         result.ratio, result.ci_low, result.ci_high, result.p_value = cmp.ratio, cmp.ci_low, cmp.ci_high, cmp.p_value
         result.verdict = cmp.verdict
         result.message = (f"{result.metric}: {result.current:.4g} {result.unit} vs frozen {frozen.value:.4g} "
                           f"{result.unit}: x{cmp.ratio:.3f} (95% CI {cmp.ci_low:.3f}-{cmp.ci_high:.3f}, "
-                          f"tolerance {frozen.tolerance:.0%}, {result.direction} is better) -> {cmp.verdict}")
+                          f"tolerance {frozen.tolerance:.0%}, {result.direction} is better, "
+                          f"{result.scope} baseline) -> {cmp.verdict}")
 
     def check_ratio(self, metric: str, measure: Callable[[], tuple[list[float], list[float]]], *,
                     direction: str, tolerance: float, config: dict | None = None) -> GateResult:
         """Gate the per-round ratio of two series measured side by side (interleaved);
-        `measure()` returns (numerator, denominator) and is called again to confirm a regression."""
+        `measure()` returns (numerator, denominator) and is called again to confirm a regression.
+        Such a ratio is portable: the machine's speed cancels in it."""
 
         def ratios() -> list[float]:
             numerator, denominator = measure()
@@ -116,10 +156,4 @@ class Gate:
             return [a / b for a, b in zip(numerator, denominator)]
 
         return self.check(metric, ratios(), unit="x", direction=direction, tolerance=tolerance,
-                          config=config, remeasure=ratios)
-
-
-def _diff(frozen: dict, current: dict) -> str:
-    keys = sorted(set(frozen) | set(current))
-    return ", ".join(f"{k}: {frozen.get(k)!r} -> {current.get(k)!r}" for k in keys
-                     if frozen.get(k) != current.get(k))
+                          config=config, remeasure=ratios, portable=True)

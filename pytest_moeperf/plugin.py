@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from pytest_moeperf.timing import parse_samples
 SESSION_KEY = pytest.StashKey[MoePerfSession]()
 
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
-            "moe_baselines": "baselines", "moe_samples": "10"}
+            "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": ""}
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
     "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
@@ -48,6 +49,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--moe-report", "moe_report", "write the gate's results as JSON to PATH and Markdown beside it",
         metavar="PATH")
     add("--moe-samples", "moe_samples", "timing samples per metric, at least 3 (default: 10)", metavar="N")
+    add("--moe-strict", "moe_strict", "fail the run when a gated figure has no baseline, when a figure frozen for "
+        "this device and configuration was not measured, or when nothing was compared (nightly CI)",
+        action="store_true")
+    add("--moe-trust", "moe_trust", "gate-trust run: gate each timed figure N times (its measurement, then N-1 "
+        "re-measurements) and record the verdicts instead of acting on them (see scripts/gate_trust.py)",
+        metavar="N")
+    add("--moe-plant", "moe_plant", "gate-trust run: plant a slowdown, KIND[:NAME]=FRACTION[,...] (e.g. moe=0.1: "
+        "every call of the MoE backend under test takes 10%% longer; head:fp8-triton=0.1; decoder:mtp=0.1)",
+        metavar="SPEC")
 
 
 def _option(config: pytest.Config, name: str):
@@ -85,6 +95,18 @@ def parse_head(value: str) -> str:
     return value
 
 
+def parse_trust(value: str | None) -> int:
+    if value in (None, ""):
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--moe-trust must be a whole number of evaluations, at least 1, got {value!r}")
+    return n
+
+
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     baselines = Path(_option(config, "moe_baselines"))
@@ -99,9 +121,17 @@ def parse_options(config: pytest.Config) -> Options:
         freeze=bool(_option(config, "moe_freeze")),
         report=None if not report else Path(report),
         samples=parse_samples(_option(config, "moe_samples")),
+        strict=bool(_option(config, "moe_strict")),
+        trust=parse_trust(_option(config, "moe_trust")),
     )
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
+    for flag, given in (("--moe-trust", options.trust), ("--moe-plant", _option(config, "moe_plant"))):
+        if given and not options.bench:
+            raise ValueError(f"{flag} needs --moe-bench: gate-trust runs evaluate the performance suites")
+        if given and options.freeze:
+            raise ValueError(f"{flag} and --moe-freeze exclude each other: freeze first, then evaluate the gate "
+                             "against what was frozen")
     if options.bench and _xdist_workers(config):
         raise ValueError("--moe-bench runs in one process: drop -n/--numprocesses (pytest-xdist workers would time "
                          "their kernels against each other on the same device)")
@@ -133,6 +163,15 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     session = MoePerfSession(options)
+    plant_spec = _option(config, "moe_plant")
+    if plant_spec:
+        plant = _plant_module()
+        try:
+            plants = plant.parse_plants(plant_spec, {"moe": session.moe_backend})
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+        session = MoePerfSession(dataclasses.replace(options, plants=plants))
+        plant.activate(plants, session.device.torch_device)
     config.stash[SESSION_KEY] = session
     if options.bench:
         from pytest_moeperf.baselines import BaselineError, BaselineStore
@@ -191,22 +230,45 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if session is None or not session.options.bench:
         return None
     h = session.header()
-    return [f"moeperf: {h['device']} [fingerprint {h['fingerprint']}]",
-            f"moeperf: model {h['model']}, baselines {h['baselines']}" + (" (freezing)" if session.freeze else "")]
+    lines = [f"moeperf: {h['device']} [fingerprint {h['fingerprint']}]",
+             f"moeperf: model {h['model']}, baselines {h['baselines']}" + (" (freezing)" if session.freeze else "")]
+    if session.options.trust or session.options.plants:
+        lines.append(f"moeperf: GATE-TRUST RUN: {session.options.trust or 1} evaluation(s) per timed figure, "
+                     f"planted slowdown: {h.get('planted', 'none')}")
+    return lines
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     state = session.config.stash.get(SESSION_KEY, None)
     if state is not None:
         state.finish_lines = state.finish()
+        if state.strict_failures() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is not None and session.options.plants:
+        _plant_module().deactivate()
+
+
+def _plant_module():
+    """impl.plant as sys.modules has it: the module `impl.backends.get` consults (an attribute of
+    the impl package can outlive its sys.modules entry, as pytester's in-process runs show)."""
+    import importlib
+    return importlib.import_module("impl.plant")
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     from pytest_moeperf import report
     session = config.stash.get(SESSION_KEY, None)
-    if session is None or not session.results:
+    if session is None or not (session.results or session.finish_lines):
         return
     terminalreporter.write_sep("=", "moeperf gate")
-    terminalreporter.write_line(report.table(session.results))
+    if session.results:
+        terminalreporter.write_line(report.table(session.results))
+    if session.options.trust:
+        terminalreporter.write_sep("-", "gate-trust evaluations")
+        terminalreporter.write_line(report.trust_table(session.results))
     for line in session.finish_lines:
         terminalreporter.write_line(line)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
 from pytest_moeperf.baselines import atomic_write_text
 
-COLUMNS = ("metric", "current", "frozen", "ratio", "95% CI", "verdict")
+COLUMNS = ("metric", "current", "frozen", "ratio", "95% CI", "key", "verdict")
+TRUST_COLUMNS = ("metric", "evaluations", "regression", "refreeze", "ratio median", "ratio range")
 
 
 def _fmt(x, spec=".4g") -> str:
@@ -20,16 +22,38 @@ def rows(results) -> list[tuple[str, ...]]:
     for r in results:
         ci = "-" if r.ci_low is None else f"{r.ci_low:.3f}-{r.ci_high:.3f}"
         out.append((r.metric_id, f"{_fmt(r.current)} {r.unit}", f"{_fmt(r.frozen)} {r.unit}" if r.frozen else "-",
-                    _fmt(r.ratio, ".3f"), ci, r.verdict.upper()))
+                    _fmt(r.ratio, ".3f"), ci, r.scope or "-", r.verdict.upper()))
     return out
 
 
-def table(results) -> str:
-    body = [COLUMNS, *rows(results)]
-    widths = [max(len(row[i]) for row in body) for i in range(len(COLUMNS))]
+def trust_rows(results) -> list[tuple[str, ...]]:
+    out = []
+    for r in results:
+        if not r.evaluations:
+            continue
+        ratios = sorted(e["ratio"] for e in r.evaluations)
+        out.append((r.metric_id, str(len(r.evaluations)),
+                    str(sum(e["verdict"] == "regression" for e in r.evaluations)),
+                    str(sum(e["verdict"] == "refreeze" for e in r.evaluations)),
+                    f"{statistics.median(ratios):.3f}", f"{ratios[0]:.3f}-{ratios[-1]:.3f}"))
+    return out
+
+
+def _aligned(columns, body_rows) -> str:
+    body = [columns, *body_rows]
+    widths = [max(len(row[i]) for row in body) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def table(results) -> str:
+    return _aligned(COLUMNS, rows(results))
+
+
+def trust_table(results) -> str:
+    """Per timed figure of a gate-trust run: how often each verdict came out."""
+    return _aligned(TRUST_COLUMNS, trust_rows(results))
 
 
 def markdown(results, header: dict) -> str:

@@ -22,6 +22,9 @@ class Options:
     freeze: bool
     report: Path | None
     samples: int
+    strict: bool = False
+    trust: int = 0  # evaluations per timed figure in a gate-trust run (0: an ordinary run)
+    plants: tuple = ()  # impl.plant.Plant: planted slowdowns of a gate-trust run
 
 
 class MoePerfSession:
@@ -74,15 +77,57 @@ class MoePerfSession:
         return config
 
     def header(self) -> dict:
-        return {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
-                "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
+        h = {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
+             "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
+        if self.options.plants:
+            h["planted"] = ", ".join(map(str, self.options.plants))
+        if self.options.trust:
+            h["trust_evaluations"] = self.options.trust
+        return h
+
+    def unmeasured(self) -> list[str]:
+        """Figures frozen for this exact device under this run's model, dtype and MoE backend that
+        no test measured (a renamed or deleted test leaves its figure so)."""
+        measured = {r.metric_id for r in self.results}
+        keys = ("model", "dtype", "moe_backend")
+        run = self.run_config
+        return sorted(mid for mid, m in self.store.metrics.items()
+                      if mid not in measured and all(m.config.get(k) == run[k] for k in keys))
+
+    def strict_failures(self) -> list[str]:
+        """Why --moe-strict fails this run (empty: it does not). A figure with no baseline has
+        already failed its own test; these are the run-level reasons."""
+        if not (self.options.strict and self.options.bench) or self.freeze:
+            return []
+        problems = [f"frozen for this device but not measured: {mid}" for mid in self.unmeasured()]
+        if not any(r.verdict not in ("no-baseline", "frozen") for r in self.results):
+            problems.append("no figure was compared with a frozen one")
+        return problems
+
+    def counts(self) -> str:
+        """How many figures were compared, and under which key, or had no baseline."""
+        by = {v: sum(r.verdict == v for r in self.results) for v in ("no-baseline", "frozen")}
+        scopes = {s: sum(r.scope == s for r in self.results if r.verdict not in by) for s in ("exact", "class")}
+        compared = sum(scopes.values())
+        line = (f"{compared} figure(s) compared ({scopes['exact']} against this device's fingerprint, "
+                f"{scopes['class']} against its class), {by['no-baseline']} without a baseline")
+        return line + (f", {by['frozen']} frozen" if by["frozen"] else "")
 
     def finish(self) -> list[str]:
         """Write frozen figures and the report; returns lines for the terminal."""
-        lines = []
+        lines = [self.counts()] if self.options.bench else []
         if self.to_freeze:
             path = self.store.freeze(self.to_freeze)
             lines.append(f"froze {len(self.to_freeze)} metric(s) for {self.device.key} into {path}")
+        missing = self.unmeasured() if self.options.bench and not self.freeze else []
+        if missing:
+            lines.append(f"{len(missing)} figure(s) frozen for this device and configuration were not measured: "
+                         + ", ".join(missing))
+        failures = self.strict_failures()
+        if failures:
+            lines.append("--moe-strict fails this run: " + "; ".join(
+                [f"{len(missing)} frozen figure(s) not measured"] * bool(missing)
+                + [f for f in failures if not f.startswith("frozen for")]))
         if self.options.report is not None and self.results:
             json_path, md_path = report.write(self.options.report, self.results, self.header())
             lines.append(f"report written to {json_path} and {md_path}")

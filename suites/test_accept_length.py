@@ -99,7 +99,7 @@ def test_accept_length_floor(moe_model, spec_run):
 def test_accept_length_gated(moe_model, spec_run, moe_gate):
     _, per_prompt = spec_run
     moe_gate.check(f"mtp_accept_length_k{K}", [s.mean_accept_length for s in per_prompt], unit="tokens/step",
-                   direction="higher", tolerance=TOLERANCE, config=GATE_CONFIG)
+                   direction="higher", tolerance=TOLERANCE, config=GATE_CONFIG, portable=True)
 
 
 @pytest.mark.moe_bench
@@ -111,4 +111,4 @@ def test_acceptance_per_position_gated(moe_model, spec_run, moe_gate, position):
         pytest.skip("random-weight preset: its draft is almost never accepted, so there is no rate to gate")
     _, per_prompt = spec_run
     moe_gate.check(f"mtp_acceptance_k{K}_pos{position + 1}", [s.per_position[position] for s in per_prompt],
-                   unit="fraction", direction="higher", tolerance=TOLERANCE, config=GATE_CONFIG)
+                   unit="fraction", direction="higher", tolerance=TOLERANCE, config=GATE_CONFIG, portable=True)

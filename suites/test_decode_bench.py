@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from impl.generate import greedy_step_at
 from impl.graphs import StepGraph
 from impl.model.layers import MLP, MoEBlock
 
@@ -48,7 +49,7 @@ def decode_step(moe_model):
     pos = torch.tensor([CONTEXT], device=device)
 
     def step():
-        token.copy_(moe_model(token, pos)[:, -1].argmax(-1, keepdim=True))
+        greedy_step_at(moe_model, token, pos)
 
     # Replayed from a CUDA graph on a GPU, as a decode loop runs there (a plain call on CPU): the
     # same position is rewritten every time, so replays can repeat without limit.

@@ -169,4 +169,4 @@ def test_mtp_greedy_agreement(moe_model, decoder, moe_gate):
             f"fp32 speculative output differs from plain greedy at new-token positions {divergences}")
     print(f"\nmtp greedy agreement per prompt {[round(f, 3) for f in fractions]}, first divergence {divergences}")
     moe_gate.check(f"mtp_greedy_agreement_k{K}", fractions, unit="fraction", direction="higher", tolerance=0.10,
-                   config={"k": K, "prompts": AGREEMENT_PROMPTS, "tokens": AGREEMENT_TOKENS})
+                   config={"k": K, "prompts": AGREEMENT_PROMPTS, "tokens": AGREEMENT_TOKENS}, portable=True)

@@ -12,6 +12,7 @@ import pytest
 
 from pytest_moeperf.baselines import SCHEMA, BaselineStore, load_file
 from pytest_moeperf.device import DeviceInfo
+from pytester_runs import frozen, run_inner, this_device_store
 
 # Latencies with a 1% spread, like the CPU decode step's per-sample CV measured on this machine kind.
 SUITE = """
@@ -35,13 +36,7 @@ def suite(pytester):
 
 
 def _run(pytester, *args, factor=1.0, monkeypatch=None):
-    monkeypatch.setenv("PLANTED_FACTOR", str(factor))
-    # The inner run is one plain process even when this test runs in an xdist worker: without
-    # this, it (and pytest-benchmark) would take itself for that worker.
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    # In-process (fast); the plugin is already imported here, so assertion rewriting of it is moot.
-    return pytester.runpytest("-p", "no:cacheprovider", "-rsw", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-                              *args)
+    return run_inner(pytester, *args, factor=factor, monkeypatch=monkeypatch)
 
 
 @pytest.fixture
@@ -49,9 +44,7 @@ def run(suite, monkeypatch):
     return lambda *args, factor=1.0: _run(suite, *args, factor=factor, monkeypatch=monkeypatch)
 
 
-def _this_device_store(pytester) -> BaselineStore:
-    dev = DeviceInfo("auto")
-    return BaselineStore(pytester.path / "baselines", dev.fingerprint, dev.slug)
+_this_device_store = this_device_store
 
 
 def test_bench_suites_skip_without_the_flag_and_say_how_to_enable(run):
@@ -355,9 +348,7 @@ def test_real_timing_catches_a_planted_slowdown(pytester, monkeypatch):
     slow.stdout.fnmatch_lines(["*chain_new_over_old*-> regression*"])
 
 
-def _frozen(value: float):
-    from pytest_moeperf.baselines import FrozenMetric
-    return FrozenMetric(value, [value] * 3, "us", "lower", 0.1, {"model": "tiny", "dtype": "float32"})
+_frozen = frozen
 
 
 def test_pin_heap_allocations_takes_effect_on_glibc():

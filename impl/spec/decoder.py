@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from impl import backends
+from impl import backends, plant
 from impl.generate import SamplingConfig, check_prompt, filtered_probs
 from impl.spec.commit import commit, commit_greedy
 from impl.spec.sampling import MAX_K, rejection_verify
@@ -281,6 +281,10 @@ class SpeculativeDecoder:
     def step(self, state: SpecState, generator: torch.Generator | None = None) -> None:
         """Draft k tokens, verify them in one target pass, commit the accepted prefix and the next
         token, and leave the verified span for the next step: all on the device, no host sync."""
+        with plant.site("decoder", "mtp", state.n.device):
+            self._step(state, generator)
+
+    def _step(self, state: SpecState, generator: torch.Generator | None) -> None:
         verify_at = self._verify_positions(state.n)
         draft, qs = self.draft_tokens(state, generator, verify_at)
         pos, v_logits, v_hidden = self.verify_pass(state, draft, verify_at)
@@ -314,3 +318,8 @@ class SpeculativeDecoder:
                 break
         n = min(n, total)
         return SpecResult(state.tokens[:, :n].clone(), t, stats, time.perf_counter() - begin)
+
+
+backends.register(backends.Backend(
+    "decoder", "mtp", SpeculativeDecoder.step, "one MTP speculative step: k draft passes, a verify pass over k+1 "
+    "positions, acceptance and commit"))

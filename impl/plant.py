@@ -1,0 +1,222 @@
+"""Planted slowdowns: a known regression put into a backend, so the gate can be shown to catch it.
+
+A plant names a backend (`kind`, `name`) and a fraction f. Every call of that backend, and
+every pass through a `site` of that name, then takes (1 + f) times as long as it did: after the
+call, the host (CPU) or the device (CUDA) waits for f times the call's own elapsed time. On a
+GPU this is two tiny kernels around the call: one stamps the device's global timer before it,
+one spins after it until f times the stamped interval has passed, less the pair's own measured
+cost. Both run on the current stream, so a plant is captured into CUDA graphs with the work it
+slows and needs no host sync; each call's slowdown follows that call's own time, whatever its
+shape. Planted calls record a `planted_slowdown` provenance event.
+
+Plants exist for gate-trust runs (`--moe-plant`, `scripts/gate_trust.py`): they are active only
+between `activate` and `deactivate`, and `backends.get` hands out the planted backends then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from impl import backends
+
+SPIN_CALIBRATION_CALLS = 64  # empty stamp+spin pairs timed to learn what the pair itself costs
+
+
+@dataclass(frozen=True)
+class Plant:
+    kind: str
+    name: str
+    fraction: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}+{self.fraction:.0%}"
+
+
+_SPEC = re.compile(r"(?P<kind>[a-z]+)(?::(?P<name>[\w.+-]+))?=(?P<fraction>[0-9.eE+-]+)")
+
+
+def parse_plants(value: str, defaults: dict[str, str]) -> tuple[Plant, ...]:
+    """`KIND[:NAME]=FRACTION[,...]`, e.g. `moe=0.1` or `head:fp8-triton=0.1,decoder:mtp=0.1`.
+    NAME defaults to `defaults[KIND]` (the backend under test); each (kind, name) must be a
+    registered backend and appear once; FRACTION is in (0, 10]."""
+    plants = []
+    for part in (p.strip() for p in value.split(",")):
+        m = _SPEC.fullmatch(part)
+        if not m:
+            raise ValueError(f"--moe-plant: {part!r} is not KIND[:NAME]=FRACTION (e.g. moe=0.1, decoder:mtp=0.1)")
+        kind, name = m["kind"], m["name"] or defaults.get(m["kind"])
+        if kind not in backends.KINDS:
+            raise ValueError(f"--moe-plant: unknown backend kind {kind!r} in {part!r}; expected one of {backends.KINDS}")
+        if name is None:
+            raise ValueError(f"--moe-plant: {part!r} needs a backend name ({kind}:NAME=FRACTION); "
+                             f"{kind} backends: {backends.available(kind)}")
+        try:
+            backends.get(kind, name)
+        except ValueError as e:
+            raise ValueError(f"--moe-plant: {e}") from None
+        try:
+            fraction = float(m["fraction"])
+        except ValueError:
+            fraction = float("nan")
+        if not 0 < fraction <= 10:
+            raise ValueError(f"--moe-plant: the slowdown fraction in {part!r} must be in (0, 10], got {m['fraction']}")
+        if any((p.kind, p.name) == (kind, name) for p in plants):
+            raise ValueError(f"--moe-plant: {kind}:{name} is planted twice")
+        plants.append(Plant(kind, name, fraction))
+    return tuple(plants)
+
+
+_active: dict[tuple[str, str], Plant] = {}
+_slots: dict[torch.device, torch.Tensor] = {}  # one int64 stamp per plant, per CUDA device
+_overhead_ns: dict[torch.device, int] = {}
+_wrapped: dict[int, backends.Backend] = {}
+
+
+def activate(plants: tuple[Plant, ...], device: torch.device | None = None) -> None:
+    """Plant `plants` for every later backend lookup; on a CUDA `device`, compile and calibrate
+    the spin there now (not inside a graph capture)."""
+    _active.clear()
+    _wrapped.clear()
+    _active.update({(p.kind, p.name): p for p in plants})
+    if device is not None and device.type == "cuda" and plants:
+        _calibrate(device)
+
+
+def deactivate() -> None:
+    _active.clear()
+    _wrapped.clear()
+
+
+def active() -> tuple[Plant, ...]:
+    return tuple(_active.values())
+
+
+def planted_backend(backend: backends.Backend) -> backends.Backend:
+    """`backend` with its plant, if one is active for it (the same object for every lookup)."""
+    plant = _active.get((backend.kind, backend.name))
+    if plant is None:
+        return backend
+    if id(backend) not in _wrapped:
+        slowed = {"fn": _slowed(plant, backend.fn)}
+        if backend.layer is not None:
+            slowed["layer"] = _slowed(plant, backend.layer)
+        _wrapped[id(backend)] = dataclasses.replace(backend, **slowed)
+    return _wrapped[id(backend)]
+
+
+@contextlib.contextmanager
+def site(kind: str, name: str, device: torch.device) -> Iterator[None]:
+    """The work inside runs (1 + f) times as long when `kind:name` is planted (a decoder's step,
+    which is no single backend call); free otherwise."""
+    plant = _active.get((kind, name))
+    if plant is None:
+        yield
+        return
+    token = _begin(plant, device)
+    yield
+    _end(plant, token)
+
+
+def _slowed(plant: Plant, fn: Callable) -> Callable:
+    def planted(*args, **kwargs):
+        token = _begin(plant, _device_of(args, kwargs))
+        out = fn(*args, **kwargs)
+        _end(plant, token)
+        return out
+
+    planted.__wrapped__ = fn
+    return planted
+
+
+def _device_of(args, kwargs) -> torch.device:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _index(plant: Plant) -> int:
+    return list(_active).index((plant.kind, plant.name))
+
+
+def _begin(plant: Plant, device: torch.device):
+    backends.note(plant.kind, plant.name, "planted_slowdown", fraction=plant.fraction)
+    if device.type != "cuda":
+        return device, time.perf_counter()
+    slot = _slot(device)[_index(plant):]
+    _kernels()[0][(1,)](slot)
+    return device, slot
+
+
+def _end(plant: Plant, token) -> None:
+    device, mark = token
+    if device.type != "cuda":
+        until = mark + (1 + plant.fraction) * (time.perf_counter() - mark)
+        while time.perf_counter() < until:  # a busy wait: sleeping would hand the core to other work
+            pass
+        return
+    _kernels()[1][(1,)](mark, plant.fraction, _overhead_ns.get(device, 0))
+
+
+def _slot(device: torch.device) -> torch.Tensor:
+    if device not in _slots:
+        _slots[device] = torch.zeros(max(len(_active), 1), dtype=torch.int64, device=device)
+    return _slots[device]
+
+
+def _calibrate(device: torch.device) -> None:
+    """What an empty stamp+spin pair costs inside a CUDA graph on `device` (the spin subtracts it,
+    so that a planted call's slowdown is f times its time, not f plus two launches)."""
+    from impl.graphs import capture_graph
+    stamp, spin = _kernels()
+    slot = _slot(device)
+    with torch.cuda.device(device):
+        graph = capture_graph([lambda: (stamp[(1,)](slot), spin[(1,)](slot, 0.0, 0))
+                               for _ in range(SPIN_CALIBRATION_CALLS)])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(5):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e6 / SPIN_CALIBRATION_CALLS)
+    _overhead_ns[device] = int(sorted(times)[len(times) // 2])
+
+
+_KERNELS = None
+
+
+def _kernels():
+    """(stamp, spin) Triton kernels, built on first CUDA use (the CPU path never imports Triton)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from impl.triton_env import tl, triton
+        from triton.language.extra.cuda import globaltimer
+
+        @triton.jit
+        def plant_stamp_kernel(stamp_ptr):
+            tl.store(stamp_ptr, globaltimer())
+
+        @triton.jit
+        def plant_spin_kernel(stamp_ptr, fraction, overhead_ns):
+            start = tl.load(stamp_ptr, volatile=True)
+            now = globaltimer()
+            until = now + ((now - start).to(tl.float32) * fraction).to(tl.int64) - overhead_ns
+            while now < until:
+                now = globaltimer()
+
+        _KERNELS = (plant_stamp_kernel, plant_spin_kernel)
+    return _KERNELS
+
+
+def overhead_ns(device: torch.device) -> int | None:
+    """The calibrated cost of an empty stamp+spin pair on `device` (None before calibration)."""
+    return _overhead_ns.get(device)

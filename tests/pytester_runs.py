@@ -1,0 +1,58 @@
+"""How the plugin's pytester tests run an inner pytest session, shared by their modules."""
+
+from __future__ import annotations
+
+from pytest_moeperf.baselines import BaselineStore, FrozenMetric
+from pytest_moeperf.device import DeviceInfo
+
+
+# A ratio of the "bf16" head backend (the backend a gate-trust run plants) over a plain F.linear,
+# measured side by side; 25% tolerance: one thread, 15 samples on a 2-core VM.
+PLANTED_SUITE = """
+import pytest
+import torch
+import torch.nn.functional as F
+
+from impl import backends
+
+pytestmark = pytest.mark.moe_bench
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+def test_head_over_linear(moe_sampler, moe_gate):
+    head = backends.get("head", "bf16")  # the backend under test: planted in a gate-trust run
+    x, w = torch.randn(4, 256), torch.randn(2048, 256)
+
+    def side_by_side():
+        s = moe_sampler.interleaved({"head": lambda: head.fn(x, w, x.dtype), "linear": lambda: F.linear(x, w)},
+                                    inner=20)
+        return s["head"], s["linear"]
+
+    moe_gate.check_ratio("head_over_linear", side_by_side, direction="lower", tolerance=0.25)
+"""
+
+
+def run_inner(pytester, *args, monkeypatch, factor: float = 1.0):
+    """An in-process pytest run in `pytester`'s folder, its suites' PLANTED_FACTOR set to `factor`."""
+    monkeypatch.setenv("PLANTED_FACTOR", str(factor))
+    # The inner run is one plain process even when this test runs in an xdist worker: without
+    # this, it (and pytest-benchmark) would take itself for that worker.
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    # In-process (fast); the plugin is already imported here, so assertion rewriting of it is moot.
+    return pytester.runpytest("-p", "no:cacheprovider", "-rsw", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                              *args)
+
+
+def this_device_store(pytester) -> BaselineStore:
+    dev = DeviceInfo("auto")
+    return BaselineStore(pytester.path / "baselines", dev.fingerprint, dev.slug)
+
+
+def frozen(value: float, unit: str = "us", config: dict | None = None) -> FrozenMetric:
+    return FrozenMetric(value, [value] * 3, unit, "lower", 0.1,
+                        config if config is not None else {"model": "tiny", "dtype": "float32"})

@@ -1,0 +1,138 @@
+"""Planted slowdowns (impl.plant): the known regressions a gate-trust run must catch."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+
+import pytest
+import torch
+
+from impl import backends, plant
+
+CALL_S = 0.02  # a backend call that takes this long on the host
+
+
+@pytest.fixture(autouse=True)
+def no_plants_left():
+    yield
+    plant.deactivate()
+
+
+def _slow_head(x, weight, out_dtype):
+    time.sleep(CALL_S)
+    return x
+
+
+def _register_slow_head():
+    backends.register(backends.Backend("head", "test-sleep", _slow_head, "sleeps CALL_S"), replace=True)
+
+
+def _elapsed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_a_planted_backend_takes_fraction_longer_and_says_so_in_provenance():
+    _register_slow_head()
+    plant.activate(plant.parse_plants("head:test-sleep=0.5", {}))
+    planted = backends.get("head", "test-sleep")
+    assert planted is backends.get("head", "test-sleep")  # one planted object per backend
+    x = torch.ones(2)
+    with backends.record_provenance() as prov:
+        times = [_elapsed(lambda: planted.fn(x, None, x.dtype)) for _ in range(3)]
+    assert min(times) >= 1.5 * CALL_S  # a busy wait of half the call's own time, after it
+    assert prov.kernels("head") == {"planted_slowdown"}
+    assert [e.config["fraction"] for e in prov.events] == [0.5] * 3
+    plant.deactivate()
+    assert backends.get("head", "test-sleep").fn is _slow_head
+
+
+def test_only_the_named_backend_is_planted():
+    _register_slow_head()
+    plant.activate(plant.parse_plants("head:bf16=1.0", {}))
+    assert backends.get("head", "test-sleep").fn is _slow_head
+    assert backends.get("head", "bf16").fn.__wrapped__ is not None
+    assert backends.get("moe", "gather").layer is None and "planted" not in backends.get("moe", "gather").fn.__name__
+
+
+def test_a_site_slows_the_work_inside_it():
+    plant.activate(plant.parse_plants("decoder:plain=1.0", {}))
+    with plant.site("decoder", "plain", torch.device("cpu")):
+        start = time.perf_counter()
+        time.sleep(CALL_S)
+    assert time.perf_counter() - start >= 2 * CALL_S
+    start = time.perf_counter()
+    with plant.site("decoder", "mtp", torch.device("cpu")):  # not planted: free
+        pass
+    assert time.perf_counter() - start < CALL_S
+
+
+def test_the_moe_plant_defaults_to_the_backend_under_test():
+    (p,) = plant.parse_plants("moe=0.1", {"moe": "gather"})
+    assert (p.kind, p.name, p.fraction) == ("moe", "gather", 0.1)
+    assert str(p) == "moe:gather+10%"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("moe=0.1,moe:gather=0.2", "moe:gather is planted twice"),
+    ("moe=0", "must be in (0, 10]"),
+    ("moe=abc", "is not KIND[:NAME]=FRACTION"),
+    ("head=0.1", "needs a backend name"),
+])
+def test_bad_plant_specs_are_named(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plant.parse_plants(spec, {"moe": "gather"})
+
+
+def test_a_plant_slows_the_tiny_model_moe_layer_by_about_its_fraction():
+    """The MoE layer's own call through the model (routing outside the planted call, so a
+    little under the fraction), timed interleaved with an unplanted copy of the same block."""
+    from impl.moe.random_layer import random_moe_block
+    from impl.model.config import get_config
+    cfg = get_config("tiny")
+    torch.manual_seed(0)
+    block = random_moe_block(cfg, "bf16", torch.device("cpu"), "gather", dtype=torch.float32)
+    x = torch.randn(1, 1, cfg.hidden_size)
+    plain_backend = block.backend
+    plant.activate(plant.parse_plants("moe=1.0", {"moe": "gather"}))
+    planted_backend = backends.get("moe", "gather")
+    ratios = []
+    for _ in range(7):
+        block.backend = planted_backend
+        slow = _elapsed(lambda: [block(x) for _ in range(20)])
+        block.backend = plain_backend
+        fast = _elapsed(lambda: [block(x) for _ in range(20)])
+        ratios.append(slow / fast)
+    assert 1.4 < statistics.median(ratios) < 2.3
+
+
+@pytest.mark.gpu
+def test_a_planted_call_captured_in_a_cuda_graph_takes_fraction_longer(moe_device):
+    """Stamp + spin around a call, replayed from a graph: the replay slows by about the fraction
+    of the call's own time (within 3 us plus 10%), and an empty pair's cost was calibrated."""
+    from impl.graphs import capture_graph
+    dev = moe_device.torch_device
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(4096, 16, device=dev, dtype=torch.bfloat16)
+    backends.register(backends.Backend("head", "test-mm", lambda x, w, dt: w @ x, "a matmul"), replace=True)
+    plain = backends.get("head", "test-mm")
+    plant.activate(plant.parse_plants("head:test-mm=0.5", {}), dev)
+    assert plant.overhead_ns(dev) is not None and 0 < plant.overhead_ns(dev) < 20_000
+    planted = backends.get("head", "test-mm")
+    graphs = {name: capture_graph([lambda b=b: b.fn(x, a, None) for _ in range(10)])
+              for name, b in (("plain", plain), ("planted", planted))}
+
+    def replay_us(g):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            g.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / 200
+
+    times = {name: statistics.median(replay_us(g) for _ in range(9)) for name, g in graphs.items()}
+    assert times["planted"] == pytest.approx(1.5 * times["plain"], abs=3 + 0.1 * times["plain"])
