@@ -79,26 +79,38 @@ def _gc_paused():
             gc.enable()
 
 
+# Warm-up lasts at least this long as well as `warmup` rounds: a GPU idle during a build phase
+# (seconds of host work between timed tests) starts below its steady clocks, and two rounds of a
+# graph of 3 us calls are over in a millisecond.
+WARMUP_S = 0.3
+
+
 class Sampler:
     """Takes `rounds` samples of `inner` calls each; a sample is seconds per call."""
 
-    def __init__(self, device, rounds: int, warmup: int = 2,
+    def __init__(self, device, rounds: int, warmup: int = 2, warmup_s: float = WARMUP_S,
                  benchmark: Callable[[], object] | None = None) -> None:
         """`benchmark` returns pytest-benchmark's fixture; it is called at most once, by `sample`."""
-        self.device, self.rounds, self.warmup = device, rounds, warmup
+        self.device, self.rounds, self.warmup, self.warmup_s = device, rounds, warmup, warmup_s
         self.clock = clock_for(device)
         self.benchmark = benchmark
 
+    def _warm_up(self, one_round: Callable[[], object]) -> None:
+        """`warmup` rounds, then more until `warmup_s` have passed."""
+        start = time.perf_counter()
+        done = 0
+        while done < self.warmup or time.perf_counter() - start < self.warmup_s:
+            one_round()
+            done += 1
+
     def sample(self, fn: Callable[[], object], inner: int = 1, rounds: int | None = None) -> list[float]:
         rounds = rounds or self.rounds
+        self._warm_up(lambda: self._time(fn, inner))
         if self.benchmark is not None:
-            self.benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
             benchmark, self.benchmark = self.benchmark(), None  # the fixture times one thing per test
             benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
-            benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=self.warmup)
+            benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=0)
             return list(benchmark.stats.stats.data)
-        for _ in range(self.warmup):
-            self._time(fn, inner)
         return [self._time(fn, inner) for _ in range(rounds)]
 
     def interleaved(self, fns: dict[str, Callable[[], object]], inner: int = 1, rounds: int | None = None,
@@ -116,9 +128,7 @@ class Sampler:
                 setup[name]()
             return self._time(fns[name], inner)
 
-        for _ in range(self.warmup):
-            for name in fns:
-                one(name)
+        self._warm_up(lambda: [one(name) for name in fns])
         out: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(rounds):
             for name in fns:

@@ -363,10 +363,23 @@ def test_pin_heap_allocations_takes_effect_on_glibc():
 def test_interleaved_setup_runs_untimed_before_each_sample_and_names_are_checked():
     from pytest_moeperf.timing import Sampler
     calls: list[str] = []
-    sampler = Sampler(None, rounds=3, warmup=1)
+    sampler = Sampler(None, rounds=3, warmup=1, warmup_s=0)
     samples = sampler.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
                                   setup={"a": lambda: calls.append("reset a")})
     assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3}
     assert calls == ["reset a", "a", "b"] * 4  # one warm-up round, then three
     with pytest.raises(ValueError, match=r"setup names \['c'\] are not among the timed callables"):
         sampler.interleaved({"a": lambda: None}, setup={"c": lambda: None})
+
+
+def test_warm_up_lasts_its_rounds_and_its_time():
+    import time
+
+    from pytest_moeperf.timing import Sampler
+    calls = []
+    sampler = Sampler(None, rounds=2, warmup=1, warmup_s=0.05)
+    sampler.sample(lambda: (calls.append(1), time.sleep(0.005)))
+    assert len(calls) >= 2 + 0.05 / 0.006  # two timed rounds after ~10 warm-up rounds, not one
+    calls.clear()
+    Sampler(None, rounds=2, warmup=3, warmup_s=0).sample(lambda: calls.append(1))
+    assert len(calls) == 3 + 2
