@@ -151,7 +151,7 @@ def _begin(plant: Plant, device: torch.device):
     if device.type != "cuda":
         return device, time.perf_counter()
     slot = _slot(device)[_index(plant):]
-    _kernels()[0][(1,)](slot)
+    kernels()[0][(1,)](slot)
     return device, slot
 
 
@@ -162,10 +162,16 @@ def _end(plant: Plant, token) -> None:
         while time.perf_counter() < until:  # a busy wait: sleeping would hand the core to other work
             pass
         return
-    _kernels()[1][(1,)](mark, plant.fraction, _overhead_ns.get(device, 0))
+    kernels()[1][(1,)](mark, plant.fraction, _overhead_ns.get(_key(device), 0))
+
+
+def _key(device: torch.device) -> torch.device:
+    """cuda and cuda:0 are one device (the plugin may name it either way)."""
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _slot(device: torch.device) -> torch.Tensor:
+    device = _key(device)
     if device not in _slots:
         _slots[device] = torch.zeros(max(len(_active), 1), dtype=torch.int64, device=device)
     return _slots[device]
@@ -175,7 +181,8 @@ def _calibrate(device: torch.device) -> None:
     """What an empty stamp+spin pair costs inside a CUDA graph on `device` (the spin subtracts it,
     so that a planted call's slowdown is f times its time, not f plus two launches)."""
     from impl.graphs import capture_graph
-    stamp, spin = _kernels()
+    device = _key(device)
+    stamp, spin = kernels()
     slot = _slot(device)
     with torch.cuda.device(device):
         graph = capture_graph([lambda: (stamp[(1,)](slot), spin[(1,)](slot, 0.0, 0))
@@ -194,7 +201,7 @@ def _calibrate(device: torch.device) -> None:
 _KERNELS = None
 
 
-def _kernels():
+def kernels():
     """(stamp, spin) Triton kernels, built on first CUDA use (the CPU path never imports Triton)."""
     global _KERNELS
     if _KERNELS is None:
@@ -219,4 +226,4 @@ def _kernels():
 
 def overhead_ns(device: torch.device) -> int | None:
     """The calibrated cost of an empty stamp+spin pair on `device` (None before calibration)."""
-    return _overhead_ns.get(device)
+    return _overhead_ns.get(_key(device)) if device.type == "cuda" else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pytest_moeperf.baselines import atomic_write_text  # noqa: E402
+
 DEFAULT_PATHS = ["suites"]
 
 
@@ -67,6 +71,17 @@ def _plugin_args() -> list[str]:
     return [] if installed else ["-p", "pytest_moeperf.plugin"]
 
 
+def gpu_state() -> str | None:
+    """SM and memory clocks, temperature and power of the GPUs, as nvidia-smi reads them (None
+    without one): what a figure that depends on what ran before may be following."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def run_pytest(out: Path, tag: str, args: list[str]) -> dict:
     report = out / f"{tag}.json"
     cmd = [sys.executable, "-m", "pytest", *_plugin_args(), "-q", "-p", "no:cacheprovider", "--moe-bench",
@@ -74,28 +89,30 @@ def run_pytest(out: Path, tag: str, args: list[str]) -> dict:
     if "--moe-freeze" not in args:
         cmd += ["--moe-report", str(report)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
-    start = time.perf_counter()
+    before, start = gpu_state(), time.perf_counter()
     with open(out / f"{tag}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     seconds = time.perf_counter() - start
     print(f"  {tag}: rc {rc}, {seconds:.0f} s", flush=True)
-    return {"rc": rc, "seconds": seconds, "report": str(report) if report.exists() else None}
+    return {"rc": rc, "seconds": seconds, "report": report.name if report.exists() else None,
+            "gpu_before": before, "gpu_after": gpu_state()}
 
 
-def metrics_of(run: dict) -> list[dict]:
+def metrics_of(out: Path, run: dict) -> list[dict]:
     if not run["report"]:
         return []
-    return json.loads(Path(run["report"]).read_text())["metrics"]
+    return json.loads((out / run["report"]).read_text())["metrics"]
 
 
-def summarize(phases: list[Phase]) -> dict:
-    """Per metric: A/A and per-plant evaluation counts, verdicts and ratios."""
+def summarize(phases: list[tuple[Path, Phase]]) -> dict:
+    """Per metric: A/A and per-plant evaluation counts, verdicts and ratios (phases of one name
+    from several output folders are pooled)."""
     table: dict[str, dict] = {}
-    for phase in phases:
+    for out, phase in phases:
         if phase.kind == "freeze":
             continue
         for run in phase.runs:
-            for m in metrics_of(run):
+            for m in metrics_of(out, run):
                 row = table.setdefault(m["metric_id"], {"tolerance": m["tolerance"], "portable": m["portable"],
                                                         "unit": m["unit"], "phases": {}})
                 evals = m["evaluations"] or ([] if m["verdict"] in ("no-baseline", "frozen") else [
@@ -116,7 +133,7 @@ def summarize(phases: list[Phase]) -> dict:
     return table
 
 
-def render(table: dict, phases: list[Phase], header: list[str]) -> str:
+def render(table: dict, phases: list[tuple[Path, Phase]], header: list[str]) -> str:
     lines = [*header, "", "| figure | tol | A/A: n | false failures | refreeze | A/A ratios | "
              "planted: phase, n, caught, effective slowdown |", "|---|---|---|---|---|---|---|"]
     for mid, row in sorted(table.items()):
@@ -134,11 +151,16 @@ def render(table: dict, phases: list[Phase], header: list[str]) -> str:
     false = sum(p["regression"] for row in table.values() for p in row["phases"].values() if p["kind"] == "aa")
     lines += ["", f"A/A: {false} false failure(s) in {total} evaluation(s) "
                   f"({false / total:.1%})" if total else "A/A: no evaluations"]
-    for phase in phases:
+    for _, phase in phases:
         bad = [r for r in phase.runs if r["rc"] not in (0, 1)]
         if bad:
             lines.append(f"{phase.name}: {len(bad)} run(s) ended with an error (see the logs)")
     return "\n".join(lines) + "\n"
+
+
+def load_phases(out: Path) -> list[tuple[Path, Phase]]:
+    doc = json.loads((out / "trust.json").read_text())
+    return [(out, Phase(**p)) for p in doc["phases"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,21 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for baselines, reports, logs and the table")
     ap.add_argument("--paths", nargs="+", default=DEFAULT_PATHS, help="suites to freeze and re-run (default: suites)")
     ap.add_argument("--aa-runs", type=parse_count, default=3, help="A/A processes (default 3)")
+    ap.add_argument("--no-aa", action="store_true", help="no A/A runs of --paths (only --aa-alone and plants)")
     ap.add_argument("--repeats", type=parse_count, default=5, help="evaluations per figure per process (default 5)")
     ap.add_argument("--aa-alone", action="append", default=[], metavar="PATHS",
                     help="an extra A/A run of only these suites (comma-separated); repeatable")
     ap.add_argument("--plant", action="append", default=[], type=parse_plant, metavar="SPEC[@PATHS]",
                     help="a planted-slowdown phase, e.g. moe=0.1@suites/test_moe_bench.py; repeatable")
     ap.add_argument("--plant-runs", type=parse_count, default=2, help="processes per plant (default 2)")
+    ap.add_argument("--reuse-freeze", type=Path, metavar="DIR",
+                    help="gate against this baselines folder (an earlier run's OUT/baselines) instead of freezing")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="OUT",
+                    help="run nothing: one table from earlier runs' output folders (their phases pooled)")
     args = ap.parse_args(ours)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.combine:
+        phases = [ph for folder in args.combine for ph in load_phases(folder.resolve())]
+        text = render(summarize(phases), phases, [f"# gate trust: {len(args.combine)} output folder(s) combined",
+                                                  "", *[f"- {f}" for f in args.combine]])
+        (out / "trust.md").write_text(text)
+        print(text)
+        return 0
     baselines = out / "baselines"
     if baselines.exists() and any(baselines.iterdir()):
         ap.error(f"{baselines} is not empty: give a fresh --out (an A/A run must start from its own freeze)")
+    if args.reuse_freeze:
+        shutil.copytree(args.reuse_freeze, baselines, dirs_exist_ok=True)
     common = ["--moe-baselines", str(baselines), *pytest_args]
     trust = ["--moe-trust", str(args.repeats)]
-    phases = [Phase("freeze", "freeze", args.paths), Phase("aa", "aa", args.paths)]
+    phases = [] if args.reuse_freeze else [Phase("freeze", "freeze", args.paths)]
+    phases += [] if args.no_aa else [Phase("aa", "aa", args.paths)]
     phases += [Phase(f"aa-alone:{p}", "aa", p.split(",")) for p in args.aa_alone]
     phases += [Phase(spec, "plant", paths or args.paths, plant=spec) for spec, paths in args.plant]
     started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -178,18 +215,24 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(runs):
             extra = ["--moe-plant", phase.plant] if phase.plant else []
             phase.runs.append(run_pytest(out, f"p{i}-r{r}", [*phase.paths, *common, *trust, *extra]))
-    table = summarize(phases)
-    header = [f"# gate trust: {started}", "",
-              f"- command: scripts/gate_trust.py {' '.join(argv)}",
-              f"- phases: " + "; ".join(f"{p.name} x{len(p.runs)} ({' '.join(p.paths)}, "
-                                         f"{sum(r['seconds'] for r in p.runs):.0f} s)" for p in phases),
-              f"- evaluations per figure per process: {args.repeats}"]
-    text = render(table, phases, header)
-    (out / "trust.md").write_text(text)
-    (out / "trust.json").write_text(json.dumps({"phases": [p.__dict__ for p in phases], "metrics": table},
-                                               indent=1, default=str) + "\n")
+        write_outputs(out, phases, argv, started, args.repeats)  # a run stopped part-way keeps what it measured
+    text = write_outputs(out, phases, argv, started, args.repeats)
     print(text)
     return 0 if all(r["rc"] in (0, 1) for p in phases for r in p.runs) else 3
+
+
+def write_outputs(out: Path, phases: list[Phase], argv: list[str], started: str, repeats: int) -> str:
+    located = [(out, p) for p in phases]
+    header = [f"# gate trust: {started}", "",
+              f"- command: scripts/gate_trust.py {' '.join(argv)}",
+              "- phases: " + "; ".join(f"{p.name} x{len(p.runs)} ({' '.join(p.paths)}, "
+                                       f"{sum(r['seconds'] for r in p.runs):.0f} s)" for p in phases),
+              f"- evaluations per figure per process: {repeats}"]
+    text = render(summarize(located), located, header)
+    atomic_write_text(out / "trust.md", text)
+    atomic_write_text(out / "trust.json", json.dumps({"phases": [p.__dict__ for p in phases],
+                                                      "metrics": summarize(located)}, indent=1, default=str) + "\n")
+    return text
 
 
 if __name__ == "__main__":

@@ -43,15 +43,31 @@ def copy_bytes_per_s(moe_device):
     return 2 * a.numel() / (ms * 1e-3)
 
 
+@pytest.fixture(scope="module")
+def blocks(moe_device, moe_backend):
+    """The random blocks by (shape, format), each built once for the module (M = 1 and 4 and the
+    Humming ratio time the same weights; the four take about 16 GB)."""
+    made = {}
+
+    def get(shape: str, fmt: str):
+        if (shape, fmt) not in made:
+            made[shape, fmt] = random_moe_block(get_config(shape), fmt, moe_device.torch_device, moe_backend.name)
+        return made[shape, fmt]
+
+    yield get
+    made.clear()
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
 @pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
-def test_moe_layer_us(shape, fmt, m, moe_device, moe_backend, moe_sampler, moe_gate, copy_bytes_per_s):
+def test_moe_layer_us(shape, fmt, m, moe_device, moe_backend, blocks, moe_sampler, moe_gate, copy_bytes_per_s):
     if fmt not in moe_backend.formats:
         pytest.skip(f"backend {moe_backend.name!r} takes {', '.join(moe_backend.formats)} experts, not {fmt}")
     cfg = get_config(shape)
     dev = moe_device.torch_device
-    block = random_moe_block(cfg, fmt, dev, moe_backend.name)
+    block = blocks(shape, fmt)
     xs = random_inputs(cfg, m, CALLS_PER_GRAPH, dev)
     distinct = distinct_experts(block, xs)
     with torch.no_grad():
@@ -71,7 +87,7 @@ def test_moe_layer_us(shape, fmt, m, moe_device, moe_backend, moe_sampler, moe_g
 
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("shape", ["ling-3.0-flash", "ling-flash-2.0"])
-def test_moe_layer_over_humming(shape, m, moe_device, moe_backend, moe_sampler, moe_gate):
+def test_moe_layer_over_humming(shape, m, moe_device, moe_backend, blocks, moe_sampler, moe_gate):
     """MXFP4 layer time of the backend under test over Humming's whole layer, side by side."""
     if "humming" not in backends.available("moe"):
         pytest.skip("humming-kernels is not installed: no peer to time against")
@@ -79,7 +95,7 @@ def test_moe_layer_over_humming(shape, m, moe_device, moe_backend, moe_sampler, 
         pytest.skip(f"backend {moe_backend.name!r} is the peer itself or takes no MXFP4 experts")
     cfg = get_config(shape)
     dev = moe_device.torch_device
-    block = random_moe_block(cfg, "mxfp4", dev, moe_backend.name)
+    block = blocks(shape, "mxfp4")
     xs = random_inputs(cfg, m, CALLS_PER_GRAPH, dev)
     peer = backends.get("moe", "humming").layer
     weights, shared = block.experts.weights(), shared_of(block)

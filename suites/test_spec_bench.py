@@ -17,10 +17,12 @@
   there; per prompt the agreement is the identical fraction of the generation before the first
   divergence, gated (direction higher) and reported with the divergence positions.
 
-Tolerances: 25% for the CPU speed ratio (host drift on shared 2-core VMs, as in
-test_decode_bench.py; the ratio's two sides drift together, so this is generous), 5% on a GPU
-(replays repeat within 1%); agreement 10%: one extra early flip in 8 prompts moves the mean by
-up to 12%, a broken verify path (wrong position, stale cache) moves it by 50% or more.
+Tolerances: 6% for the CPU speed ratio, from gate-trust runs (notes/gate-trust.md): its A/A
+evaluations on the shared 2-core VMs fell within 0.957-1.043 of the frozen figure (16 of them,
+2026-12-02; the two sides drift together), and a planted 10% slowdown of the speculative step
+moves it by about 9%; 5% on a GPU (replays repeat within 1%); agreement 10%: one extra early flip
+in 8 prompts moves the mean by up to 12%, a broken verify path (wrong position, stale cache)
+moves it by 50% or more.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
           + ", ".join(f"{name} {v:.3f}" for name, v in ms.items())
           + f"; speedup {accept * ms['decode step'] / ms['speculative step']:.2f}")
     moe_gate.check_ratio(f"mtp_speedup_k{K}", tokens_per_s, direction="higher",
-                         tolerance=0.05 if _on_gpu(moe_model) else 0.25,
+                         tolerance=0.05 if _on_gpu(moe_model) else 0.06,
                          config={"k": K, "graphs": _on_gpu(moe_model),
                                  "runs": f"to answer end, {len(prompts)} prompts" if to_answer
                                  else f"{PLAIN_STEPS} plain / {SPEC_STEPS} speculative steps"})

@@ -289,6 +289,11 @@ def _compile_all(tiles) -> int:
         attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']} topk={consts['TOPK']}",
                 tm.moe_down_kernel, down_consts, ptr_types, barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
+    # The planted slowdown's stamp and spin (impl/plant.py), which only a GPU runs.
+    from impl import plant
+    stamp, spin = plant.kernels()
+    attempt("plant_stamp_kernel", stamp, {}, dict(stamp_ptr="*i64"))
+    attempt("plant_spin_kernel", spin, {}, dict(stamp_ptr="*i64"), ("fraction",))
     # The one-launch layer (impl/moe/triton_layer.py) at the Ling-3.0-flash shape on 132 programs:
     # a decode step with MXFP4 experts, a verify step with plain ones.
     from impl.moe import triton_layer as tlay

@@ -12,7 +12,10 @@
 #                                         # with --moe-backend humming (its MXFP4 cases)
 #     bash scripts/gpu/run_all.sh gate    # FP8 head bench, then the main job `pytest --moe-bench`
 #                                         # on CUDA, gated against (FREEZE=1: frozen into) a copy
-#                                         # of baselines/ in $OUT/baselines.tar
+#                                         # of baselines/ in $OUT/baselines.tar; GATE_ARGS adds
+#                                         # pytest arguments (e.g. "-m moe_bench --moe-strict")
+#     bash scripts/gpu/run_all.sh trust   # scripts/gate_trust.py on CUDA with TRUST_ARGS (its
+#                                         # phases), everything it wrote in $OUT/trust.tar.gz
 # With no argument both parts run. Commit the tuned configs before the gate part, since the gate
 # times the kernels with the committed configs.
 set -u
@@ -62,8 +65,15 @@ if [ "$PART" = gate ] || [ "$PART" = all ]; then
   # The main job on this GPU. The gate compares against the committed figures; FREEZE=1 records
   # new ones into a copy that keeps every other device's entries.
   cp -r baselines "$OUT/gate-baselines"
+  # shellcheck disable=SC2086  # GATE_ARGS is a list of arguments
   timeout "${GATE_SECONDS:-300}" $PYTEST --moe-bench ${FREEZE:+--moe-freeze} --moe-baselines "$OUT/gate-baselines" \
-    -rs suites > "$OUT/gate.log" 2>&1; echo "gate rc=$?"
+    -rs ${GATE_ARGS:-} suites > "$OUT/gate.log" 2>&1; echo "gate rc=$?"
   tar -cf "$OUT/baselines.tar" -C "$OUT" gate-baselines && rm -rf "$OUT/gate-baselines"
   tail -30 "$OUT/head.log"; grep -E "^suites|PASS|FAIL|REGRESS|FROZEN|SKIP|passed|failed|agreement" "$OUT/gate.log" | tail -60
+fi
+if [ "$PART" = trust ]; then
+  # shellcheck disable=SC2086  # TRUST_ARGS is a list of arguments
+  timeout "${TRUST_SECONDS:-540}" python3 scripts/gate_trust.py --out /tmp/trust ${TRUST_ARGS:-} -- \
+    --moe-device cuda > "$OUT/trust.log" 2>&1; echo "trust rc=$?"
+  tar -czf "$OUT/trust.tar.gz" -C /tmp trust; tail -60 "$OUT/trust.log"
 fi
