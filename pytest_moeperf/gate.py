@@ -119,6 +119,7 @@ class Gate:
         """One verdict: `samples` against the frozen figure; a regression is confirmed by a
         second, independent measurement when `remeasure` is given."""
         self._compare(result, samples, frozen)
+        first = {"ratio": result.ratio, "ci_high": result.ci_high}
         confirmed = False
         if result.verdict == "regression" and remeasure is not None:
             # A burst of host noise can slow one whole measurement; a real regression survives a
@@ -129,7 +130,7 @@ class Gate:
             result.message += f" (re-measured after: {first})"
             confirmed = True
         return {"verdict": result.verdict, "current": result.current, "ratio": result.ratio,
-                "ci_low": result.ci_low, "ci_high": result.ci_high, "remeasured": confirmed}
+                "ci_low": result.ci_low, "ci_high": result.ci_high, "remeasured": confirmed, "first": first}
 
     @staticmethod
     def _compare(result: GateResult, samples: list[float], frozen: FrozenMetric) -> None:

@@ -1,10 +1,11 @@
 """Decode throughput and per-layer MoE time of the model under test, gated against frozen figures.
 
 Tolerances come from gate-trust runs (scripts/gate_trust.py; notes/gate-trust.md), not by hand:
-- CPU absolute figures (tokens/s, MoE layer us), 35%: on the shared 2-core VMs this runs on, the
-  same code measured in consecutive processes drifted to 0.70-1.55x of the frozen figure (16 A/A
-  evaluations each, 2026-12-02), a drift of the host that no statistic over one run's samples can
-  see; 35% clears the worst of it, and a slowdown must be about 2x to be caught reliably there.
+- CPU absolute figures (tokens/s, MoE layer us), 40%: on the shared 2-core VMs this runs on, the
+  same code measured in consecutive processes came out at 0.66-1.58x of the frozen figure (56 A/A
+  evaluations each over three rounds, 2026-12-02), a drift of the host that no statistic over one
+  run's samples can see; 40% is the worst A/A ratio seen (0.659) plus a 5% margin, and a slowdown
+  must be about 2-3x to be caught reliably there.
 - CPU MoE-over-dense ratio, 8%: the two sides are timed interleaved at one thread in rounds of
   CALLS_PER_ROUND_CPU calls (the tiny layers' 128-wide ops gain nothing from a second thread but
   its scheduling noise; 40 ms rounds let the host's speed change between the two sides), which
@@ -32,7 +33,7 @@ STEPS_PER_SAMPLE = 32
 CALLS_PER_SAMPLE = 200
 CALLS_PER_ROUND_CPU = 20  # MoE over dense on a CPU: short rounds, ROUNDS_FACTOR_CPU times as many
 ROUNDS_FACTOR_CPU = 5
-TOLERANCE = {"gpu": 0.05, "cpu": 0.35, "cpu ratio": 0.08}
+TOLERANCE = {"gpu": 0.05, "cpu": 0.40, "cpu ratio": 0.08}
 
 
 def _tolerance(model, ratio: bool = False) -> float:
