@@ -170,7 +170,7 @@ def pytest_configure(config: pytest.Config) -> None:
             plants = plant.parse_plants(plant_spec, {"moe": session.moe_backend})
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
-        session = MoePerfSession(dataclasses.replace(options, plants=plants))
+        session.options = dataclasses.replace(options, plants=plants)
         plant.activate(plants, session.device.torch_device)
     config.stash[SESSION_KEY] = session
     if options.bench:

@@ -2,10 +2,10 @@
 
 Tolerances come from gate-trust runs (scripts/gate_trust.py; notes/gate-trust.md), not by hand:
 - CPU absolute figures (tokens/s, MoE layer us), 40%: on the shared 2-core VMs this runs on, the
-  same code measured in consecutive processes came out at 0.66-1.58x of the frozen figure (56 A/A
-  evaluations each over three rounds, 2026-12-02), a drift of the host that no statistic over one
+  same code measured in consecutive processes came out at 0.66-1.66x of the frozen figure (80 A/A
+  evaluations each over four rounds, 2026-12-02), a drift of the host that no statistic over one
   run's samples can see; 40% is the worst A/A ratio seen (0.659) plus a 5% margin, and a slowdown
-  must be about 2-3x to be caught reliably there.
+  to about 3x is what is caught reliably there.
 - CPU MoE-over-dense ratio, 8%: the two sides are timed interleaved at one thread in rounds of
   CALLS_PER_ROUND_CPU calls (the tiny layers' 128-wide ops gain nothing from a second thread but
   its scheduling noise; 40 ms rounds let the host's speed change between the two sides), which
