@@ -6,6 +6,44 @@ from pytest_moeperf.baselines import BaselineStore, FrozenMetric
 from pytest_moeperf.device import DeviceInfo
 
 
+# For timed suites: one thread is less exposed to whatever else runs on a 2-core machine.
+ONE_THREAD = """
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+"""
+
+# Synthetic latencies and ratios with a 1% spread; each measurement takes its factor from the
+# next entry of PLANTED_FACTORS.
+REMEASURE_SUITE = """
+import os
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
+
+def test_latency(moe_gate):
+    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
+
+    def measure():
+        f = next(factors)
+        return [100 * s * f for s in SPREAD]
+
+    moe_gate.check("latency_us", measure(), unit="us", direction="lower", tolerance=0.10, remeasure=measure)
+
+def test_ratio(moe_gate):
+    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
+
+    def side_by_side():
+        f = next(factors)
+        return [2.0 * s * f for s in SPREAD], [1.0 * s for s in SPREAD]
+
+    moe_gate.check_ratio("new_over_old", side_by_side, direction="lower", tolerance=0.10)
+"""
+
 # A ratio of the "bf16" head backend (the backend a gate-trust run plants) over a plain F.linear,
 # measured side by side; 25% tolerance: one thread, 15 samples on a 2-core VM.
 PLANTED_SUITE = """
@@ -17,13 +55,7 @@ from impl import backends
 
 pytestmark = pytest.mark.moe_bench
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+""" + ONE_THREAD + """
 def test_head_over_linear(moe_sampler, moe_gate):
     head = backends.get("head", "bf16")  # the backend under test: planted in a gate-trust run
     x, w = torch.randn(4, 256), torch.randn(2048, 256)

@@ -12,7 +12,7 @@ import pytest
 
 from pytest_moeperf.baselines import SCHEMA, BaselineStore, load_file
 from pytest_moeperf.device import DeviceInfo
-from pytester_runs import frozen, run_inner, this_device_store
+from pytester_runs import ONE_THREAD, REMEASURE_SUITE, frozen, run_inner, this_device_store
 
 # Latencies with a 1% spread, like the CPU decode step's per-sample CV measured on this machine kind.
 SUITE = """
@@ -82,32 +82,6 @@ def test_slowdown_within_tolerance_passes(run):
     run("--moe-bench", factor=1.05).assert_outcomes(passed=1)
 
 
-REMEASURE_SUITE = """
-import os
-import pytest
-
-pytestmark = pytest.mark.moe_bench
-SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
-
-def test_latency(moe_gate):
-    # Each measurement takes its factor from the next entry of PLANTED_FACTORS.
-    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
-
-    def measure():
-        f = next(factors)
-        return [100 * s * f for s in SPREAD]
-
-    moe_gate.check("latency_us", measure(), unit="us", direction="lower", tolerance=0.10, remeasure=measure)
-
-def test_ratio(moe_gate):
-    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
-
-    def side_by_side():
-        f = next(factors)
-        return [2.0 * s * f for s in SPREAD], [1.0 * s for s in SPREAD]
-
-    moe_gate.check_ratio("new_over_old", side_by_side, direction="lower", tolerance=0.10)
-"""
 
 
 @pytest.mark.parametrize("factors, outcome", [
@@ -309,14 +283,7 @@ import torch
 
 pytestmark = pytest.mark.moe_bench
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # One thread: less exposed to whatever else runs on a 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+""" + ONE_THREAD + """
 def chain(steps, a):
     x = a
     for _ in range(steps):
