@@ -12,7 +12,8 @@ measured interleaved in one run. Tolerance 5%: on the H200 the run-to-run spread
 graph-replay medians was within 1% (97.3 to 97.9 us over three runs of scripts/gpu/bench_head.py
 and its experiments, 2026-11-30), and a 5% move
 is the smallest change worth a look at this size (a lost pipeline stage or a config falling
-back to the generic tile costs 6% or more). On the H200, issue 4's bars are checked as well.
+back to the generic tile costs 6% or more). On the H200 the FP8 head's targets
+(impl.head.targets) are checked as well.
 """
 
 from __future__ import annotations
@@ -23,55 +24,24 @@ import pytest
 import torch
 
 from impl import backends
+from impl.gpu_timing import copy_bandwidth
+from impl.graphs import capture_graph
 from impl.head import BF16Head, FP8Head, compare_logits, require_head_backend
+from impl.head.targets import H200_BARS_US, H200_MAX_M4_OVER_M1, H200_MIN_FLOOR_FRACTION, LING_HEADS
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
 
 CALLS_PER_REPLAY = 10
 REPLAYS_PER_SAMPLE = 20
 TOLERANCE = 0.05
-LING = {"ling-3.0-flash": (157184, 2560), "ling-flash-2.0": (157184, 4096)}
-SHAPES = ("model", *LING)
-# Issue 4, H200, M=1 medians: the FP8 head within these times and at >= 90% of the byte floor
-# (2560 only); M=4 within 1.15x of M=1.
-BARS_US = {"ling-3.0-flash": 110.0, "ling-flash-2.0": 165.0}
-MIN_FLOOR_FRACTION = {"ling-3.0-flash": 0.90}
-MAX_M4_OVER_M1 = 1.15
+SHAPES = ("model", *LING_HEADS)
 MAX_REL_ERR = 0.04  # the weight-quantization bound of suites/test_head_parity.py
 
 
-def capture(fn):
-    """A CUDA graph of CALLS_PER_REPLAY calls of fn (warmed up on a side stream first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_REPLAY):
-            fn()
-    return graph
-
-
 @pytest.fixture(scope="module")
-def copy_bandwidth(moe_device) -> float:
-    """Bytes read + written per second by a 4 GiB device-to-device copy (median of 20)."""
-    device = moe_device.torch_device
-    src = torch.empty(4 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(23):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (4 << 30) / statistics.median(times[3:])
+def copy_bytes_per_s(moe_device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written), the floor's denominator."""
+    return copy_bandwidth(moe_device.torch_device)
 
 
 class Heads:
@@ -93,7 +63,7 @@ class Heads:
                 if not isinstance(bf16, BF16Head):
                     pytest.skip("the model under test has no bf16 head to compare with")
             else:
-                n, k = LING[shape]
+                n, k = LING_HEADS[shape]
                 bf16 = BF16Head(k, n, device=device, dtype=torch.bfloat16)
                 with torch.no_grad():
                     bf16.weight.normal_(0, 0.02, generator=torch.Generator(device).manual_seed(0))
@@ -118,9 +88,9 @@ def _graphs(heads, shape: str, m: int):
         parity = compare_logits(fp8(x), bf16(x))
         assert parity.nonfinite_rows == 0 and parity.rel_err <= MAX_REL_ERR, parity
         with backends.record_provenance() as prov:
-            g_fp8 = capture(lambda: fp8(x))
+            g_fp8 = capture_graph([lambda: fp8(x)] * CALLS_PER_REPLAY)
         require_head_backend(prov, "fp8-triton")
-        g_bf16 = capture(lambda: bf16(x))
+        g_bf16 = capture_graph([lambda: bf16(x)] * CALLS_PER_REPLAY)
     return g_fp8, g_bf16, bf16.out_features * bf16.in_features
 
 
@@ -131,7 +101,7 @@ def _config(shape: str, m: int) -> dict:
 
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp8_head_us(heads, shape, m, moe_sampler, moe_gate, copy_bandwidth):
+def test_fp8_head_us(heads, shape, m, moe_sampler, moe_gate, copy_bytes_per_s):
     g_fp8, _, fp8_bytes = _graphs(heads, shape, m)
 
     def microseconds():
@@ -139,10 +109,10 @@ def test_fp8_head_us(heads, shape, m, moe_sampler, moe_gate, copy_bandwidth):
         return [s * 1e6 / CALLS_PER_REPLAY for s in per_replay]
 
     samples = microseconds()
-    floor_us = fp8_bytes / copy_bandwidth * 1e6
+    floor_us = fp8_bytes / copy_bytes_per_s * 1e6
     median = statistics.median(samples)
     print(f"FP8 head {shape} M={m}: {median:.1f} us, {100 * floor_us / median:.1f}% of the FP8 byte floor "
-          f"({floor_us:.1f} us at {copy_bandwidth / 1e12:.2f} TB/s)")
+          f"({floor_us:.1f} us at {copy_bytes_per_s / 1e12:.2f} TB/s)")
     moe_gate.check(f"fp8_head_us_{shape}_m{m}", samples, unit="us", direction="lower", tolerance=TOLERANCE,
                    config=_config(shape, m), remeasure=microseconds)
 
@@ -169,17 +139,18 @@ def _sm_clock_mhz(model) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("shape", list(LING))
-def test_issue_bars_on_h200(heads, shape, moe_device, moe_sampler, copy_bandwidth):
+@pytest.mark.parametrize("shape", list(LING_HEADS))
+def test_fp8_head_targets_on_h200(heads, shape, moe_device, moe_sampler, copy_bytes_per_s):
     if moe_device.fingerprint.get("name") != "NVIDIA H200":
-        pytest.skip(f"the bars are H200 figures; the device is {moe_device.fingerprint.get('name')}")
+        pytest.skip(f"the targets are H200 figures; the device is {moe_device.fingerprint.get('name')}")
     g1, _, fp8_bytes = _graphs(heads, shape, 1)
     g4, _, _ = _graphs(heads, shape, 4)
     s = moe_sampler.interleaved({"m1": g1.replay, "m4": g4.replay}, inner=REPLAYS_PER_SAMPLE)
     m1 = statistics.median(s["m1"]) * 1e6 / CALLS_PER_REPLAY
     m4 = statistics.median(s["m4"]) * 1e6 / CALLS_PER_REPLAY
-    floor_fraction = fp8_bytes / copy_bandwidth * 1e6 / m1
+    floor_fraction = fp8_bytes / copy_bytes_per_s * 1e6 / m1
     print(f"{shape}: M=1 {m1:.1f} us ({100 * floor_fraction:.1f}% of the floor), M=4 {m4:.1f} us ({m4 / m1:.3f}x)")
-    assert m1 <= BARS_US[shape], f"{shape}: M=1 {m1:.1f} us > bar {BARS_US[shape]} us"
-    assert floor_fraction >= MIN_FLOOR_FRACTION.get(shape, 0), f"{shape}: {100 * floor_fraction:.1f}% of the floor"
-    assert m4 / m1 <= MAX_M4_OVER_M1, f"{shape}: M=4 / M=1 = {m4 / m1:.3f}"
+    assert m1 <= H200_BARS_US[shape], f"{shape}: M=1 {m1:.1f} us > bar {H200_BARS_US[shape]} us"
+    assert floor_fraction >= H200_MIN_FLOOR_FRACTION.get(shape, 0), (
+        f"{shape}: {100 * floor_fraction:.1f}% of the floor")
+    assert m4 / m1 <= H200_MAX_M4_OVER_M1, f"{shape}: M=4 / M=1 = {m4 / m1:.3f}"

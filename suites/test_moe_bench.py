@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from impl import backends
+from impl.gpu_timing import copy_bandwidth
+from impl.graphs import capture_graph
 from impl.model.config import get_config
 from impl.moe.random_layer import bytes_per_token, distinct_experts, random_inputs, random_moe_block, shared_of
-from impl.graphs import capture_graph
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
 
@@ -34,13 +35,9 @@ REPLAYS_PER_SAMPLE = 20
 
 
 @pytest.fixture(scope="module")
-def copy_bytes_per_s(moe_device):
+def copy_bytes_per_s(moe_device) -> float:
     """Device-to-device copy bandwidth (bytes read + written), the floor's denominator."""
-    import triton
-    a = torch.empty(2**31, dtype=torch.uint8, device=moe_device.torch_device)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    return 2 * a.numel() / (ms * 1e-3)
+    return copy_bandwidth(moe_device.torch_device)
 
 
 @pytest.fixture(scope="module")

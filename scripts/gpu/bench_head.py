@@ -18,7 +18,8 @@ Prints a short table last; writes everything as JSON to $OUT/bench_head.json whe
 Each contender runs in its own try block: a failure is printed and the run goes on. The Triton
 kernel's exactness check allows 2e-3 (EXACT_GPU below says why).
 
-Run from the repository root on the GPU machine (no install needed: the repo root goes on sys.path):
+Run from the repository root on the GPU machine, with the package installed (scripts/setup-env) or
+the repository root on PYTHONPATH (as scripts/gpu/run_all.sh puts it):
     python3 scripts/gpu/bench_head.py                # both shapes, M=1,4, 11-config sweep: ~45 s on an H200
     python3 scripts/gpu/bench_head.py --ms 1,4,16    # also M=16 (verify-sized): ~60 s
     python3 scripts/gpu/bench_head.py --quick        # a 4-config sweep: ~20 s
@@ -35,14 +36,12 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from impl.gpu_timing import copy_bandwidth, graph_us
+from impl.head.targets import H200_BARS_US, LING_HEADS
 
-SHAPES = {"ling-3.0-flash": (157184, 2560), "ling-flash-2.0": (157184, 4096)}
-BARS_US = {"ling-3.0-flash": 110.0, "ling-flash-2.0": 165.0}  # issue 4, H200, M=1
 CALLS_PER_REPLAY = 10
 # Kernel (fp32 out) against the fp32 dequantize-and-matmul oracle on the GPU. The "split" path's
 # FP8 tensor cores accumulate inside an MMA chain with fewer bits than fp32 (measured on the H200:
@@ -60,38 +59,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def graph_time_us(fn, calls: int = CALLS_PER_REPLAY, rep_ms: int = 200) -> float:
-    """Median microseconds per call of `fn`, `calls` calls captured in one CUDA graph."""
-    import triton.testing
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(g.replay, warmup=50, rep=rep_ms, return_mode="median")
-    del g
-    return ms * 1e3 / calls
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 4 GiB device-to-device copy (median of do_bench)."""
-    import triton.testing
-    n = 4 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    src.random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=100, rep=500, return_mode="median")
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (ms * 1e-3)
+def graph_time_us(fn, rep_ms: int = 200) -> float:
+    """Median microseconds per call of `fn`, CALLS_PER_REPLAY calls captured in one CUDA graph."""
+    return graph_us([fn] * CALLS_PER_REPLAY, warmup=50, rep=rep_ms)
 
 
 def sweep_configs(kind: str, m: int):
@@ -125,7 +95,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sweep configurations")
     ap.add_argument("--sweep", choices=("none", "quick", "default", "full"), default=None)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {list(SHAPES)}")
+    ap.add_argument("--shapes", default=",".join(LING_HEADS), help=f"comma-separated, of {list(LING_HEADS)}")
     ap.add_argument("--ms", default="1,4", help="rows of activations to time, comma-separated")
     args = ap.parse_args()
     sweep_kind = args.sweep or ("quick" if args.quick else "default")
@@ -162,7 +132,7 @@ def main() -> int:
     ms_list = [int(v) for v in args.ms.split(",")]
     table = []
     for shape_name in args.shapes.split(","):
-        n, k = SHAPES[shape_name]
+        n, k = LING_HEADS[shape_name]
         floor_us = n * k / bw * 1e6
         gen = torch.Generator(device=dev).manual_seed(1234)
         w = (torch.randn(n, k, device=dev, generator=gen) * 0.02).to(torch.bfloat16)
@@ -280,8 +250,8 @@ def main() -> int:
                 best[m] = b
                 log(f"best sweep config {shape_name} M={m}: {b['name']} {b['us']:.1f} us ({b['floor_pct']:.1f}%)")
         if 1 in best:
-            met = "MET" if best[1]["us"] <= BARS_US[shape_name] else "missed"
-            log(f"bar {shape_name} M=1: {BARS_US[shape_name]} us -> {met}")
+            met = "MET" if best[1]["us"] <= H200_BARS_US[shape_name] else "missed"
+            log(f"H200 target {shape_name} M=1: {H200_BARS_US[shape_name]} us -> {met}")
     if results["errors"]:
         log("errors:", *results["errors"], sep="\n  ")
     return 0

@@ -24,12 +24,9 @@ import dataclasses
 import itertools
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -49,7 +46,7 @@ from impl.moe.triton_layer import moe_triton_layer  # noqa: E402
 from impl.moe.triton_moe import launch_config, moe_experts, split_buffers  # noqa: E402
 from impl.moe.triton_routing import route_layer, route_triton  # noqa: E402
 from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
-from impl.graphs import capture_graph  # noqa: E402
+from impl.gpu_timing import copy_bandwidth, graph_us  # noqa: E402
 
 CALLS_PER_GRAPH = 10
 DEV = torch.device("cuda")
@@ -57,24 +54,6 @@ DEV = torch.device("cuda")
 
 def log(*args):
     print(*args, flush=True)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (the ceiling of batch-1 decode)."""
-    n = 2 * 2**30
-    a = torch.empty(n, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    a.random_(0, 255)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    del a, b
-    return 2 * n / (ms * 1e-3)
-
-
-def graph_us(calls, warmup: int = 25, rep: int = 200) -> float:
-    """Median time per call of `calls` (a list of CALLS_PER_GRAPH closures) captured in one graph."""
-    graph = capture_graph(calls)
-    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
-    return ms * 1e3 / len(calls)
 
 
 def eager_us(calls) -> float:
