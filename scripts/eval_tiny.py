@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from impl.data.arith import END, answer_length, extract_answer, take, text_of  # noqa: E402
-from impl.generate import generate  # noqa: E402
-from impl.model import build_model  # noqa: E402
-from impl.spec import SpecStats, SpeculativeDecoder  # noqa: E402
+from impl.data.arith import END, answer_length, extract_answer, take, text_of
+from impl.generate import generate
+from impl.model import build_model
+from impl.spec import SpecStats, SpeculativeDecoder
 
 MAX_NEW_TOKENS = 160
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -34,10 +33,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from pytest_moeperf.baselines import atomic_write_text  # noqa: E402
+from pytest_moeperf.baselines import atomic_write_text
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose suites are run
 DEFAULT_PATHS = ["suites"]
 
 
@@ -88,10 +86,9 @@ def run_pytest(out: Path, tag: str, args: list[str]) -> dict:
            "-m", "moe_bench", *args]
     if "--moe-freeze" not in args:
         cmd += ["--moe-report", str(report)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])))
     before, start = gpu_state(), time.perf_counter()
     with open(out / f"{tag}.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     seconds = time.perf_counter() - start
     print(f"  {tag}: rc {rc}, {seconds:.0f} s", flush=True)
     return {"rc": rc, "seconds": seconds, "report": report.name if report.exists() else None,

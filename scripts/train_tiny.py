@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from impl.data.arith import problems  # noqa: E402
-from impl.model import MoECausalLM, build_model, get_config  # noqa: E402
-from impl.model.layers import Router  # noqa: E402
-from impl.model.saving import save_checkpoint  # noqa: E402
+from impl.data.arith import problems
+from impl.model import MoECausalLM, build_model, get_config
+from impl.model.layers import Router
+from impl.model.saving import save_checkpoint
 
 MTP_WEIGHT = 0.3
 BIAS_STEP = 1e-3  # correction-bias update per step, towards equal expert load
