@@ -1,16 +1,10 @@
 """Decode throughput and per-layer MoE time of the model under test, gated against frozen figures.
 
-Tolerances come from gate-trust runs (scripts/gate_trust.py; notes/gate-trust.md), not by hand:
-- CPU absolute figures (tokens/s, MoE layer us), 40%: on the shared 2-core VMs this runs on, the
-  same code measured in consecutive processes came out at 0.66-1.66x of the frozen figure (80 A/A
-  evaluations each over four rounds, 2026-12-02), a drift of the host that no statistic over one
-  run's samples can see; 40% is the worst A/A ratio seen (0.659) plus a 5% margin, and a slowdown
-  to about 3x is what is caught reliably there.
-- CPU MoE-over-dense ratio, 8%: the two sides are timed interleaved at one thread in rounds of
-  CALLS_PER_ROUND_CPU calls (the tiny layers' 128-wide ops gain nothing from a second thread but
-  its scheduling noise; 40 ms rounds let the host's speed change between the two sides), which
-  brought its A/A spread from 0.80-1.14 to a few percent.
-- GPU, 5%: graph replays on an otherwise idle GPU repeat to about 1%.
+The MoE-over-dense ratio is timed on a CPU with both sides interleaved at one thread in rounds of
+CALLS_PER_ROUND_CPU calls (the tiny layers' 128-wide ops gain nothing from a second thread but
+its scheduling noise; 40 ms rounds let the host's speed change between the two sides), which
+brought its A/A spread from 0.80-1.14 to a few percent. Tolerances: pytest_moeperf.tolerances
+("timing" for tokens/s and the layer's time, "moe_over_dense"), each number with its reason.
 On a GPU every timed call is a CUDA graph replay, as a decode loop runs there; eager calls would
 time the host's launches (an eager decode step of the tiny model took 3.4 ms on the H200).
 """
@@ -25,6 +19,7 @@ import torch
 from impl.generate import greedy_step_at
 from impl.graphs import StepGraph
 from impl.model.layers import MLP, MoEBlock
+from pytest_moeperf.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 
@@ -33,13 +28,10 @@ STEPS_PER_SAMPLE = 32
 CALLS_PER_SAMPLE = 200
 CALLS_PER_ROUND_CPU = 20  # MoE over dense on a CPU: short rounds, ROUNDS_FACTOR_CPU times as many
 ROUNDS_FACTOR_CPU = 5
-TOLERANCE = {"gpu": 0.05, "cpu": 0.40, "cpu ratio": 0.08}
 
 
-def _tolerance(model, ratio: bool = False) -> float:
-    if model.embed_tokens.weight.is_cuda:
-        return TOLERANCE["gpu"]
-    return TOLERANCE["cpu ratio" if ratio else "cpu"]
+def _tolerance(figure: str, model) -> float:
+    return tolerance_for(figure, model.embed_tokens.weight.device)
 
 
 def _config(model) -> dict:
@@ -85,7 +77,7 @@ def test_decode_tokens_per_s(moe_model, decode_step, moe_sampler, moe_gate):
         return [1 / s for s in moe_sampler.sample(decode_step, inner=STEPS_PER_SAMPLE)]
 
     moe_gate.check("decode_tokens_per_s", tokens_per_s(), unit="tok/s", direction="higher",
-                   tolerance=_tolerance(moe_model), config=_config(moe_model), remeasure=tokens_per_s)
+                   tolerance=_tolerance("timing", moe_model), config=_config(moe_model), remeasure=tokens_per_s)
 
 
 def test_moe_layer_us(moe_model, moe_layer, moe_sampler, moe_gate):
@@ -97,7 +89,7 @@ def test_moe_layer_us(moe_model, moe_layer, moe_sampler, moe_gate):
         return [s * 1e6 for s in moe_sampler.sample(layer, inner=CALLS_PER_SAMPLE)]
 
     moe_gate.check("moe_layer_us", microseconds(), unit="us", direction="lower",
-                   tolerance=_tolerance(moe_model), config=_config(moe_model), remeasure=microseconds)
+                   tolerance=_tolerance("timing", moe_model), config=_config(moe_model), remeasure=microseconds)
 
 
 def test_moe_layer_over_dense_equivalent(moe_model, moe_layer, moe_sampler, moe_gate):
@@ -119,7 +111,7 @@ def test_moe_layer_over_dense_equivalent(moe_model, moe_layer, moe_sampler, moe_
 
     config = _config(moe_model) if on_gpu else {**_config(moe_model), "threads": 1, "calls_per_round": inner}
     moe_gate.check_ratio("moe_over_dense_equivalent", side_by_side, direction="lower",
-                         tolerance=_tolerance(moe_model, ratio=True), config=config)
+                         tolerance=_tolerance("moe_over_dense", moe_model), config=config)
 
 
 @contextlib.contextmanager

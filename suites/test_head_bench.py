@@ -8,12 +8,8 @@ copy bandwidth measured once per module). Correctness comes first: each head's l
 checked against the bf16 head before it is timed.
 
 Gates (moe_gate): the FP8 time per shape and M (lower is better) and the FP8 / bf16 ratio
-measured interleaved in one run. Tolerance 5%: on the H200 the run-to-run spread of these
-graph-replay medians was within 1% (97.3 to 97.9 us over three runs of scripts/gpu/bench_head.py
-and its experiments, 2026-11-30), and a 5% move
-is the smallest change worth a look at this size (a lost pipeline stage or a config falling
-back to the generic tile costs 6% or more). On the H200 the FP8 head's targets
-(impl.head.targets) are checked as well.
+measured interleaved in one run (tolerances: pytest_moeperf.tolerances, "timing" and "ratio").
+On the H200 the FP8 head's targets (impl.head.targets) are checked as well.
 """
 
 from __future__ import annotations
@@ -28,12 +24,12 @@ from impl.gpu_timing import copy_bandwidth
 from impl.graphs import capture_graph
 from impl.head import BF16Head, FP8Head, compare_logits, require_head_backend
 from impl.head.targets import H200_BARS_US, H200_MAX_M4_OVER_M1, H200_MIN_FLOOR_FRACTION, LING_HEADS
+from pytest_moeperf.tolerances import tolerance_for
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
 
 CALLS_PER_REPLAY = 10
 REPLAYS_PER_SAMPLE = 20
-TOLERANCE = 0.05
 SHAPES = ("model", *LING_HEADS)
 MAX_REL_ERR = 0.04  # the weight-quantization bound of suites/test_head_parity.py
 
@@ -101,7 +97,7 @@ def _config(shape: str, m: int) -> dict:
 
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp8_head_us(heads, shape, m, moe_sampler, moe_gate, copy_bytes_per_s):
+def test_fp8_head_us(heads, shape, m, moe_device, moe_sampler, moe_gate, copy_bytes_per_s):
     g_fp8, _, fp8_bytes = _graphs(heads, shape, m)
 
     def microseconds():
@@ -113,13 +109,14 @@ def test_fp8_head_us(heads, shape, m, moe_sampler, moe_gate, copy_bytes_per_s):
     median = statistics.median(samples)
     print(f"FP8 head {shape} M={m}: {median:.1f} us, {100 * floor_us / median:.1f}% of the FP8 byte floor "
           f"({floor_us:.1f} us at {copy_bytes_per_s / 1e12:.2f} TB/s)")
-    moe_gate.check(f"fp8_head_us_{shape}_m{m}", samples, unit="us", direction="lower", tolerance=TOLERANCE,
-                   config=_config(shape, m), remeasure=microseconds)
+    moe_gate.check(f"fp8_head_us_{shape}_m{m}", samples, unit="us", direction="lower",
+                   tolerance=tolerance_for("timing", moe_device.torch_device), config=_config(shape, m),
+                   remeasure=microseconds)
 
 
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp8_over_bf16_head(heads, shape, m, moe_sampler, moe_gate):
+def test_fp8_over_bf16_head(heads, shape, m, moe_device, moe_sampler, moe_gate):
     g_fp8, g_bf16, _ = _graphs(heads, shape, m)
 
     def side_by_side():
@@ -127,7 +124,7 @@ def test_fp8_over_bf16_head(heads, shape, m, moe_sampler, moe_gate):
         return s["fp8"], s["bf16"]
 
     result = moe_gate.check_ratio(f"fp8_over_bf16_head_{shape}_m{m}", side_by_side, direction="lower",
-                                  tolerance=TOLERANCE, config=_config(shape, m))
+                                  tolerance=tolerance_for("ratio", moe_device.torch_device), config=_config(shape, m))
     print(f"FP8/bf16 head {shape} M={m}: {result.current:.4f} (SM clock {_sm_clock_mhz(heads.model)} MHz after)")
 
 

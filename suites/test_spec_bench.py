@@ -17,12 +17,7 @@
   there; per prompt the agreement is the identical fraction of the generation before the first
   divergence, gated (direction higher) and reported with the divergence positions.
 
-Tolerances: 6% for the CPU speed ratio, from gate-trust runs (notes/gate-trust.md): its A/A
-evaluations on the shared 2-core VMs fell within 0.957-1.043 of the frozen figure (16 of them,
-2026-12-02; the two sides drift together), and a planted 10% slowdown of the speculative step
-moves it by about 9%; 5% on a GPU (replays repeat within 1%); agreement 10%: one extra early flip
-in 8 prompts moves the mean by up to 12%, a broken verify path (wrong position, stale cache)
-moves it by 50% or more.
+Tolerances: pytest_moeperf.tolerances ("mtp_over_plain", "agreement"), each number with its reason.
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ import torch
 
 from impl.data.arith import answer_length, take, text_of, writes_answers
 from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+from pytest_moeperf.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 
@@ -143,7 +139,7 @@ def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
           + ", ".join(f"{name} {v:.3f}" for name, v in ms.items())
           + f"; speedup {accept * ms['decode step'] / ms['speculative step']:.2f}")
     moe_gate.check_ratio(f"mtp_speedup_k{K}", tokens_per_s, direction="higher",
-                         tolerance=0.05 if _on_gpu(moe_model) else 0.06,
+                         tolerance=tolerance_for("mtp_over_plain", device),
                          config={"k": K, "graphs": _on_gpu(moe_model),
                                  "runs": f"to answer end, {len(prompts)} prompts" if to_answer
                                  else f"{PLAIN_STEPS} plain / {SPEC_STEPS} speculative steps"})
@@ -170,5 +166,6 @@ def test_mtp_greedy_agreement(moe_model, decoder, moe_gate):
         assert all(d is None for d in divergences), (
             f"fp32 speculative output differs from plain greedy at new-token positions {divergences}")
     print(f"\nmtp greedy agreement per prompt {[round(f, 3) for f in fractions]}, first divergence {divergences}")
-    moe_gate.check(f"mtp_greedy_agreement_k{K}", fractions, unit="fraction", direction="higher", tolerance=0.10,
+    moe_gate.check(f"mtp_greedy_agreement_k{K}", fractions, unit="fraction", direction="higher",
+                   tolerance=tolerance_for("agreement", device),
                    config={"k": K, "prompts": AGREEMENT_PROMPTS, "tokens": AGREEMENT_TOKENS}, portable=True)
