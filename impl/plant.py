@@ -45,30 +45,28 @@ _SPEC = re.compile(r"(?P<kind>[a-z]+)(?::(?P<name>[\w.+-]+))?=(?P<fraction>[0-9.
 def parse_plants(value: str, defaults: dict[str, str]) -> tuple[Plant, ...]:
     """`KIND[:NAME]=FRACTION[,...]`, e.g. `moe=0.1` or `head:fp8-triton=0.1,decoder:mtp=0.1`.
     NAME defaults to `defaults[KIND]` (the backend under test); each (kind, name) must be a
-    registered backend and appear once; FRACTION is in (0, 10]."""
+    registered backend and appear once; FRACTION is in (0, 10]. Errors name the offending part;
+    the caller adds where the spec came from (the plugin: its option)."""
     plants = []
     for part in (p.strip() for p in value.split(",")):
         m = _SPEC.fullmatch(part)
         if not m:
-            raise ValueError(f"--moe-plant: {part!r} is not KIND[:NAME]=FRACTION (e.g. moe=0.1, decoder:mtp=0.1)")
+            raise ValueError(f"{part!r} is not KIND[:NAME]=FRACTION (e.g. moe=0.1, decoder:mtp=0.1)")
         kind, name = m["kind"], m["name"] or defaults.get(m["kind"])
         if kind not in backends.KINDS:
-            raise ValueError(f"--moe-plant: unknown backend kind {kind!r} in {part!r}; expected one of {backends.KINDS}")
+            raise ValueError(f"unknown backend kind {kind!r} in {part!r}; expected one of {backends.KINDS}")
         if name is None:
-            raise ValueError(f"--moe-plant: {part!r} needs a backend name ({kind}:NAME=FRACTION); "
+            raise ValueError(f"{part!r} needs a backend name ({kind}:NAME=FRACTION); "
                              f"{kind} backends: {backends.available(kind)}")
-        try:
-            backends.get(kind, name)
-        except ValueError as e:
-            raise ValueError(f"--moe-plant: {e}") from None
+        backends.get(kind, name)  # an unknown name: ValueError naming the registered ones
         try:
             fraction = float(m["fraction"])
         except ValueError:
             fraction = float("nan")
         if not 0 < fraction <= 10:
-            raise ValueError(f"--moe-plant: the slowdown fraction in {part!r} must be in (0, 10], got {m['fraction']}")
+            raise ValueError(f"the slowdown fraction in {part!r} must be in (0, 10], got {m['fraction']}")
         if any((p.kind, p.name) == (kind, name) for p in plants):
-            raise ValueError(f"--moe-plant: {kind}:{name} is planted twice")
+            raise ValueError(f"{kind}:{name} is planted twice")
         plants.append(Plant(kind, name, fraction))
     return tuple(plants)
 

@@ -170,10 +170,6 @@ class BaselineStore:
             merged.update(entry["metrics"])
         return merged
 
-    def other_fingerprints(self) -> list[dict]:
-        exact = [e["fingerprint"] for e in self._exact_entries()]
-        return [e["fingerprint"] for f in self._files.values() for e in f.entries if e["fingerprint"] not in exact]
-
     def lookup(self, metric_id: str, config: dict, portable: bool) -> Lookup:
         """The frozen figure for `metric_id` under `config`: from this device's exact entries, or,
         when `portable` (measured side by side in one run), from the newest entry of another

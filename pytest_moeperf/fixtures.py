@@ -1,22 +1,17 @@
-"""Fixtures the suites use: device, model under test, baselines, gate and sampler."""
+"""Fixtures the suites use: device, model under test, backends, gate and sampler."""
 
 from __future__ import annotations
 
 import pytest
 
 from pytest_moeperf.gate import Gate
-from pytest_moeperf.session import MoePerfSession
+from pytest_moeperf.session import SESSION_KEY, MoePerfSession
 from pytest_moeperf.timing import Sampler
-
-
-def get_session(config) -> MoePerfSession:
-    from pytest_moeperf.plugin import SESSION_KEY
-    return config.stash[SESSION_KEY]
 
 
 @pytest.fixture(scope="session")
 def moe_session(pytestconfig) -> MoePerfSession:
-    return get_session(pytestconfig)
+    return pytestconfig.stash[SESSION_KEY]
 
 
 @pytest.fixture(scope="session")
@@ -48,12 +43,6 @@ def moe_checked_backend(moe_backend_name):
     """Each MoE backend a correctness suite checks (parametrized: see `backends_under_test`)."""
     from impl import backends
     return backends.get("moe", moe_backend_name)
-
-
-@pytest.fixture(scope="session")
-def moe_baseline(moe_session):
-    """This device's frozen figures (`BaselineStore`): `.metrics`, `.path`, `.freeze(...)`."""
-    return moe_session.store
 
 
 @pytest.fixture

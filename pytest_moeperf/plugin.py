@@ -9,11 +9,9 @@ import pytest
 
 from pytest_moeperf.device import parse_device
 from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
-    moe_backend, moe_baseline, moe_checked_backend, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
-from pytest_moeperf.session import MoePerfSession, Options
+    moe_backend, moe_checked_backend, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
+from pytest_moeperf.session import SESSION_KEY, MoePerfSession, Options
 from pytest_moeperf.timing import parse_samples
-
-SESSION_KEY = pytest.StashKey[MoePerfSession]()
 
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
             "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": ""}
@@ -169,7 +167,7 @@ def pytest_configure(config: pytest.Config) -> None:
         try:
             plants = plant.parse_plants(plant_spec, {"moe": session.moe_backend})
         except ValueError as e:
-            raise pytest.UsageError(str(e)) from None
+            raise pytest.UsageError(f"--moe-plant: {e}") from None
         session.options = dataclasses.replace(options, plants=plants)
         plant.activate(plants, session.device.torch_device)
     config.stash[SESSION_KEY] = session

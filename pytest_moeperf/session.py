@@ -1,10 +1,13 @@
-"""Run state of one pytest session: parsed options, the device, the baseline store, results."""
+"""Run state of one pytest session: parsed options, the device, the baseline store, results, and
+the stash key the plugin keeps it under."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+
+import pytest
 
 from pytest_moeperf import report
 from pytest_moeperf.baselines import BaselineStore
@@ -28,6 +31,9 @@ class Options:
 
 
 class MoePerfSession:
+    """The run state, kept in pytest's config stash under SESSION_KEY (set by the plugin's
+    pytest_configure, read by its hooks and the fixtures)."""
+
     def __init__(self, options: Options) -> None:
         self.options = options
         self.results: list = []
@@ -133,3 +139,6 @@ class MoePerfSession:
             json_path, md_path = report.write(self.options.report, self.results, self.header())
             lines.append(f"report written to {json_path} and {md_path}")
         return lines
+
+
+SESSION_KEY = pytest.StashKey[MoePerfSession]()

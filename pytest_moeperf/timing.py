@@ -8,9 +8,7 @@ turn (A B A B ...) so that their ratio is measured under the same machine condit
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import gc
 import time
 from typing import Callable
 
@@ -62,21 +60,6 @@ def parse_samples(value: str) -> int:
     if n < 3:
         raise ValueError(f"--moe-samples must be at least 3 (a median and an interval need them), got {n}")
     return n
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """No garbage collection inside the timed loops (as timeit does): a collection's cost grows
-    with every object earlier tests left alive (hypothesis keeps many), which once made a decode
-    step 40% slower after the fuzz suite than alone."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 # Warm-up lasts at least this long as well as `warmup` rounds: a GPU idle during a build phase

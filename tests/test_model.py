@@ -163,7 +163,7 @@ def test_model_config_derived_sizes():
 
 
 def test_build_unknown_preset():
-    with pytest.raises(ValueError, match=r"'nope' is neither a preset"):
+    with pytest.raises(ValueError, match=r"^model spec 'nope' is neither a preset"):  # no plugin option named
         build_model("nope")
 
 

@@ -73,7 +73,7 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
                              "from its repository checkout, e.g. pip install -e .)")
         config = read_config(folder)
     else:
-        raise ValueError(f"--moe-model {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded checkpoint "
+        raise ValueError(f"model spec {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded checkpoint "
                          f"({sorted(EMBEDDED)}) nor a checkpoint folder")
     need = config.num_parameters() * torch.finfo(dtype).bits // 8
     free = _free_bytes(device)
