@@ -80,7 +80,7 @@ def test_decode_tokens_per_s(moe_model, decode_step, moe_sampler, moe_gate):
                    tolerance=_tolerance("timing", moe_model), config=_config(moe_model), remeasure=tokens_per_s)
 
 
-def test_moe_layer_us(moe_model, moe_layer, moe_sampler, moe_gate):
+def test_model_moe_layer_us(moe_model, moe_layer, moe_sampler, moe_gate):
     block, x = moe_layer
 
     layer = _graphed(lambda: block(x), moe_model)
