@@ -146,7 +146,7 @@ def test_inputs_named_errors():
 
 def test_shapes_outside_humming_tiles_are_unsupported_in_words(monkeypatch):
     """N = 96 (a tiny model's hidden size) is outside Humming's tiles: refused as Unsupported,
-    which the suites skip, naming the weight and the rule; the issue-3 shapes pass."""
+    which the suites skip, naming the weight and the rule; the Ling shapes pass."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
     with pytest.raises(backends.Unsupported, match=r"N a multiple of 128 .*down weight is \[E, N, K\] = \[4, 96, 64\]"):
