@@ -1,0 +1,342 @@
+"""The A/B ladder report: its numbers (summarize_ab) against the statistics recomputed from the
+records, its flags, partial and unscored runs, and the files it writes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+
+from pytest_moeperf import ab_report
+from pytest_moeperf.ab_report import ACCEPT_LENGTH_FLOOR, summarize_ab, write_ab_report
+from pytest_moeperf.stats import paired_accuracy, paired_ratio
+
+K = 3  # drafts per verify step of the synthetic speculative arm
+
+
+def _arm(name, speculative=False, **prov):
+    return {"name": name, "config": f"spec={name}", "speculative": speculative, "provenance_error": None,
+            "provenance": {"moe": "triton", "head": "bf16", "draft_shares_head": True if speculative else None,
+                           "drafts_per_step": K if speculative else 0, **prov}}
+
+
+def synthetic(n=120, seed=0, scored=True, speedups=None, accept_p=(0.85, 0.7, 0.55), flip=0.03):
+    """A ladder result in the serving engine's format: arms interleaved request by request.
+
+    Each arm's TPOT is the baseline's divided by its speedup, with 4% per-request noise; answers of
+    later arms flip with probability `flip`; the speculative arm accepts draft position j with
+    probability accept_p[j] given the previous one was accepted.
+    """
+    rng = np.random.default_rng(seed)
+    speedups = speedups or {"baseline": 1.0, "+kernels": 1.09, "+fp8-head": 1.2, "+mtp": 2.5}
+    arms = [_arm(name, speculative=name == "+mtp") for name in speedups]
+    truth = rng.random(n) < 0.85
+    reqs = []
+    for i in range(n):
+        prompt = int(rng.integers(40, 200))
+        out = 1 if i % 25 == 0 else int(rng.integers(2, 60))  # every 25th has one token: no TPOT
+        ttft0 = 0.0008 * prompt
+        for arm in arms:
+            name = arm["name"]
+            tpot = 0.006 / speedups[name] * rng.lognormal(0, 0.04)
+            ttft = ttft0 * rng.lognormal(0, 0.03)
+            rec = {"arm": name, "request_id": i, "prompt_tokens": prompt, "output_tokens": out,
+                   "ttft_s": ttft, "latency_s": ttft + tpot * (out - 1),
+                   "tpot_s": tpot if out > 1 else None, "decode_tokens_per_s": 1 / tpot if out > 1 else None,
+                   "accept_lengths": None, "accepted_per_position": None, "verify_steps": None,
+                   "correct": None, "strict_correct": None, "flexible_correct": None, "text": "7"}
+            if arm["speculative"]:
+                steps = max(1, out // 3)
+                accepted = rng.random((steps, K)) < np.array(accept_p)
+                lengths = [1 + int(np.argmin(np.append(row, False))) for row in accepted]
+                rec.update(accept_lengths=lengths, verify_steps=steps,
+                           accepted_per_position=[sum(L - 1 > j for L in lengths) for j in range(K)])
+            if scored:
+                c = bool(truth[i]) ^ bool(name != "baseline" and rng.random() < flip)
+                rec.update(correct=c, strict_correct=c, flexible_correct=c)
+            reqs.append(rec)
+    return {"workload": {"name": "arith", "n_requests": n, "shots": 0, "details": {}},
+            "device": "cpu", "arms": arms, "requests": reqs, "complete": True}
+
+
+@pytest.fixture(scope="module")
+def full():
+    return synthetic()
+
+
+@pytest.fixture(scope="module")
+def full_summary(full):
+    return summarize_ab(full)
+
+
+def _records(result, arm):
+    return {r["request_id"]: r for r in result["requests"] if r["arm"] == arm}
+
+
+def _arm_summary(summary, name):
+    return next(s for s in summary["arms"] if s["name"] == name)
+
+
+def _cmp(summary, name):
+    return next(c for c in summary["comparisons"] if c["arm"] == name)
+
+
+# --- the numbers --------------------------------------------------------------------------------
+
+def test_per_arm_figures_are_those_of_the_records(full, full_summary):
+    for arm in ("baseline", "+mtp"):
+        recs = list(_records(full, arm).values())
+        s = _arm_summary(full_summary, arm)
+        assert s["n_requests"] == len(recs)
+        tpot = [r["tpot_s"] for r in recs if r["tpot_s"] is not None]
+        m = s["metrics"]["tpot_s"]
+        # One-token outputs have no TPOT and are left out, not counted as zero.
+        assert m["n"] == len(tpot) == len(recs) - sum(r["output_tokens"] == 1 for r in recs)
+        assert m["mean"] == pytest.approx(np.mean(tpot))
+        assert m["p50"] == pytest.approx(np.percentile(tpot, 50)) and m["p99"] == pytest.approx(np.percentile(tpot, 99))
+        assert m["ci"][0] < m["mean"] < m["ci"][1]
+        lat = [r["latency_s"] for r in recs]
+        assert s["metrics"]["latency_s"]["mean"] == pytest.approx(np.mean(lat))
+        acc = s["accuracy"]
+        assert acc["correct"] == sum(r["correct"] for r in recs) and acc["n"] == len(recs)
+
+
+def test_comparisons_are_the_paired_statistics_of_the_matched_requests(full, full_summary):
+    ref = _records(full, "baseline")
+    for name in ("+kernels", "+mtp"):
+        arm = _records(full, name)
+        c = _cmp(full_summary, name)
+        ids = sorted(set(ref) & set(arm))
+        assert c["n_paired"] == len(ids) and c["reference"] == "baseline"
+        both = [i for i in ids if ref[i]["tpot_s"] is not None]
+        expected = paired_ratio([ref[i]["tpot_s"] for i in both], [arm[i]["tpot_s"] for i in both])
+        got = c["ratios"]["tpot_s"]
+        assert got["n"] == len(both)
+        assert (got["ratio"], *got["ci"]) == pytest.approx(expected)
+        pa = paired_accuracy([ref[i]["correct"] for i in ids], [arm[i]["correct"] for i in ids])
+        assert c["accuracy"]["p_value"] == pytest.approx(pa.p_value)
+        assert c["accuracy"]["a_only"] == pa.a_only and c["accuracy"]["b_only"] == pa.b_only
+        assert tuple(c["accuracy"]["ci_difference"]) == pytest.approx(pa.ci_difference)
+
+
+def test_the_ladder_reads_faster_where_it_is_faster(full_summary):
+    # Synthetic speedups of 9%, 20% and 2.5x with 4% noise per request on each arm: the log ratio
+    # has sd 0.057 over ~115 pairs, a standard error of 0.5%, so each is resolved and within 3%.
+    for name, speedup in (("+kernels", 1.09), ("+fp8-head", 1.2), ("+mtp", 2.5)):
+        c = _cmp(full_summary, name)
+        r = c["ratios"]["decode_tokens_per_s"]
+        assert c["speed"] == "faster" and r["ratio"] == pytest.approx(speedup, rel=0.03)
+        assert 1 < r["ci"][0] < r["ratio"] < r["ci"][1]
+    assert not full_summary["flagged"]
+
+
+def test_aa_comparison_shows_no_difference():
+    r = synthetic(n=60, speedups={"baseline": 1.0, "copy": 1.0})
+    copy_recs = [dict(x, arm="copy") for x in r["requests"] if x["arm"] == "baseline"]
+    r["requests"] = [x for x in r["requests"] if x["arm"] == "baseline"] + copy_recs
+    c = summarize_ab(r)["comparisons"][0]
+    for key in ab_report.METRICS:
+        assert c["ratios"][key]["ratio"] == pytest.approx(1.0)
+        assert c["ratios"][key]["ci"][0] <= 1.0 <= c["ratios"][key]["ci"][1]
+    assert c["speed"] == "no detectable difference"
+    assert c["accuracy"]["a_only"] == c["accuracy"]["b_only"] == 0 and c["accuracy"]["p_value"] == 1.0
+
+
+def test_a_slower_arm_is_flagged():
+    r = synthetic(n=80, speedups={"baseline": 1.0, "+kernels": 0.9})
+    s = summarize_ab(r)
+    assert _cmp(s, "+kernels")["speed"] == "slower"
+    assert any(f.startswith("slower than baseline") for f in s["flagged"]["+kernels"])
+
+
+def test_accept_length_summary_by_hand():
+    r = synthetic(n=4, speedups={"baseline": 1.0, "+mtp": 2.0})
+    recs = [x for x in r["requests"] if x["arm"] == "+mtp"]
+    hand = [([4, 1, 2], [2, 1, 1]), ([3, 3], [2, 2, 0]), ([1], [0, 0, 0]), ([4, 4], [2, 2, 2])]
+    for rec, (lengths, per) in zip(recs, hand):
+        rec.update(accept_lengths=lengths, accepted_per_position=per, verify_steps=len(lengths))
+    a = _arm_summary(summarize_ab(r), "+mtp")["accept_length"]
+    # 8 verify steps committing 4+1+2+3+3+1+4+4 = 22 tokens; position 1 accepted in 6 of the 8
+    # steps, position 2 in 5, position 3 in 3.
+    assert a["mean"] == pytest.approx(22 / 8) and a["verify_steps"] == 8
+    assert a["histogram"] == {"1": 2, "2": 1, "3": 2, "4": 3}
+    assert a["acceptance_per_position"] == pytest.approx([6 / 8, 5 / 8, 3 / 8])
+
+
+# --- flags --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def broken():
+    """+kernels: its provenance contradicts it; +mtp: the draft reads the FP8 head as bf16, so
+    nothing is accepted and the arm is slower than the baseline."""
+    r = synthetic(n=80, speedups={"baseline": 1.0, "+kernels": 1.09, "+mtp": 0.7})
+    r["arms"][1]["provenance_error"] = "asked for moe=triton, the reference backend ran"
+    r["arms"][2]["provenance"]["draft_shares_head"] = False
+    for rec in r["requests"]:
+        if rec["arm"] == "+mtp":
+            rec["accept_lengths"] = [1] * len(rec["accept_lengths"])
+            rec["accepted_per_position"] = [0] * K
+    return r
+
+
+def test_flags(broken):
+    s = summarize_ab(broken)
+    assert set(s["flagged"]) == {"+kernels", "+mtp"}
+    assert any("provenance error" in f for f in s["flagged"]["+kernels"])
+    mtp = " | ".join(s["flagged"]["+mtp"])
+    assert "accept length 1.00" in mtp and "head module" in mtp and "slower than baseline" in mtp
+    assert _arm_summary(s, "+mtp")["accept_length"]["mean"] == 1.0 < ACCEPT_LENGTH_FLOOR
+
+
+def test_a_healthy_speculative_arm_is_not_flagged(full_summary):
+    a = _arm_summary(full_summary, "+mtp")
+    assert a["accept_length"]["mean"] > ACCEPT_LENGTH_FLOOR and not a["flags"]
+
+
+def test_answers_that_differ_are_flagged():
+    r = synthetic(n=150, speedups={"baseline": 1.0, "+fp8-head": 1.2}, flip=0.25)
+    s = summarize_ab(r)
+    assert _cmp(s, "+fp8-head")["accuracy"]["verdict"] == "different"
+    assert any(f.startswith("answers differ") for f in s["flagged"]["+fp8-head"])
+
+
+# --- partial and unscored runs ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def partial():
+    """Stopped part-way: +fp8-head holds 50 of 120 requests, +mtp none, and the baseline lost
+    request 3 (so pairs are the intersection, not the shorter arm's ids)."""
+    r = synthetic()
+    r["complete"] = False
+    r["requests"] = [x for x in r["requests"]
+                     if not (x["arm"] == "+fp8-head" and x["request_id"] >= 50) and x["arm"] != "+mtp"
+                     and not (x["arm"] == "baseline" and x["request_id"] == 3)]
+    return r
+
+
+def test_partial_run_pairs_only_common_requests(partial):
+    s = summarize_ab(partial)
+    assert not s["complete"]
+    c = _cmp(s, "+fp8-head")
+    assert c["n_paired"] == 49 and c["accuracy"]["n"] == 49
+    ref, arm = _records(partial, "baseline"), _records(partial, "+fp8-head")
+    ids = [i for i in sorted(set(ref) & set(arm)) if ref[i]["latency_s"] and arm[i]["latency_s"]]
+    expected = paired_ratio([ref[i]["latency_s"] for i in ids], [arm[i]["latency_s"] for i in ids])
+    assert (c["ratios"]["latency_s"]["ratio"], *c["ratios"]["latency_s"]["ci"]) == pytest.approx(expected)
+    assert _arm_summary(s, "+fp8-head")["partial"] and not _arm_summary(s, "+kernels")["partial"]
+    empty = _cmp(s, "+mtp")
+    assert empty["n_paired"] == 0 and empty["speed"] == "no data" and empty["accuracy"] is None
+    assert all(v is None for v in empty["ratios"].values())
+    assert "no requests recorded" in s["flagged"]["+mtp"]
+
+
+def test_unscored_workload_has_no_accuracy():
+    s = summarize_ab(synthetic(n=40, scored=False))
+    assert all(a["accuracy"] is None for a in s["arms"])
+    assert all(c["accuracy"] is None and c["verdict"].endswith("no accuracy data") for c in s["comparisons"])
+
+
+# --- input checks -------------------------------------------------------------------------------
+
+def _mutated(change):
+    r = synthetic(n=6, speedups={"baseline": 1.0, "B": 1.1})
+    change(r)
+    return r
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r["requests"][0].update(arm="nope"), "not in result"),
+    (lambda r: r["requests"].append(dict(r["requests"][0])), "two records"),
+    (lambda r: r["requests"][1].update(latency_s=-0.1), "latency_s"),
+    (lambda r: r["requests"][1].update(ttft_s=float("nan")), "ttft_s"),
+    (lambda r: r["requests"][1].update(correct=1), "correct"),
+    (lambda r: r["requests"][1].pop("request_id"), "request_id"),
+    (lambda r: r.update(arms=[]), "non-empty"),
+    (lambda r: r["arms"].append(dict(r["arms"][0])), "unique"),
+    (lambda r: r["requests"][1].update(accept_lengths=[2, 0]), "below 1"),
+])
+def test_bad_results_are_refused_clearly(change, match):
+    with pytest.raises(ValueError, match=match):
+        summarize_ab(_mutated(change))
+
+
+# --- the files ----------------------------------------------------------------------------------
+
+def _strict_json(path):
+    def no_constants(name):
+        raise AssertionError(f"{path.name} holds {name}, which is not JSON")
+    return json.loads(path.read_text(), parse_constant=no_constants)
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_write_full_report(tmp_path, full):
+    paths = write_ab_report(full, tmp_path)
+    assert set(paths) == {"json", "markdown", "ladder", "latency", "accept", "accuracy"}
+    doc = _strict_json(paths["json"])
+    assert [a["name"] for a in doc["summary"]["arms"]] == ["baseline", "+kernels", "+fp8-head", "+mtp"]
+    assert doc["summary"]["comparisons"][2]["ratios"]["decode_tokens_per_s"]["ratio"] == pytest.approx(
+        _cmp(summarize_ab(full), "+mtp")["ratios"]["decode_tokens_per_s"]["ratio"])
+    md = paths["markdown"].read_text()
+    embedded = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+    assert sorted(embedded) == sorted(p.name for k, p in paths.items() if p.suffix == ".png")
+    for name in embedded:
+        w, h = _png_size(tmp_path / name)
+        assert w >= 600 and h >= 400
+    # The McNemar table carries the discordant counts of the comparison.
+    a = _cmp(summarize_ab(full), "+kernels")["accuracy"]
+    assert f"| baseline right | {a['both_right']} | {a['a_only']} |" in md
+    assert f"| baseline wrong | {a['b_only']} | {a['both_wrong']} |" in md
+    assert "PARTIAL" not in md and "⚠" not in md
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_write_partial_flagged_unscored_report(tmp_path, partial, broken):
+    r = copy.deepcopy(partial)
+    for rec in r["requests"]:
+        rec.update(correct=None, strict_correct=None, flexible_correct=None)
+    r["arms"][1]["provenance_error"] = "head kernel is torch.matmul, asked for fp8"
+    paths = write_ab_report(r, tmp_path / "partial")
+    assert "accuracy" not in paths and "accept" not in paths  # nothing scored; +mtp ran nothing
+    md = paths["markdown"].read_text()
+    assert "PARTIAL RESULT" in md
+    row = next(line for line in md.splitlines() if line.startswith("| ⚠ **+kernels**"))
+    assert "FLAGGED" in row and "head kernel is torch.matmul" in md
+    assert "| +fp8-head | 50 of 120 |" in md
+    assert "No scored answers" in md
+    _strict_json(paths["json"])
+    paths = write_ab_report(broken, tmp_path / "broken")
+    assert _png_size(paths["accept"])[0] >= 600
+    assert "accept length 1.00" in paths["markdown"].read_text()
+
+
+def test_writes_are_atomic(tmp_path, monkeypatch):
+    r = synthetic(n=30, speedups={"baseline": 1.0, "B": 1.1})
+    paths = write_ab_report(r, tmp_path)
+    before = {k: p.read_bytes() for k, p in paths.items()}
+    with open(paths["json"], "rb") as held:
+        # A failure at the rename leaves every old file whole and no temporary file behind.
+        def failing_replace(src, dst):
+            raise OSError("disk full")
+        monkeypatch.setattr(ab_report.os, "replace", failing_replace)
+        r2 = synthetic(n=30, seed=9, speedups={"baseline": 1.0, "B": 1.3})
+        with pytest.raises(OSError, match="disk full"):
+            write_ab_report(r2, tmp_path)
+        assert {k: p.read_bytes() for k, p in paths.items()} == before
+        assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+        monkeypatch.undo()
+        # A successful write replaces the file (a new inode): a reader holding the old one still
+        # reads the whole old document.
+        write_ab_report(r2, tmp_path)
+        assert held.read() == before["json"]
+    assert paths["json"].read_bytes() != before["json"]
+    assert math.isfinite(_strict_json(paths["json"])["summary"]["comparisons"][0]["ratios"]["tpot_s"]["ratio"])
