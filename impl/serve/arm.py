@@ -1,0 +1,158 @@
+"""Arms: one shared model, run the way a ServeConfig says.
+
+Every arm of a model holds the same model object; no weight is copied. What differs between
+arms is mutable state of that model (its MoE backend, its LM head module, the FP8 head's
+backend), so `Arm.activate()` sets all of it, and the serving loop calls it at the start of every
+request: arms interleaved request by request never run with another arm's state.
+
+Heads are kept per model in a bank: the model's own unquantized head, and at most one FP8Head per
+scale granularity, quantized once from it and shared by every arm that runs FP8 (`activate`
+sets the FP8 backend the arm names). `MoECausalLM.set_head` re-points the MTP layer at the head
+it installs, so a speculative arm's draft always holds the very head module the target calls.
+
+Expert weights cannot switch per arm: quantizing them to MXFP4 replaces the dense tensors. An
+arm checks that the model's experts are in the format its configuration names (`experts=auto`
+takes the model's) and that its MoE backend takes that format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from impl import backends
+from impl.serve.configs import Row, ServeConfig
+
+__all__ = ["Arm", "build_arm", "build_arms", "expert_format"]
+
+
+def expert_format(model) -> str:
+    """The routed experts' weight format of `model`: "mxfp4", or the dense dtype as "bf16"/"fp32"
+    (another dense dtype by its torch name); "none" without MoE layers."""
+    from impl.model.layers import MoEBlock
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        return "none"
+    formats = set()
+    for block in blocks:
+        experts = block.experts
+        if experts.format == "mxfp4":
+            formats.add("mxfp4")
+        else:
+            dtype = experts.gate_up_proj.dtype
+            formats.add({torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype).replace("torch.", "")))
+    if len(formats) != 1:
+        raise ValueError(f"the model's MoE layers hold experts in several formats {sorted(formats)}; an arm "
+                         "runs one format")
+    return formats.pop()
+
+
+class _HeadBank:
+    """The head modules arms of one model choose from: the unquantized head and FP8 heads."""
+
+    def __init__(self, model) -> None:
+        from impl.head import FP8Head
+        head = model.lm_head
+        self.bf16: nn.Module | None = None if isinstance(head, FP8Head) else head
+        self.fp8: dict[str, nn.Module] = {head.granularity: head} if isinstance(head, FP8Head) else {}
+
+    def get(self, config: ServeConfig) -> nn.Module:
+        from impl.head import FP8Head
+        if config.head == "bf16":
+            if self.bf16 is None:
+                raise ValueError("head: this row runs the bf16 head, but the model's head was quantized to FP8 "
+                                 "when it was built (build_model(..., head='fp8')); build the model with its bf16 "
+                                 "head so that bf16 and FP8 arms share it")
+            return self.bf16
+        if config.head_scales not in self.fp8:
+            if self.bf16 is None:
+                raise ValueError(f"head: this row runs an FP8 head with {config.head_scales} scales, but the model's "
+                                 f"head is already FP8 with {sorted(self.fp8)} scales and its bf16 head is gone")
+            self.fp8[config.head_scales] = FP8Head.from_linear(self.bf16, granularity=config.head_scales,
+                                                               backend=config.head_backend)
+        return self.fp8[config.head_scales]
+
+
+_banks: "weakref.WeakKeyDictionary[nn.Module, _HeadBank]" = weakref.WeakKeyDictionary()
+
+
+def _bank(model) -> _HeadBank:
+    bank = _banks.get(model)
+    if bank is None:
+        bank = _banks[model] = _HeadBank(model)
+    return bank
+
+
+@dataclass(eq=False)
+class Arm:
+    """A row of the A/B ladder built on a model: `activate()` makes the model run it."""
+
+    name: str
+    config: ServeConfig  # `experts` resolved to the model's format
+    model: nn.Module
+    tokenizer: object  # encode(text) -> ids, decode(ids) -> text, eos_id
+    head: nn.Module  # the LM head module this arm runs (shared with arms of the same head)
+    decoder: object | None = None  # impl.spec.SpeculativeDecoder for speculative arms
+    # Filled by the serving loop (impl.serve.engine) on the first request: persistent buffers,
+    # graphs, and the provenance of what ran.
+    loop: object | None = field(default=None, repr=False)
+    provenance: object | None = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def activate(self) -> None:
+        """Switch the shared model to this arm: MoE backend, head module, FP8 head backend."""
+        model, config = self.model, self.config
+        if model.moe_backend != config.moe:
+            model.set_moe_backend(config.moe)
+        if model.lm_head is not self.head:
+            model.set_head(self.head)
+        if config.head == "fp8" and self.head.backend != config.head_backend:
+            self.head.backend = config.head_backend
+
+
+def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None) -> Arm:
+    """The arm running `config` on `model` (shared, switched in place; see the module docstring).
+    ValueError when the model cannot run it (its experts' format, its device, no MTP layer)."""
+    if not isinstance(config, ServeConfig):
+        raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
+    for attr in ("encode", "decode", "eos_id"):
+        if not hasattr(tokenizer, attr):
+            raise TypeError(f"tokenizer {tokenizer!r} has no {attr!r} (needs encode, decode and eos_id)")
+    name = name or config.spec_text()
+    device = model.embed_tokens.weight.device
+    moe = backends.get("moe", config.moe)
+    if device.type not in moe.devices:
+        raise ValueError(f"{name}: moe: the {config.moe!r} MoE backend runs on {list(moe.devices)}, the model is on "
+                         f"{device}")
+    fmt = expert_format(model)
+    if config.experts != "auto" and config.experts != fmt:
+        raise ValueError(f"{name}: experts: the row expects {config.experts} experts but the model holds {fmt}; "
+                         "arms share one model, so convert the model's experts before building its arms")
+    if fmt != "none" and fmt not in moe.formats:
+        raise ValueError(f"{name}: moe: the {config.moe!r} MoE backend takes {list(moe.formats)} experts, the model "
+                         f"holds {fmt}")
+    config = dataclasses.replace(config, experts=fmt if config.experts == "auto" else config.experts)
+    head = _bank(model).get(config)
+    arm = Arm(name, config, model, tokenizer, head)
+    if config.speculative:
+        from impl.spec import SpeculativeDecoder
+        if not len(getattr(model, "mtp", ())):
+            raise ValueError(f"{name}: spec: model {model.config.name!r} has no MTP (NEXTN) layer to draft with")
+        arm.activate()  # the decoder checks that the draft holds the head this arm runs
+        arm.decoder = SpeculativeDecoder(model, config.k, config.sampling)
+    return arm
+
+
+def build_arms(model, rows: list[Row], *, tokenizer) -> list[Arm]:
+    """One arm per ladder row (impl.serve.configs.parse_ladder), all on `model`."""
+    names = [r.name for r in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"row names must differ, got {names}")
+    return [build_arm(model, r.config, tokenizer=tokenizer, name=r.name) for r in rows]

@@ -1,0 +1,402 @@
+"""The per-request serving loop, batch 1: prefill, then plain decode or MTP verify steps until a
+stop string, EOS or the token budget; one record of serving metrics per request.
+
+Steps. Each arm keeps persistent device buffers as large as the model's context and captures its
+decode step (plain: `impl.generate.decode_step`; speculative: `SpeculativeDecoder.step`) once, as
+a `impl.graphs.StepGraph`: a CUDA graph replay on a GPU, a plain call on a CPU. Every request then
+prefills into those buffers (`impl.generate.prefill` / `SpeculativeDecoder.start`, eager: prompt
+lengths differ) and replays the same graph, so no request captures anything.
+
+Speculation without an eager step: the first verify step's draft pass would span the whole prompt
+(a shape that changes per request). Instead, right after the first token is queued, the draft's
+layer runs once, eagerly, over the prompt positions before the last k+1 (writing its KV cache as
+that pass would), and the step's span is set to the last k+1 prompt positions with the chain
+continuing from the last one: the shape every later step has, so every verify step replays the
+captured graph. Prompts shorter than k+1 tokens run their first step eagerly instead.
+
+Host reads and stops. The host must look at tokens to stop (stop strings, EOS), and nowhere else:
+a step never syncs. After each step the committed tokens (plain: the new token; speculative:
+accepted count and the k+1 committed slots, written by the captured step into a small buffer) are
+copied into pinned host memory behind the step, with an event. On CUDA the loop runs one step
+ahead (LOOKAHEAD): step i+1 is queued before the host waits for step i's tokens, so the device
+never idles while the host decodes text and checks stops; the price is at most one surplus step
+per request, whose tokens are discarded and whose time is not part of the request (the device is
+drained after the request's end time is taken). A step is queued ahead only while the tokens
+committed so far, plus k+1 per step in flight, stay under max_tokens, so nothing is written past
+the request's budget and cache. On a CPU every step is synchronous anyway, so the loop checks
+after each step with no lookahead and no surplus.
+
+Stops follow vLLM: output_tokens counts the token that ends the request (EOS, or the one that
+completes a stop string); `text` excludes EOS and stops before the stop string. `stop_reason` is
+"eos", "stop" or "length" (earliest token wins; at the same token EOS, then stop, then length).
+
+Times: host `time.perf_counter` after a device sync at the request's start; TTFT when the host
+holds the first token (prefill included); latency when the host holds the token that ends the
+request. TPOT = (latency - TTFT) / (output_tokens - 1) (None for one token); decode tokens/s =
+(output_tokens - 1) / (latency - TTFT).
+
+Sampling: each request draws from its own seed (`request_seed`: the row's seed and the request
+id), the same in every row. On CUDA the captured steps draw from the device's default generator
+(CUDA graphs replay it safely; a private generator would need registering with each graph), which
+is reseeded per request; on a CPU each arm has its own torch.Generator.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+
+import torch
+
+from impl import backends
+from impl.generate import DecodeState, decode_step, prefill
+from impl.graphs import StepGraph
+from impl.serve.provenance import RowProvenance
+
+__all__ = ["LOOKAHEAD", "RECORD_KEYS", "request_seed", "run_request"]
+
+LOOKAHEAD = 1  # steps queued ahead of the host's stop check, on CUDA (0 on CPU)
+RECORD_KEYS = ("arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s", "tpot_s",
+               "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps", "text",
+               "stop_reason")
+_SLOTS = LOOKAHEAD + 3  # pinned readback buffers per arm: more than can be pending at once
+
+
+def request_seed(seed: int, request_id) -> int:
+    """The sampling seed of one request: the same for every row of a ladder, different per request."""
+    return zlib.crc32(f"{seed}/{request_id}".encode())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _events(prov: backends.Provenance) -> set:
+    return {(e.kind, e.backend, e.kernel) for e in prov.events}
+
+
+class _Reader:
+    """Copies small device tensors to the host behind the queued work; `read(src)()` waits for that
+    copy only (CUDA: pinned buffers and events) and returns the values as a list."""
+
+    def __init__(self, device: torch.device, width: int) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buf = torch.empty(_SLOTS, width, dtype=torch.long, pin_memory=True)
+            self.done = [torch.cuda.Event() for _ in range(_SLOTS)]
+            self.i = 0
+
+    def read(self, src: torch.Tensor):
+        if not self.cuda:
+            values = src.tolist()
+            return lambda: values
+        slot, n = self.i % _SLOTS, src.numel()
+        self.i += 1
+        host = self.buf[slot, :n]
+        host.copy_(src, non_blocking=True)
+        self.done[slot].record()
+        event = self.done[slot]
+
+        def wait() -> list[int]:
+            event.synchronize()
+            return host.tolist()
+        return wait
+
+
+def _cache_key(model) -> tuple:
+    """What the captured graphs read besides the arm's own buffers: the model's caches."""
+    layer = model.layers[0].self_attn.kv_cache
+    return (model.cache_batch_size, model.cache_seq_len, None if layer is None else layer.k.data_ptr(),
+            None if model.causal_mask is None else model.causal_mask.data_ptr())
+
+
+class _PlainLoop:
+    """Persistent buffers and the captured plain decode step of one arm."""
+
+    per_step = 1  # tokens a step commits, at most
+
+    def __init__(self, arm) -> None:
+        model, self.model = arm.model, arm.model
+        self.device = arm.device
+        self.sampling = arm.config.sampling
+        self.generator = None if self.device.type == "cuda" else torch.Generator()
+        self.capacity = model.config.max_seq_len
+        self.reader = _Reader(self.device, 1)
+        with torch.inference_mode():
+            self.state = DecodeState(torch.zeros(1, self.capacity, dtype=torch.long, device=self.device),
+                                     torch.zeros(1, dtype=torch.long, device=self.device))
+        with torch.inference_mode(), backends.record_provenance() as prov:
+            # A valid state to capture from (a one-token prompt); every request prefills it again.
+            prefill(model, torch.zeros(1, dtype=torch.long), self.capacity - 1, self.sampling, self.generator,
+                    state=self.state)
+            self.graph = StepGraph(lambda: decode_step(model, self.state, self.sampling, self.generator), self.device)
+        self.graphs = self.graph.graph is not None
+        self.graph_target = _events(prov) if self.graphs else set()
+        self.graph_draft: set = set()
+        self.cache_key = _cache_key(model)
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        return self.capacity - prompt_len
+
+    def begin(self, prompt: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        self.t, self.steps = prompt.shape[0], 0
+        self.draft_seen: set = set()
+        self.target_seen: set = set()
+        prefill(self.model, prompt, self.capacity - self.t, self.sampling, self.generator, state=self.state)
+        return self.state.tokens[0, self.t:self.t + 1]
+
+    def after_first(self) -> None:
+        pass
+
+    def step(self) -> torch.Tensor:
+        self.graph()
+        self.steps += 1
+        return self.state.tokens[0, self.t + self.steps:self.t + self.steps + 1]
+
+    def committed(self, values: list[int], stats: dict) -> list[int]:
+        return values
+
+
+class _SpecLoop:
+    """Persistent buffers and the captured speculative step (draft k, verify k+1) of one arm."""
+
+    def __init__(self, arm) -> None:
+        from impl.spec import Span, SpecState
+        model, self.model = arm.model, arm.model
+        dec = self.decoder = arm.decoder
+        self.device, k = arm.device, dec.k
+        self.k, self.per_step = k, k + 1
+        self.generator = None if self.device.type == "cuda" else torch.Generator()
+        self.capacity = model.config.max_seq_len
+        self.reader = _Reader(self.device, k + 2)
+        d = self.device
+        with torch.inference_mode():
+            # SpeculativeDecoder.start needs prompt + max_new + k + 1 token slots.
+            self.state = SpecState(torch.zeros(1, self.capacity + 1, dtype=torch.long, device=d),
+                                   torch.zeros(1, dtype=torch.long, device=d), None,
+                                   torch.zeros(1, dtype=torch.long, device=d), 0)
+            hidden = torch.zeros(1, k + 1, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=d)
+            self.span = Span(hidden, torch.zeros(1, k + 1, dtype=torch.long, device=d),
+                             torch.zeros(k + 1, dtype=torch.long, device=d), torch.zeros(1, dtype=torch.long, device=d))
+            self.chain_index = torch.tensor([k], device=d)
+            self.out = torch.zeros(k + 2, dtype=torch.long, device=d)  # accepted, then the k+1 committed slots
+        self.draft_seen: set = set()
+        self.target_seen: set = set()
+        with torch.inference_mode(), backends.record_provenance() as prov:
+            # A valid state to capture from: a prompt of k+2 tokens, room for the capture's steps.
+            self.begin(torch.zeros(k + 2, dtype=torch.long), 3 * (k + 1))
+            self.after_first()
+            self.graph = StepGraph(self._step, d)
+        self.graphs = self.graph.graph is not None
+        self.graph_target = (_events(prov) | self.target_seen) if self.graphs else set()
+        self.graph_draft = set(self.draft_seen) if self.graphs else set()
+        self.cache_key = _cache_key(model)
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        return self.capacity - prompt_len - self.k  # the last verify step writes k positions ahead
+
+    def _step(self) -> None:
+        dec, state = self.decoder, self.state
+        dec.step(state, self.generator)
+        self.span.copy_(state.span)
+        state.span = self.span
+        self.out[:1].copy_(state.accepted)
+        self.out[1:].copy_(self.span.ids[0])
+        # Runs in Python on CPU and while capturing, not on a graph replay.
+        self.draft_seen |= _events(dec.draft_prov)
+        self.target_seen |= _events(dec.verify_prov)
+
+    def begin(self, prompt: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        self.draft_seen, self.target_seen = set(), set()
+        state = self.decoder.start(prompt, max_tokens, self.generator, state=self.state)
+        self.t = state.prompt_len
+        return state.tokens[0, self.t:self.t + 1]
+
+    def after_first(self) -> None:
+        """Prime the draft so that the first verify step has the captured step's span (module
+        docstring); prompts shorter than k+1 keep the prompt-wide span for one eager step."""
+        state, k, t = self.state, self.k, self.t
+        self.eager_first = t < k + 1
+        if self.eager_first:
+            return
+        span, s = state.span, t - k - 1
+        if s:
+            with backends.record_provenance() as prov:
+                model, draft = self.model, self.decoder.draft
+                cos, sin, mask = model.positions(s, span.pos[:s])
+                draft.hidden(span.hidden[:, :s], span.ids[:, :s], cos, sin, span.pos[:s], mask)
+            self.draft_seen |= _events(prov)
+        self.span.hidden.copy_(span.hidden[:, s:])
+        self.span.ids.copy_(span.ids[:, s:])
+        self.span.pos.copy_(span.pos[s:])
+        self.span.index.copy_(self.chain_index)
+        state.span = self.span
+
+    def step(self) -> torch.Tensor:
+        if self.eager_first:
+            self.eager_first = False
+            self._step()
+        else:
+            self.graph()
+        return self.out
+
+    def committed(self, values: list[int], stats: dict) -> list[int]:
+        accepted = values[0]
+        stats["accept_lengths"].append(accepted + 1)
+        for i in range(accepted):
+            stats["accepted_per_position"][i] += 1
+        return values[1:accepted + 2]
+
+
+class _Output:
+    """The tokens of one request so far, and where it ends (module docstring: stops)."""
+
+    # Characters re-searched before the text already checked: a stop string may straddle the
+    # boundary, and a multi-byte character completed by a later token can shift it.
+    MARGIN = 8
+
+    def __init__(self, tokenizer, request) -> None:
+        self.tok = tokenizer
+        self.max_tokens = request.max_tokens
+        self.stop = tuple(s for s in request.stop if s)
+        self.eos = None if request.ignore_eos else tokenizer.eos_id
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.ids: list[int] = []
+        self.checked = 0  # characters of the text searched for stops without a hit
+        self.count = self.reason = self.text = None
+
+    def add(self, new: list[int]) -> bool:
+        """Append `new`; True when the request has ended (count, reason and text set)."""
+        start = len(self.ids)
+        self.ids.extend(new)
+        ends = []  # (token count, precedence, reason, text or None)
+        if self.eos is not None:
+            for i in range(start, len(self.ids)):
+                if self.ids[i] == self.eos:
+                    ends.append((i + 1, 0, "eos", None))
+                    break
+        if self.stop:
+            limit = ends[0][0] - 1 if ends else len(self.ids)  # EOS is not text
+            hit = self._find_stop(start, limit)
+            if hit is not None:
+                ends.append((hit[0], 1, "stop", hit[1]))
+        if len(self.ids) >= self.max_tokens:
+            ends.append((self.max_tokens, 2, "length", None))
+        if not ends:
+            return False
+        self.count, _, self.reason, text = min(ends, key=lambda e: e[:2])
+        if text is None:
+            text = self.tok.decode(self.ids[:self.count - (self.reason == "eos")])
+        self.text = text
+        return True
+
+    def _find_stop(self, start: int, limit: int):
+        """(token count that completes the first stop string, text before it), or None."""
+        text = self.tok.decode(self.ids[:limit])
+        lo = max(0, self.checked - self.longest - self.MARGIN)
+        if not any(s in text[lo:] for s in self.stop):
+            self.checked = len(text)
+            return None
+        for count in range(max(start, 1), limit + 1):  # the fewest tokens whose text holds a stop
+            prefix = self.tok.decode(self.ids[:count])
+            found = [i for i in (prefix.find(s, lo) for s in self.stop) if i >= 0]
+            if found:
+                return count, prefix[:min(found)]
+        raise AssertionError("a stop string found in the whole text but in none of its prefixes")
+
+
+def _loop(arm):
+    model = arm.model
+    model.setup_caches(1, model.config.max_seq_len)
+    loop = arm.loop
+    if loop is None or loop.cache_key != _cache_key(model):
+        # First request, or someone reallocated the model's caches, which the graphs read: capture again.
+        arm.loop = loop = (_SpecLoop if arm.decoder is not None else _PlainLoop)(arm)
+    if arm.provenance is None:
+        from impl.serve.arm import expert_format
+        arm.provenance = RowProvenance(arm.name, arm.device.type, expert_format(model), graphs=loop.graphs)
+    return loop
+
+
+def prepare(arm) -> None:
+    """Allocate the arm's buffers and capture its step now (the first request does it otherwise)."""
+    arm.activate()
+    _loop(arm)
+
+
+def run_request(arm, request) -> dict:
+    """Serve `request` (request_id, prompt_ids, max_tokens, stop, ignore_eos) on `arm`; one record
+    (RECORD_KEYS) of what came out and how long it took."""
+    arm.activate()
+    loop = _loop(arm)
+    prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long)
+    t = prompt.shape[0]
+    if t < 1:
+        raise ValueError(f"request {request.request_id!r}: empty prompt")
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise ValueError(f"request {request.request_id!r}: max_tokens must be an int >= 1, got {request.max_tokens!r}")
+    room = loop.max_tokens_for(t)
+    if request.max_tokens > room:
+        extra = f" + k ({loop.k})" if arm.decoder is not None else ""
+        raise ValueError(f"request {request.request_id!r}: prompt ({t}) + max_tokens ({request.max_tokens}){extra} "
+                         f"exceeds the model's context of {loop.capacity} tokens (at most {room} new tokens fit)")
+    sampling = arm.config.sampling
+    if not sampling.greedy:
+        seed = request_seed(arm.config.seed, request.request_id)
+        if loop.generator is not None:
+            loop.generator.manual_seed(seed)
+        else:
+            with torch.cuda.device(arm.device):
+                torch.cuda.manual_seed(seed)
+    spec = arm.decoder is not None
+    stats = {"accept_lengths": [], "accepted_per_position": [0] * arm.decoder.k} if spec else None
+    out = _Output(arm.tokenizer, request)
+    lookahead = LOOKAHEAD if arm.device.type == "cuda" else 0
+    _sync(arm.device)
+    with torch.inference_mode(), backends.record_provenance() as prov:
+        start = time.perf_counter()
+        pending = deque([(True, loop.reader.read(loop.begin(prompt, request.max_tokens)))])
+        loop.after_first()
+        known = in_flight = 0
+        ttft = None
+        while True:
+            while len(pending) <= lookahead and known + in_flight * loop.per_step < request.max_tokens:
+                pending.append((False, loop.reader.read(loop.step())))
+                in_flight += 1
+            first, wait = pending.popleft()
+            values = wait()
+            if first:
+                ttft = time.perf_counter() - start
+                new = values
+            else:
+                in_flight -= 1
+                new = loop.committed(values, stats)
+            known += len(new)
+            if out.add(new):
+                break
+        latency = time.perf_counter() - start
+    _sync(arm.device)  # a step queued ahead finishes outside the request's time
+    verify_steps = len(stats["accept_lengths"]) if spec else None
+    target, draft = _events(prov) | loop.target_seen, set(loop.draft_seen)
+    if loop.graphs and (verify_steps if spec else out.count > 1):
+        target |= loop.graph_target
+        draft |= loop.graph_draft
+    arm.provenance.observe(arm, target, draft, verify_steps or 0)
+    n = out.count
+    return {
+        "arm": arm.name,
+        "request_id": request.request_id,
+        "prompt_tokens": t,
+        "output_tokens": n,
+        "ttft_s": ttft,
+        "latency_s": latency,
+        "tpot_s": (latency - ttft) / (n - 1) if n > 1 else None,
+        "decode_tokens_per_s": (n - 1) / (latency - ttft) if n > 1 and latency > ttft else None,
+        "accept_lengths": stats["accept_lengths"] if spec else None,
+        "accepted_per_position": stats["accepted_per_position"] if spec else None,
+        "verify_steps": verify_steps,
+        "text": out.text,
+        "stop_reason": out.reason,
+    }

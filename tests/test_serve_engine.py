@@ -1,0 +1,214 @@
+"""impl.serve.engine on the embedded tiny model (CPU, fp32): greedy parity with impl.generate,
+serving metrics, stops (stop strings, EOS, length), sampled rows' seeds.
+
+The request and tokenizer here are minimal stand-ins of impl.data's (same fields): the tiny
+model is byte-level, a token id is the byte of the text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from impl.data.arith import take, text_of
+from impl.generate import generate
+from impl.serve.arm import build_arm
+from impl.serve.configs import parse_serve_config, resolve_preset
+from impl.serve.engine import RECORD_KEYS, _Output, run_request
+
+MAX_TOKENS = 40
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: str
+    prompt_ids: list
+    answer: str | None
+    max_tokens: int
+    stop: tuple = ()
+    ignore_eos: bool = False
+
+
+class ByteTokenizer:
+    def __init__(self, eos_id: int | None = None) -> None:
+        self.eos_id = eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("ascii"))
+
+    def decode(self, ids) -> str:
+        return bytes(list(ids)).decode("ascii", "replace")
+
+
+def request(prompt: str, max_tokens: int = MAX_TOKENS, rid: str | None = None, **kw) -> Request:
+    return Request(rid or prompt[-24:], prompt, list(prompt.encode("ascii")), None, max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # The CI machines are 2 shared cores: a second torch thread spinning against other processes
+    # made a tiny decode step 60x slower there.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(one_thread):
+    from impl.model.build import build_model
+    return build_model("tiny-gsm")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return [p.prompt for p in take("heldout", 2, seed=5)]
+
+
+def arm_of(model, spec: str, tokenizer=None, name: str | None = None):
+    return build_arm(model, parse_serve_config(spec, "cpu"), tokenizer=tokenizer or ByteTokenizer(), name=name)
+
+
+def reference_text(model, head_arm, prompt: str, n: int) -> str:
+    """impl.generate.generate's greedy continuation with the model switched to `head_arm`."""
+    head_arm.activate()
+    return text_of(generate(model, torch.tensor(list(prompt.encode("ascii"))), n).new_tokens[0])
+
+
+@pytest.mark.parametrize("head", ["bf16", "fp8"])
+def test_greedy_rows_equal_plain_generate(model, prompts, head):
+    plain = arm_of(model, f"moe=gather,head={head}")
+    mtp = arm_of(model, f"moe=gather,head={head},spec=mtp:3")
+    short = "Q: 1"  # shorter than k+1 = 4: its first verify step runs eagerly
+    for prompt in [*prompts, short]:
+        ref = reference_text(model, plain, prompt, MAX_TOKENS)
+        for arm in (plain, mtp, plain):  # interleaved: each request switches the model back
+            rec = run_request(arm, request(prompt, ignore_eos=True))
+            assert rec["text"] == ref, f"{arm.name} on {prompt[-30:]!r}"
+            assert rec["output_tokens"] == MAX_TOKENS and rec["stop_reason"] == "length"
+    rec = run_request(mtp, request(prompts[0], ignore_eos=True))
+    assert rec["verify_steps"] == len(rec["accept_lengths"]) >= 1
+    # Tokens committed per verify step: the first token comes from the prefill, the last step may
+    # run past max_tokens (its surplus is discarded).
+    assert MAX_TOKENS - 1 <= sum(rec["accept_lengths"]) <= MAX_TOKENS - 1 + 3
+    assert all(1 <= a <= 4 for a in rec["accept_lengths"])
+    per_pos = rec["accepted_per_position"]
+    assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == sum(a - 1 for a in rec["accept_lengths"])
+    # The trained checkpoint accepts most drafts (3.88 tokens per step at k=3 on its eval).
+    assert sum(rec["accept_lengths"]) / rec["verify_steps"] > 2.5
+
+
+def test_the_fp8_head_changes_logits_not_only_flags(model, prompts):
+    # A check that the fp8 rows above are not the bf16 head under another name: its logits differ.
+    bf16, fp8 = arm_of(model, "moe=gather,head=bf16"), arm_of(model, "moe=gather,head=fp8")
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        a, b = bf16.head(x), fp8.head(x)
+    rel = float((a - b).norm() / a.norm())
+    assert 1e-4 < rel < 0.1, f"relative error of the FP8 head's logits {rel:.3g}"
+
+
+def test_metrics_are_consistent(model, prompts):
+    for spec in ("moe=gather", "+mtp"):
+        arm = arm_of(model, spec)
+        rec = run_request(arm, request(prompts[0], 24, ignore_eos=True))
+        assert set(rec) == set(RECORD_KEYS)
+        assert rec["arm"] == arm.name and rec["prompt_tokens"] == len(prompts[0])
+        assert 0 < rec["ttft_s"] <= rec["latency_s"]
+        n = rec["output_tokens"]
+        assert rec["tpot_s"] == pytest.approx((rec["latency_s"] - rec["ttft_s"]) / (n - 1))
+        assert rec["decode_tokens_per_s"] == pytest.approx((n - 1) / (rec["latency_s"] - rec["ttft_s"]))
+        one = run_request(arm, request(prompts[0], 1))
+        assert one["output_tokens"] == 1 and one["tpot_s"] is None and one["decode_tokens_per_s"] is None
+        assert one["latency_s"] == pytest.approx(one["ttft_s"], abs=0.05) and one["stop_reason"] == "length"
+        if arm.decoder is not None:
+            assert one["verify_steps"] == 0 and one["accept_lengths"] == []
+        else:
+            assert one["verify_steps"] is None and one["accept_lengths"] is None
+
+
+@pytest.mark.parametrize("spec", ["moe=gather", "moe=gather,head=fp8,spec=mtp:3"])
+def test_stop_string_and_eos(model, prompts, spec):
+    arm = arm_of(model, spec)
+    ref = reference_text(model, arm, prompts[1], MAX_TOKENS)
+    # A stop string from the middle of the continuation: the output ends with the token that
+    # completes it (byte-level: its last byte), the text stops before it.
+    stop = ref[12:15]
+    at = ref.find(stop)
+    rec = run_request(arm, request(prompts[1], stop=("never there", stop)))
+    assert (rec["stop_reason"], rec["text"], rec["output_tokens"]) == ("stop", ref[:at], at + len(stop))
+    # EOS: the first newline of the continuation, counted as an output token, not in the text.
+    eos_arm = arm_of(model, spec, ByteTokenizer(eos_id=ord("\n")))
+    nl = ref.index("\n")
+    rec = run_request(eos_arm, request(prompts[1]))
+    assert (rec["stop_reason"], rec["text"], rec["output_tokens"]) == ("eos", ref[:nl], nl + 1)
+    rec = run_request(eos_arm, request(prompts[1], ignore_eos=True))
+    assert (rec["stop_reason"], rec["text"], rec["output_tokens"]) == ("length", ref, MAX_TOKENS)
+    # A stop string that completes before the EOS wins; one only after it does not.
+    rec = run_request(eos_arm, request(prompts[1], stop=(ref[:2],)))
+    assert (rec["stop_reason"], rec["output_tokens"]) == ("stop", 2)
+    later = next(ref[j:j + 3] for j in range(nl + 1, len(ref) - 3) if ref.find(ref[j:j + 3]) == j)
+    rec = run_request(eos_arm, request(prompts[1], stop=(later,)))
+    assert (rec["stop_reason"], rec["output_tokens"]) == ("eos", nl + 1)
+
+
+class WordTokenizer:
+    """Multi-character tokens, to check stops that straddle tokens."""
+
+    eos_id = 0
+    words = ["<eos>", "ab", "cd", "ef", "g"]
+
+    def decode(self, ids) -> str:
+        return "".join(self.words[i] for i in ids if i != self.eos_id)
+
+
+def test_stops_across_token_boundaries():
+    def end(new_batches, stop=(), max_tokens=10, ignore_eos=False):
+        out = _Output(WordTokenizer(), request("x", max_tokens, stop=stop, ignore_eos=ignore_eos))
+        for new in new_batches:
+            if out.add(new):
+                return out.count, out.reason, out.text
+        return None
+
+    assert end([[1], [2, 3]], stop=("bc",)) == (2, "stop", "a")
+    assert end([[1, 2], [3]], stop=("de", "cd")) == (2, "stop", "ab")  # the earlier stop in the text
+    assert end([[1], [2], [3, 4]], stop=("fg",)) == (4, "stop", "abcde")
+    assert end([[1, 2, 0, 3]]) == (3, "eos", "abcd")
+    assert end([[1, 2, 0, 3]], ignore_eos=True, max_tokens=4) == (4, "length", "abcdef")
+    assert end([[1, 2, 3]], max_tokens=2) == (2, "length", "abcd")
+    assert end([[1, 2, 3]], stop=("ef",), max_tokens=2) == (2, "length", "abcd")  # the stop lies past the budget
+    assert end([[1], [2]], stop=("zz",)) is None
+
+
+def test_sampled_rows_follow_their_seed(model, prompts):
+    spec = "moe=gather,temperature=3.0,top_k=20,top_p=0.95,seed=7"  # flat enough to vary
+    arm, mtp = arm_of(model, spec), arm_of(model, spec + ",spec=mtp:3")
+    texts = {}
+    for a in (arm, mtp):
+        for rid in ("r1", "r2"):
+            texts[a.name, rid] = [run_request(a, request(prompts[0], 48, rid=rid, ignore_eos=True))["text"]
+                                  for _ in range(2)]
+    for key, (first, again) in texts.items():
+        assert first == again, f"{key}: the same request and seed sampled different text"
+    # Different requests draw from different streams; a different seed too.
+    assert texts[arm.name, "r1"][0] != texts[arm.name, "r2"][0]
+    other = arm_of(model, spec.replace("seed=7", "seed=8"))
+    assert run_request(other, request(prompts[0], 48, rid="r1", ignore_eos=True))["text"] != texts[arm.name, "r1"][0]
+
+
+def test_request_errors_name_the_request(model, prompts):
+    arm = arm_of(model, "+mtp")
+    with pytest.raises(ValueError, match=r"request 'big'.*context of 384"):
+        run_request(arm, request(prompts[0], 384, rid="big"))
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        run_request(arm, request(prompts[0], 0, rid="zero"))
+
+
+def test_arms_refuse_what_the_model_cannot_run(model):
+    with pytest.raises(ValueError, match="experts: the row expects bf16 experts but the model holds fp32"):
+        arm_of(model, "moe=gather,experts=bf16")
+    with pytest.raises(TypeError, match="tokenizer"):
+        build_arm(model, resolve_preset("baseline", "cpu"), tokenizer=object())
