@@ -113,7 +113,8 @@ class Arm:
             model.set_moe_backend(config.moe)
         if model.lm_head is not self.head:
             model.set_head(self.head)
-        if config.head == "fp8" and self.head.backend != config.head_backend:
+        from impl.head import FP8Head
+        if isinstance(self.head, FP8Head) and self.head.backend != config.head_backend:
             self.head.backend = config.head_backend
 
 

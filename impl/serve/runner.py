@@ -1,0 +1,109 @@
+"""The interleaved A/B runner: every arm serves every request, arms alternating request by request.
+
+Order: request i is served by every arm in turn, in the given order for even i and in reverse
+for odd i (A B, then B A, ...). Slow drift of the machine (clocks, heat, a noisy neighbour) then
+falls on every arm alike: each arm's mean position within a request's slot is the same, and a
+paired per-request comparison sees the same machine state on both sides.
+
+Before the first recorded request each arm serves one warm-up request (the first request; not
+recorded): it captures the arm's CUDA graph, compiles kernels and fills caches. With `check`,
+each arm's provenance after its warm-up must match its name and configuration
+(impl.serve.provenance.check_provenance), so a row that is not what it says fails before the
+long run rather than after it.
+
+Records come out one at a time (`iter_ladder` yields them; `run_ladder` appends each to its list
+the moment it exists and calls `on_record`), so a run stopped part-way, by KeyboardInterrupt or by
+an error in a later request, keeps every completed record: pass your own `records` list to keep
+it when the exception propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator
+
+from impl.serve.engine import prepare, run_request
+from impl.serve.provenance import check_provenance
+
+__all__ = ["interleaved_order", "iter_ladder", "run_ladder"]
+
+
+def interleaved_order(arms: list, i: int) -> list:
+    """The arms in the order they serve request `i`: forward for even i, reversed for odd i."""
+    return list(arms) if i % 2 == 0 else list(reversed(arms))
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+class _Progress:
+    def __init__(self, total: int, sink: Callable[[str], None] | None, interval_s: float) -> None:
+        self.total, self.sink, self.interval = total, sink, interval_s
+        self.start = time.perf_counter()
+        self.last = None
+
+    def __call__(self, done: int, record: dict, final: bool = False) -> None:
+        if self.sink is None:
+            return
+        now = time.perf_counter()
+        if not final and done != self.total and self.last is not None and now - self.last < self.interval:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = done / elapsed if elapsed > 0 else float("inf")
+        eta = (self.total - done) / rate if 0 < rate < float("inf") else 0.0
+        where = f"; last {record['arm']} request {record['request_id']!r}" if record else ""
+        self.sink(f"{done}/{self.total} records, {rate:.2f}/s, elapsed {_duration(elapsed)}, "
+                  f"ETA {_duration(eta)}{where}")
+
+
+def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] | None = None,
+                warmup: bool = True, check: bool = True, progress_interval_s: float = 10.0) -> Iterator[dict]:
+    """Yield one record per (request, arm), interleaved (module docstring)."""
+    arms = list(arms)
+    if not arms:
+        raise ValueError("no arms to run")
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must differ, got {names}")
+    requests = list(requests) if not isinstance(requests, (list, tuple)) else requests
+    if not requests:
+        return
+    if warmup:
+        for arm in arms:
+            prepare(arm)
+            run_request(arm, requests[0])
+            if check:
+                check_provenance(arm.name, arm.config, arm.provenance)
+    tick = _Progress(len(arms) * len(requests), progress, progress_interval_s)
+    done = 0
+    for i, request in enumerate(requests):
+        for arm in interleaved_order(arms, i):
+            record = run_request(arm, request)
+            done += 1
+            tick(done, record)
+            yield record
+
+
+def run_ladder(arms: list, requests: Iterable, on_record: Callable[[dict], None] | None = None,
+               progress: Callable[[str], None] | None = None, *, records: list | None = None,
+               warmup: bool = True, check: bool = True, progress_interval_s: float = 10.0) -> list[dict]:
+    """Every record of the interleaved run, in the order served. Each record is in `records` (a
+    list of yours, or a new one) and passed to `on_record` as soon as it exists; on an exception
+    (KeyboardInterrupt included) the completed records stay in `records`, the exception
+    propagates, and `progress` is told how many completed."""
+    records = [] if records is None else records
+    try:
+        for record in iter_ladder(arms, requests, progress, warmup, check, progress_interval_s):
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+    except BaseException as e:
+        if progress is not None:
+            progress(f"stopped after {len(records)} record(s): {type(e).__name__}: {e}")
+        raise
+    return records

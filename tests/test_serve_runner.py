@@ -1,0 +1,105 @@
+"""impl.serve.runner: interleaving order, warm-up, records kept by a run stopped part-way,
+progress lines, provenance refused before the run, memory flat over many requests."""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import pytest
+
+from impl.data.arith import take
+from impl.serve.arm import build_arms
+from impl.serve.configs import parse_ladder
+from impl.serve.provenance import ProvenanceError, unshared_head_arm
+from impl.serve.runner import interleaved_order, iter_ladder, run_ladder
+from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def arms(model):
+    return build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
+
+
+def requests(n, max_tokens=3):
+    return [request(p.prompt, max_tokens, rid=f"q{i}", ignore_eos=True) for i, p in enumerate(take("heldout", n, seed=4))]
+
+
+def test_interleaved_order_alternates():
+    assert [interleaved_order("ABC", i) for i in range(3)] == [list("ABC"), list("CBA"), list("ABC")]
+
+
+def test_every_arm_serves_every_request_alternating(arms):
+    lines = []
+    records = run_ladder(arms, requests(4), progress=lines.append, progress_interval_s=0)
+    names = [a.name for a in arms]
+    assert [(r["request_id"], r["arm"]) for r in records] == [
+        (f"q{i}", a) for i in range(4) for a in (names if i % 2 == 0 else names[::-1])]
+    # One warm-up request per arm, not recorded, before the first record.
+    assert all(a.provenance.requests == 4 + 1 for a in arms)
+    assert len(lines) == len(records)
+    assert re.fullmatch(r"12/12 records, [\d.]+/s, elapsed \d+m\d\ds, ETA 0m00s; last baseline request 'q3'",
+                        lines[-1]), lines[-1]
+    assert lines[0].startswith("1/12 records")
+
+
+def test_a_run_stopped_part_way_keeps_its_records(arms):
+    reqs = requests(3)
+    kept = []
+
+    def interrupt_after_four(record):
+        if len(kept) == 4:
+            raise KeyboardInterrupt
+
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(arms, reqs, on_record=interrupt_after_four, progress=lines.append, records=kept)
+    assert [r["request_id"] for r in kept] == ["q0"] * 3 + ["q1"]
+    assert lines[-1] == "stopped after 4 record(s): KeyboardInterrupt: "
+    # An error in a later request: here one that does not fit the model's context.
+    kept = []
+    bad = [*reqs[:2], request(reqs[2].prompt, 10_000, rid="too-long")]
+    with pytest.raises(ValueError, match="request 'too-long'"):
+        run_ladder(arms, bad, records=kept, warmup=False)
+    assert [r["request_id"] for r in kept] == ["q0"] * 3 + ["q1"] * 3
+    # A generator gives the same records one at a time.
+    it = iter_ladder(arms, reqs[:1], warmup=False)
+    assert next(it)["arm"] == arms[0].name
+
+
+def test_a_defective_row_is_refused_after_its_warm_up(model, arms):
+    bad = unshared_head_arm(arms[2], "copy")
+    kept = []
+    with pytest.raises(ProvenanceError, match=r"(?s)row '\+mtp'.*the draft's head is a different module"):
+        run_ladder([arms[0], bad], requests(2), records=kept)
+    assert kept == []
+
+
+def _rss_bytes() -> int:
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_is_flat_over_many_requests(arms):
+    # Two arms (plain and MTP), 2 x 150 short requests: neither the number of live Python
+    # objects nor the process's resident set may grow with the number of requests once warm
+    # (tracemalloc would be the finer tool, but it slows these torch-heavy loops tenfold). The
+    # records themselves are dropped as they come.
+    pair = [arms[0], arms[2]]
+    reqs = [request(p.prompt[-16:], 2, rid=f"m{i}", ignore_eos=True) for i, p in enumerate(take("heldout", 150, seed=6))]
+    for _ in iter_ladder(pair, reqs[:20]):
+        pass
+    marks = []
+    for i, _ in enumerate(iter_ladder(pair, reqs, warmup=False)):
+        if i % 100 == 0:
+            gc.collect()
+            marks.append((len(gc.get_objects()), _rss_bytes()))
+    gc.collect()
+    marks.append((len(gc.get_objects()), _rss_bytes()))
+    objects = [m[0] for m in marks]
+    # 200 records between the second mark and the last: a leak of one object per request shows.
+    assert objects[-1] - objects[1] < 100, f"live Python objects at every 100 records: {objects}"
+    rss = [m[1] / 2**20 for m in marks]
+    assert rss[-1] - rss[1] < 8, f"resident set (MiB) at every 100 records: {[round(r, 1) for r in rss]}"
+    assert len(pair[1].provenance.moe) <= 2  # provenance keeps sets of what ran, not events
