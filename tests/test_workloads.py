@@ -114,6 +114,8 @@ def test_stop_from_delays_the_stop_strings():
     r = Request("x", "p", [1], None, 8, stop=("\n",), stop_from="#### ")
     assert r.stop_index("a\nb\n") is None  # newlines before the marker are not stops
     assert r.truncate("a\nb\n#### 3\nQuestion") == "a\nb\n#### 3"
+    assert r.stop_index("a\n#### 3\nb\n") == 8 and r.stop_index("a\n#### 3\nb\n", start=9) == 10  # from `start` on
+    assert Request("x", "p", [1], None, 8, stop=("\n",)).stop_index("a\nb\n", start=2) == 3
 
 
 # --------------------------------------------------------------------------- arith

@@ -76,14 +76,15 @@ class Request:
     ignore_eos: bool = False
     stop_from: str | None = None
 
-    def stop_index(self, text: str) -> int | None:
+    def stop_index(self, text: str, start: int = 0) -> int | None:
         """Where the answer in generated `text` ends (the stop string starts there), or None
-        while no stop string has been generated."""
-        start = 0
+        while no stop string has been generated. `start`: search from this character on (a
+        decode loop that already searched the text before it, less the longest stop string)."""
         if self.stop_from:
-            start = text.find(self.stop_from)
-            if start < 0:
+            marker = text.find(self.stop_from)
+            if marker < 0:
                 return None
+            start = max(start, marker)
         hits = [i for i in (text.find(s, start) for s in self.stop if s) if i >= 0]
         return min(hits) if hits else None
 
