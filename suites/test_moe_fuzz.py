@@ -435,19 +435,14 @@ def test_mxfp4_nan_scale_and_overflow_reach_exactly_their_tokens(backend, moe_de
     torch.testing.assert_close(out[clean], ref[clean], rtol=rtol, atol=0.0)
 
 
-# --- the Triton MoE's MXFP4 decode variants (MoELaunchConfig.mxfp4_product / gemv_decode) ----
+# --- the Triton MoE's MXFP4 product paths (MoELaunchConfig.gemv_max_tokens) -----------------
 
 def triton_variants():
-    """name -> launch config of each MXFP4 product the tuner may pick; the tiles are the
-    defaults' (32 x 128), so `interpreter_cost` still bounds an example's time."""
+    """name -> launch config of each MXFP4 product path the tuner may pick: tensor-core tiles
+    throughout, or the register path's dp4a products up to 4 tokens; the tiles are the defaults'
+    (32 x 128), so `interpreter_cost` still bounds an example's time."""
     from impl.moe.configs import MoELaunchConfig
-    return {"dot-scaled": MoELaunchConfig(mxfp4_product="scaled"),
-            "gemv-bits16": MoELaunchConfig(gemv_max_tokens=4),
-            "gemv-word32": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32"),
-            "gemv-word32x2": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32x2"),
-            "gemv-dp4a": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a"),
-            "gemv-word32+dot-scaled": MoELaunchConfig(gemv_max_tokens=4, gemv_decode="word32",
-                                                      mxfp4_product="scaled")}
+    return {"dot-bits": MoELaunchConfig(), "gemv-dp4a": MoELaunchConfig(gemv_max_tokens=4)}
 
 
 def skip_unless_triton_mxfp4(backend, formats) -> None:
@@ -459,20 +454,16 @@ def skip_unless_triton_mxfp4(backend, formats) -> None:
 def run_variant(inputs, variant: str, **tiles):
     """The Triton MoE on `inputs` with the variant's launch config (tile fields overridden by
     `tiles`), checking that the product the variant names is what ran on each chunk."""
-    from impl.moe.triton_moe import moe_triton
+    from impl.moe.configs import M_PAD
+    from impl.moe.triton_backend import moe_triton
     cfg = dataclasses.replace(triton_variants()[variant], **tiles)
     with backends.record_provenance() as prov:
         out = moe_triton(*inputs, config=cfg)
     ran = {e.config["product"] for e in prov.events if "product" in e.config}
     m = inputs[0].shape[0]
-    gemv = variant.split("+")[0] if variant.startswith("gemv") else None
-    expect = {gemv if gemv and min(M_CHUNK, m - i) <= 4 else f"dot-{cfg.mxfp4_product}"
-              for i in range(0, m, M_CHUNK)}
+    expect = {variant if min(M_PAD, m - i) <= cfg.gemv_max_tokens else "dot-bits" for i in range(0, m, M_PAD)}
     assert ran == expect, f"variant {variant}: products {ran} ran, expected {expect}"
     return out
-
-
-M_CHUNK = 16  # the Triton MoE's M_PAD: more tokens run in chunks of it
 
 
 def variant_tolerance(device: torch.device, variant: str) -> float:
@@ -486,8 +477,8 @@ def variant_tolerance(device: torch.device, variant: str) -> float:
 @fuzz_settings(0.35)
 @given(data=st.data())
 def test_fuzz_triton_mxfp4_variants_match_reference(backend, moe_device, formats, data):
-    """Every MXFP4 product variant against the oracle at the suite's tolerance, on drawn MXFP4 cases
-    (M 1..16: the GEMV variants run their register path at M <= 4, tensor cores above)."""
+    """Every MXFP4 product path against the oracle at the suite's tolerance, on drawn MXFP4 cases
+    (M 1..16: the register path runs at M <= 4, tensor cores above)."""
     skip_unless_triton_mxfp4(backend, formats)
     device = moe_device.torch_device
     case = data.draw(cases(device, ("mxfp4",)), label="case")
@@ -496,28 +487,3 @@ def test_fuzz_triton_mxfp4_variants_match_reference(backend, moe_device, formats
     out = run_variant(inputs, variant)
     assert_rows_close(out, reference(inputs), variant_tolerance(device, variant),
                       f"triton {variant} vs moe_reference, {case}")
-
-
-@pytest.mark.parametrize("role", ["gate", "up", "down"])
-@pytest.mark.parametrize("variant", ["dot-scaled", "gemv-bits16", "gemv-word32", "gemv-word32x2"])
-def test_mxfp4_variant_decode_every_code_and_scale(backend, moe_device, formats, variant, role):
-    """`test_mxfp4_decode_every_code_and_scale` for each decode variant; the GEMV variants read
-    the 128 one-hot tokens back 4 at a time, so their register path is what is checked. Tiles of
-    128 x 128: one program and one K step per weight in the interpreter."""
-    skip_unless_triton_mxfp4(backend, formats)
-    device = moe_device.torch_device
-    gpu = device.type == "cuda"
-    gate_up, down, _ = decode_probe(role, [s for s in ALL_SCALES if s >= 3] if gpu else ALL_SCALES)
-    n = DECODE_N
-    x = torch.eye(n, dtype=activation_dtype(device), device=device)
-    weights = torch.ones(n, 1, device=device)
-    ids = torch.zeros(n, 1, dtype=torch.long, device=device)
-    gate_up, down = gate_up.to(device), down.to(device)
-    step = 4 if variant.startswith("gemv") else M_CHUNK
-    tiles = dict(gate_up_block_n=128, gate_up_block_k=128, down_block_n=128, down_block_k=128)
-    out = torch.cat([run_variant((x[i:i + step], weights[i:i + step], ids[i:i + step], gate_up, down, None),
-                                 variant, **tiles) for i in range(0, n, step)])
-    ref = reference((x, weights, ids, gate_up, down, None))
-    atol = 2.0**-126 if role == "gate" else 0.0
-    torch.testing.assert_close(out.float().cpu(), ref.cpu(), rtol=2**-7 if gpu else 1e-5, atol=atol,
-                               msg=lambda m: f"triton {variant} MXFP4 decode of the {role} weight: {m}")

@@ -36,12 +36,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (MXFP4, GEMV rows, word32 level, scaled): every product the launch configs can select.
-VARIANTS = [(True, 0, 0, False), (True, 0, 0, True), (True, 1, 0, False), (True, 4, 1, False), (True, 4, 2, False),
-            (True, 1, 3, False), (True, 4, 3, False), (False, 0, 0, False), (False, 4, 0, False)]
+# (MXFP4, GEMV rows): every product path the launch configs can select (tensor cores, the register
+# path: dp4a for MXFP4, plain multiply-adds for plain weights).
+VARIANTS = [(True, 0), (True, 1), (True, 4), (False, 0), (False, 4)]
 TILES = [(32, 128)]
-# The router's top-k constexprs at the Ling-3.0-flash shape (512 experts in 8 groups, top 4, top 8).
-TOPK_LING3 = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, E_PAD=512, K_PAD=8)
 MORE_TILES = [(16, 512), (64, 256), (16, 32)]
 
 
@@ -214,32 +212,23 @@ def resources(cubin: bytes) -> tuple[int, int]:
 
 
 # An H200 (sm_90) SM: registers, threads, programs, shared memory (bytes a program may use).
-SMS = 132  # an H200's SMs (the SM's own limits: `triton_layer.resident_programs`' defaults)
+SMS = 132  # an H200's SMs (the SM's own limits: `triton_launch.resident_programs`' defaults)
 
 
 def _moe_ptr_types(w_type: str, dp4a: bool) -> dict:
     """Pointer types of the expert kernels' arguments, weights as `w_type`."""
     return dict(slot_expert_ptr="*i32", slot_weight_ptr="*fp32", slot_tokens_ptr="*i32", w_ptr=w_type, ws_ptr="*u8",
-                logits_ptr="*fp32", bias_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32",
                 xq_ptr="*i32", xs_ptr="*fp32", partial_ptr="*fp32", counter_ptr="*i32",
                 act_ptr="*i32" if dp4a else "*bf16", act_s_ptr="*fp32")
 
 
-def _layer_ptr_types(mxfp4: bool) -> dict:
-    """Pointer types of the one-launch layer kernel's arguments (MXFP4 weights as int32 words)."""
-    w, ws = ("*i32", "*u8") if mxfp4 else ("*bf16", "*bf16")
-    return dict(x_ptr="*bf16", router_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", xq_ptr="*i32",
-                xs_ptr="*fp32", w1_ptr=w, w1s_ptr=ws, w2_ptr=w, w2s_ptr=ws, r_expert_ptr="*i32", r_weight_ptr="*fp32",
-                r_tokens_ptr="*i32", act_ptr="*i32" if mxfp4 else "*fp32", act_s_ptr="*fp32", shared_act_ptr="*fp32",
-                ids_ptr="*i32", weights_ptr="*fp32", out_ptr="*bf16", sync_ptr="*i32")
-
-
 def _compile_all(tiles) -> int:
-    sys.path.insert(0, str(ROOT))
     from impl.moe import triton_dp4a as td
-    from impl.moe import triton_moe as tm
+    from impl.moe import triton_experts as te
     from impl.moe import triton_routing as tr
-    assert not tm.FP32_MATH, "compile with TRITON_INTERPRET=0"
+    from impl.moe.configs import M_PAD
+    from impl.triton_env import FP32_MATH
+    assert not FP32_MATH, "compile with TRITON_INTERPRET=0"
     failures = 0
 
     def attempt(label, fn, consts, *args, barrier_free=False, **kwargs):
@@ -260,56 +249,36 @@ def _compile_all(tiles) -> int:
             print("FAIL", label, type(e).__name__, str(e)[-800:], flush=True)
 
     cases = [(i, v, t, 0) for i, v in enumerate(VARIANTS) for t in tiles]
-    # The register loops loading one or two steps ahead (GEMV_PIPELINE 1, 2: the prefetches) or in
-    # Triton's software pipeline (3 stages, GEMV_PIPELINE -3: `gemv_stages`), masked and unmasked.
-    cases += [(i, v, tiles[0], p) for i, v in enumerate(VARIANTS) if v[1] and (v[2] in (0, 3)) for p in (1, 2, -3)]
-    for i, (mx, rows, word32, scaled), (bn, bk), pipeline in cases:
-        if word32 == 3 and bn < 32:  # the dp4a decode splits gate_up outputs in blocks of 32
-            continue
-        w_t = ("*i32" if word32 else "*u8") if mx else "*bf16"
-        consts = dict(M_PAD=tm.M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
-                      WORD32=word32, SCALED=scaled, FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
+    # The register loops loading one or two steps ahead (AHEAD 1, 2), masked and unmasked.
+    cases += [(i, v, tiles[0], ahead) for i, v in enumerate(VARIANTS) if v[1] for ahead in (1, 2)]
+    for i, (mx, rows), (bn, bk), ahead in cases:
+        dp4a = mx and rows > 0
+        w_t = ("*i32" if dp4a else "*u8") if mx else "*bf16"
+        consts = dict(M_PAD=M_PAD, BLOCK_N=bn, BLOCK_K=bk, MXFP4=mx, HAS_SHARED=True, GEMV_ROWS=rows,
+                      FP32_MATH=False, SHARED_SPLIT=4 if rows else 1,
                       SHARED_BLOCK_K=64 if rows else bk, EVEN=i % 2 == 0,  # masked and unmasked loads
-                      GEMV_PIPELINE=pipeline, SHARED_PIPELINE=pipeline,
-                      PDL=word32 != 2,  # (launched without PDL, the kernels compile as they did before it)
-                      # One token: the top-k in the kernels (Ling-3.0-flash's router), which must
-                      # also write nothing before the wait.
-                      TOPK=rows == 1)
-        # Register paths whose loops stay inside each thread: dp4a, and plain weights (the
-        # shared expert of every register path is plain, so with one row all its loops are).
-        # (Triton's software pipeline waits for its copies at a barrier a step: only without it.)
-        barrier_free = rows > 0 and (word32 == 3 or not mx) and pipeline >= 0
-        down_consts = dict(consts, PREFETCH=consts["PDL"] and rows > 0)
-        label = (f"mxfp4={mx} gemv_rows={rows} word32={word32} scaled={scaled} tiles={bn}x{bk} pdl={consts['PDL']} "
-                 f"even={consts['EVEN']} gemv_pipeline={pipeline}")
-        ptr_types = _moe_ptr_types(w_t, word32 == 3)
-        attempt(f"moe_gate_up_kernel {label} topk={consts['TOPK']}", tm.moe_gate_up_kernel,
-                dict(consts, **(TOPK_LING3 if consts["TOPK"] else tm.NO_TOPK)), ptr_types, ("routed_scaling",),
-                barrier_free=barrier_free)
-        attempt(f"moe_down_kernel {label} prefetch={down_consts['PREFETCH']} topk={consts['TOPK']}",
-                tm.moe_down_kernel, down_consts, ptr_types, barrier_free=barrier_free)
+                      AHEAD=ahead, SHARED_AHEAD=ahead,
+                      PDL=i != 0)  # (launched without PDL, the kernels compile as they did before it)
+        # The register loops stay inside each thread (dp4a, and plain weights: the shared expert
+        # of every register path is plain).
+        barrier_free = rows > 0
+        down_consts = dict(consts, L2_PREFETCH=consts["PDL"] and rows > 0)
+        label = f"mxfp4={mx} gemv_rows={rows} tiles={bn}x{bk} pdl={consts['PDL']} even={consts['EVEN']} ahead={ahead}"
+        ptr_types = _moe_ptr_types(w_t, dp4a)
+        attempt(f"moe_gate_up_kernel {label}", te.moe_gate_up_kernel, consts, ptr_types, barrier_free=barrier_free)
+        attempt(f"moe_down_kernel {label} l2_prefetch={down_consts['L2_PREFETCH']}", te.moe_down_kernel, down_consts,
+                ptr_types, barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
     # The planted slowdown's stamp and spin (impl/plant.py), which only a GPU runs.
     from impl import plant
     stamp, spin = plant.kernels()
     attempt("plant_stamp_kernel", stamp, {}, dict(stamp_ptr="*i64"))
     attempt("plant_spin_kernel", spin, {}, dict(stamp_ptr="*i64"), ("fraction",))
-    # The one-launch layer (impl/moe/triton_layer.py) at the Ling-3.0-flash shape on 132 programs:
-    # a decode step with MXFP4 experts, a verify step with plain ones.
-    from impl.moe import triton_layer as tlay
-    from impl.moe.configs import MoELaunchConfig
-    one = MoELaunchConfig(one_launch=True, gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_k=512,
-                          down_block_k=256, shared_block_k=128, gate_up_prefetch=1, down_prefetch=1, shared_prefetch=1,
-                          l2_prefetch=2)
-    for mx, tokens in ((True, 1), (False, 4)):
-        launch = tlay.layer_launch(one, tokens=tokens, experts=512, hidden=2560, inter=768, i_shared=768, top_k=8,
-                                   mxfp4=mx, programs=132, topk=TOPK_LING3)
-        attempt(f"moe_layer_kernel mxfp4={mx} tokens={tokens}", tlay.moe_layer_kernel, launch.consts,
-                _layer_ptr_types(mx), ("routed_scaling",), num_warps=launch.num_warps, num_stages=1)
-    routing_ptrs = dict(counter_ptr="*i32", ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
+    routing_ptrs = dict(ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")
-    meta = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, ROWS=1, M_PAD=tm.M_PAD,
+    # The router's top-k at the Ling-3.0-flash shape (512 experts in 8 groups, top 4, top 8).
+    meta = dict(ROUTER=1, RENORMALIZE=True, HAS_BIAS=True, N_GROUP=8, TOPK_GROUP=4, ROWS=1, M_PAD=M_PAD,
                 E_PAD=512, K_PAD=8, S_PAD=8, PDL=True)
     attempt("router_topk_kernel 1 warp", tr.router_topk_kernel, meta, routing_ptrs, ("routed_scaling",), 1)
     attempt("router_topk_kernel softmax 4 rows", tr.router_topk_kernel,
@@ -317,12 +286,8 @@ def _compile_all(tiles) -> int:
     for split_x in (False, True):
         attempt(f"router_logits_kernel 4 rows split_x={split_x} pdl={split_x}", tr.router_logits_kernel,
                 dict(ROWS=4, BLOCK_E=2, BLOCK_K=4096, SPLIT_X=split_x, PDL=split_x, PREFETCH=split_x), routing_ptrs)
-        attempt(f"router_fused_kernel split_x={split_x} pdl={not split_x}", tr.router_fused_kernel,
-                dict(meta, BLOCK_E=4, BLOCK_K=1024, SPLIT_X=split_x, PDL=not split_x, PREFETCH=not split_x),
-                routing_ptrs, ("routed_scaling",))
     # Negative controls of the static checks: each flags its planted defect, and only that.
-    sys.path.insert(0, str(ROOT / "tests"))
-    import planted_kernels as pk
+    import planted_kernels as pk  # beside this file, which runs as a script
     for fn, planted in ((pk.writes_after_waiting, False), (pk.writes_before_waiting, True)):
         early = writes_before_wait(compile_one(fn, dict(PDL=True), dict(out_ptr="*fp32")).asm["ptx"])
         ok = bool(early) == planted
@@ -359,37 +324,24 @@ def _shared_width(key: dict) -> int:
     return preset.shared_intermediate_size if preset else key["intermediate"]
 
 
-def _topk(key: dict, cfg) -> dict | None:
-    """The top-k constexprs of the expert kernels for a tuned entry that routes a decode step in
-    them (`topk_in_experts` at one token): the matching preset's router, else a softmax one."""
-    if not (cfg.topk_in_experts and key["m_bucket"] == 1):
-        return None
-    from types import SimpleNamespace
-    from impl.moe.triton_routing import topk_consts
-    router = _preset(key) or SimpleNamespace(router="softmax", top_k=key["top_k"], norm_topk_prob=True)
-    return topk_consts(router, key["experts"], router.router == "sigmoid_grouped")[0]
-
-
 def config_resources(key: dict, config: dict) -> list[dict]:
     """For one tuned entry (tuned_configs.json: key and config), each expert kernel as
     `expert_launch` would launch it at the key's M bucket (top-k distinct experts a token),
     built for sm_90: name, registers, spilled bytes a thread, shared memory, programs an SM, and
     the grid's programs over what the SMs hold at once (waves)."""
-    from impl.moe import triton_moe as tm
+    from impl.moe import triton_experts as te
     from impl.moe.configs import MoELaunchConfig
-    from impl.moe.triton_layer import resident_programs
+    from impl.moe.triton_launch import expert_launch, gemv_rows, resident_programs
     cfg = MoELaunchConfig(**config)
     mxfp4 = key["format"] == "mxfp4"
     m = key["m_bucket"]
-    launch = tm.expert_launch(cfg, tokens=m, num_slots=min(m * key["top_k"], key["experts"]), hidden=key["hidden"],
-                              inter=key["intermediate"], i_shared=_shared_width(key), mxfp4=mxfp4, pdl=cfg.pdl,
-                              topk=_topk(key, cfg))
-    word32 = launch.gate_up.consts["WORD32"]
-    ptr_types = _moe_ptr_types(("*i32" if word32 else "*u8") if mxfp4 else "*bf16", word32 == tm.DP4A.value)
+    launch = expert_launch(cfg, tokens=m, num_slots=min(m * key["top_k"], key["experts"]), hidden=key["hidden"],
+                           inter=key["intermediate"], i_shared=_shared_width(key), mxfp4=mxfp4, pdl=cfg.pdl)
+    dp4a = mxfp4 and gemv_rows(cfg, m) > 0
+    ptr_types = _moe_ptr_types(("*i32" if dp4a else "*u8") if mxfp4 else "*bf16", dp4a)
     rows = []
-    for name, fn, k in (("gate_up", tm.moe_gate_up_kernel, launch.gate_up), ("down", tm.moe_down_kernel, launch.down)):
-        compiled = compile_one(fn, k.consts, ptr_types, ("routed_scaling",), num_warps=k.num_warps,
-                               num_stages=k.num_stages)
+    for name, fn, k in (("gate_up", te.moe_gate_up_kernel, launch.gate_up), ("down", te.moe_down_kernel, launch.down)):
+        compiled = compile_one(fn, k.consts, ptr_types, num_warps=k.num_warps, num_stages=k.num_stages)
         regs, spilled = resources(compiled.asm["cubin"])
         shared = compiled.metadata.shared
         per_sm = resident_programs(regs, k.num_warps, shared)
@@ -415,20 +367,19 @@ LOAD_COPY_TOLERANCE = 2
 # 128 rows over 2 warps (ptxas keeps 255 registers and puts 880 bytes a thread on the stack).
 PLANTED_KEY = dict(experts=512, hidden=2560, intermediate=768, top_k=8, m_bucket=1, format="mxfp4")
 PLANTED_SPILL = dict(gate_up_block_n=32, gate_up_block_k=512, gate_up_warps=8, down_block_n=128, down_block_k=128,
-                     down_warps=2, gemv_max_tokens=4, gemv_decode="dp4a", shared_split=2, shared_block_k=128,
-                     gate_up_prefetch=1, down_prefetch=1, pdl=True, pdl_prefetch=True)
+                     down_warps=2, gemv_max_tokens=4, shared_split=2, shared_block_k=128,
+                     gate_up_lookahead=1, down_lookahead=1, pdl=True, l2_prefetch=True)
 
 
 def _check_configs() -> int:
     """Every committed launch config's expert kernels built for sm_90 as `expert_launch` gives
     them: none may spill more than SPILL_TOLERANCE bytes a thread (a config tuned on the GPU
-    silently loses its speed when a kernel change makes its tiles spill; run 9's bf16 K tiles of
-    512 spilled and ran 2 to 4x slower), and no plain-weight loop may copy a load in the pass that
+    silently loses its speed when a kernel change makes its tiles spill: bf16 K tiles of 512
+    spilled and ran 2 to 4x slower on the H200), and no plain-weight loop may copy a load in the pass that
     issued it (`loop_load_copies`: the shared expert's loop did, and each of its K steps waited a
     memory round trip). Prints each kernel's resources; a planted spilling config is the negative
     control of the first, the planted kernels of `_compile_all` of the second."""
     import json
-    sys.path.insert(0, str(ROOT))
     from impl.moe.configs import TUNED_PATH
     failures = 0
     for entry in json.loads(TUNED_PATH.read_text()):

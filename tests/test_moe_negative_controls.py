@@ -33,7 +33,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from impl import backends
-from impl.moe.triton_moe import moe_triton
+from impl.moe.triton_backend import moe_triton
 from impl.quant.mxfp4 import MXFP4Tensor
 
 # Few examples, reproducible, and no shrinking (a failure is all these runs need to see).

@@ -1,6 +1,6 @@
-"""Unit tests of the fused Triton MoE (impl.moe.triton_moe): fixed shapes against the oracle, the
-slot grouping on crafted routings, chunking beyond M_PAD tokens, launch configurations, and the
-errors bad inputs get.
+"""Unit tests of the `triton` MoE backend (impl/moe/triton_backend.py and the kernels it launches):
+fixed shapes against the oracle, the slot grouping on crafted routings, chunking beyond M_PAD
+tokens, launch configurations and plans, and the errors bad inputs get.
 
 Runs on the GPU when there is one (the kernels need CUDA tensors there), else on the CPU. On a CPU
 the kernels run in Triton's interpreter with fp32 math (FP32_MATH), so the oracle on the same
@@ -17,14 +17,13 @@ import pytest
 import torch
 
 from impl import backends
-from impl.moe import configs, triton_moe
-from impl.moe.configs import MoELaunchConfig, fallback, lookup, m_bucket
+from impl.moe import configs, triton_launch
+from impl.moe.configs import M_PAD, MoELaunchConfig, lookup, m_bucket
 from impl.moe.reference import moe_reference
 from impl.moe.shared import SharedExpert
-from impl.moe.triton_moe import (M_PAD, TWO_POW_126, _e2m1_word_pair_to_fp32, _e2m1_word_to_fp32, _e8m0_to_fp32,
-                                 moe_triton, slots_from_routing)
-from impl.quant.mxfp4 import MXFP4Tensor, decode_e2m1, decode_e8m0, quantize_mxfp4, unpack_nibbles
-from impl.triton_env import tl, triton
+from impl.moe.triton_backend import moe_triton
+from impl.moe.triton_slots import slots_from_routing
+from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 RTOL = 1e-2 if DEVICE.type == "cuda" else 1e-5
@@ -224,12 +223,12 @@ def test_m_buckets():
 
 def test_lookup_falls_back_for_untuned_shapes_and_uses_tuned_ones(monkeypatch):
     monkeypatch.setattr(configs, "TUNED", {})
-    assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) == fallback(64, 32)
+    assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) == MoELaunchConfig()
     tuned = MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=64, down_block_k=64)
     monkeypatch.setitem(configs.TUNED, (8, 64, 32, 2, 4, "bf16", configs.device_name(DEVICE)), tuned)
     assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) is tuned  # M=3 falls in the M=4 bucket
-    assert lookup(8, 64, 32, 2, 5, "bf16", DEVICE) == fallback(64, 32)  # another bucket
-    assert lookup(8, 64, 32, 2, 3, "mxfp4", DEVICE) == fallback(64, 32)  # another format
+    assert lookup(8, 64, 32, 2, 5, "bf16", DEVICE) == MoELaunchConfig()  # another bucket
+    assert lookup(8, 64, 32, 2, 3, "mxfp4", DEVICE) == MoELaunchConfig()  # another format
     # moe_triton picks the tuned configuration up, records it, and computes the same result.
     w_gate_up, w_down = make_weights(8, 64, 32, "bf16")
     weights, ids = random_routing(3, 2, 8)
@@ -372,45 +371,31 @@ def test_the_good_inputs_of_the_error_cases_run():
     assert_rows_close(*run_both(**good()))
 
 
-# --- MXFP4 product variants (MoELaunchConfig.mxfp4_product / gemv_decode) --------------------
+# --- MXFP4 product paths: tensor cores, or the register path's dp4a products -------------------
 
 # name: (config, the product recorded for M <= 4, for M = 16). Blocks of 32 x 64 leave masked
 # tails at H = 96 and I = 160 and take several K steps; 64 x 256 covers all of K in one step.
 MXFP4_VARIANTS = {
     "dot-bits": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64), "dot-bits", "dot-bits"),
-    "dot-scaled": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, mxfp4_product="scaled"),
-                   "dot-scaled", "dot-scaled"),
-    "gemv-bits16": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4),
-                    "gemv-bits16", "dot-bits"),
-    "gemv-word32": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="word32",
-                                    mxfp4_product="scaled"), "gemv-word32", "dot-scaled"),
-    "gemv-word32-large-blocks": (MoELaunchConfig(gate_up_block_n=64, gate_up_block_k=256, down_block_n=64,
-                                                 down_block_k=256, gemv_max_tokens=4, gemv_decode="word32"),
-                                 "gemv-word32", "dot-bits"),
-    "gemv-word32-one-scale-block": (MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=16,
-                                                    down_block_k=32, gemv_max_tokens=2, gemv_decode="word32"),
-                                    "gemv-word32", "dot-bits"),
-    "gemv-word32x2": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="word32x2"),
-                      "gemv-word32x2", "dot-bits"),
-    "gemv-dp4a": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a"),
-                  "gemv-dp4a", "dot-bits"),
+    "gemv-dp4a": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4), "gemv-dp4a", "dot-bits"),
+    "gemv-dp4a-large-blocks": (MoELaunchConfig(gate_up_block_n=64, gate_up_block_k=256, down_block_n=64,
+                                               down_block_k=256, gemv_max_tokens=4), "gemv-dp4a", "dot-bits"),
+    "gemv-dp4a-one-scale-block": (MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=32, down_block_n=16,
+                                                  down_block_k=32, gemv_max_tokens=2), "gemv-dp4a", "dot-bits"),
     # Each K step of the register loops loading the next one's weights, or the one after next's
     # (the loads past K masked off; K = 96 here: in tiles of 64 a partial second step, in tiles of
     # 32 three whole steps and two loads past the end).
-    "gemv-dp4a-prefetch": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
-                                           gate_up_prefetch=1, down_prefetch=1, shared_prefetch=1), "gemv-dp4a",
-                           "dot-bits"),
-    "gemv-dp4a-prefetch2": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4, gemv_decode="dp4a",
-                                            gate_up_prefetch=2, down_prefetch=2, shared_prefetch=2), "gemv-dp4a",
+    "gemv-dp4a-lookahead": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4,
+                                            gate_up_lookahead=1, down_lookahead=1, shared_lookahead=1), "gemv-dp4a",
                             "dot-bits"),
-    # The same loops in Triton's software pipeline (on a GPU; the interpreter runs them in order).
-    "gemv-dp4a-stages": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
-                                         gemv_stages=3), "gemv-dp4a", "dot-bits"),
+    "gemv-dp4a-lookahead2": (MoELaunchConfig(gate_up_block_k=32, down_block_k=32, gemv_max_tokens=4,
+                                             gate_up_lookahead=2, down_lookahead=2, shared_lookahead=2), "gemv-dp4a",
+                             "dot-bits"),
     # Launches overlapping (PDL, on a GPU; the interpreter runs launches in order anyway).
-    "gemv-dp4a-pdl": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode="dp4a",
-                                      pdl=True, pdl_prefetch=True), "gemv-dp4a", "dot-bits"),
+    "gemv-dp4a-pdl": (MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True,
+                                      l2_prefetch=True), "gemv-dp4a", "dot-bits"),
 }
-# The dp4a decode splits x and the intermediate activations into two int8 terms, each value to
+# The dp4a products split x and the intermediate activations into two int8 terms, each value to
 # within 2**-13 of its block of 32's largest magnitude (impl/moe/triton_dp4a.py): in norm at most
 # 2**-13 * sqrt(32) = 6.9e-4 of a row per split, two splits (seen: 1.5e-4). On a GPU the bf16
 # roundings of the other variants dominate (RTOL).
@@ -418,22 +403,21 @@ DP4A_RTOL = max(RTOL, 2e-3)
 
 
 def variant_rtol(variant: str) -> float:
-    return DP4A_RTOL if "dp4a" in variant else RTOL
+    """The tolerance of a variant name, or of a weight format on the register path (MXFP4 there
+    takes the dp4a products)."""
+    return DP4A_RTOL if "dp4a" in variant or variant == "mxfp4" else RTOL
 
 
-VARIANT_CASES = ([(v, m) for v in ("dot-bits", "dot-scaled", "gemv-bits16", "gemv-word32") for m in (1, 2, 4, 16)]
-                 + [("gemv-word32", 3), ("gemv-word32-large-blocks", 1), ("gemv-word32-large-blocks", 4),
-                    ("gemv-word32-one-scale-block", 1), ("gemv-word32-one-scale-block", 2)]
-                 + [("gemv-word32x2", m) for m in (1, 2, 3, 4, 16)]
-                 + [("gemv-dp4a", m) for m in (1, 2, 3, 4, 16)]
+VARIANT_CASES = ([(v, m) for v in ("dot-bits", "gemv-dp4a") for m in (1, 2, 3, 4, 16)]
+                 + [("gemv-dp4a-large-blocks", 1), ("gemv-dp4a-large-blocks", 4),
+                    ("gemv-dp4a-one-scale-block", 1), ("gemv-dp4a-one-scale-block", 2)]
                  + [("gemv-dp4a-pdl", m) for m in (1, 3, 16)]
-                 + [("gemv-dp4a-prefetch", m) for m in (1, 2, 4)] + [("gemv-dp4a-prefetch2", m) for m in (1, 4)]
-                 + [("gemv-dp4a-stages", m) for m in (1, 4)])
+                 + [("gemv-dp4a-lookahead", m) for m in (1, 2, 4)] + [("gemv-dp4a-lookahead2", m) for m in (1, 4)])
 
 
 @pytest.mark.parametrize("variant,tokens", VARIANT_CASES)
 def test_mxfp4_variants_match_reference(variant, tokens):
-    """Each MXFP4 decode against the oracle at the stated tolerance, for M in {1, 2, 4, 16} (and 3:
+    """Each MXFP4 product path against the oracle at the stated tolerance, for M in {1, 2, 4, 16} (and 3:
     a GEMV of 4 rows with one row masked), with a shared expert; provenance names the product
     that ran (tensor cores beyond gemv_max_tokens)."""
     cfg, small, large = MXFP4_VARIANTS[variant]
@@ -447,64 +431,60 @@ def test_mxfp4_variants_match_reference(variant, tokens):
     assert [e.config["product"] for e in prov.events if "product" in e.config] == [expected]
 
 
-@pytest.mark.parametrize("fmt,decode,split,tokens", [
-    ("mxfp4", "word32x2", 2, 1), ("mxfp4", "word32x2", 8, 3), ("mxfp4", "dp4a", 4, 2), ("bf16", "bits16", 4, 4),
-    ("mxfp4", "word32x2", 4, 16),  # beyond gemv_max_tokens: tensor cores, one shared program
+@pytest.mark.parametrize("fmt,split,tokens", [
+    ("mxfp4", 2, 1), ("mxfp4", 8, 3), ("mxfp4", 4, 2), ("bf16", 4, 4),
+    ("mxfp4", 4, 16),  # beyond gemv_max_tokens: tensor cores, one shared program
 ])
-def test_shared_split_matches_reference(fmt, decode, split, tokens):
+def test_shared_split_matches_reference(fmt, split, tokens):
     """shared_split programs share the shared expert (gate_up: rows of a block; down: K in whole
     blocks of 32, here I_s = 160 = 5 blocks, so at a split of 4 or 8 some programs get a shorter
     share and some none) and the result is the oracle's."""
-    cfg = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, gemv_decode=decode,
-                          shared_split=split)
+    cfg = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, shared_split=split)
     w_gate_up, w_down = make_weights(6, 96, 64, fmt, seed=21)
     weights, ids = random_routing(tokens, 2, 6, seed=22)
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(23))
     out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(96, 160), config=cfg)
-    assert_rows_close(out, ref, variant_rtol(decode) if tokens <= 4 else RTOL)
+    assert_rows_close(out, ref, variant_rtol(fmt) if tokens <= 4 else RTOL)
 
 
-@pytest.mark.parametrize("fmt,decode,split,tokens,prefetch", [
-    ("mxfp4", "dp4a", 1, 1, 0), ("mxfp4", "dp4a", 2, 3, 0), ("mxfp4", "dp4a", 1, 4, 0),
-    ("bf16", "bits16", 1, 1, 0), ("bf16", "bits16", 2, 3, 0), ("fp32", "bits16", 1, 4, 0),
-    ("mxfp4", "dp4a", 2, 1, 1), ("mxfp4", "dp4a", 1, 4, 1), ("bf16", "bits16", 1, 1, 1),
-    ("bf16", "bits16", 2, 3, 1), ("mxfp4", "dp4a", 1, 1, 2), ("bf16", "bits16", 2, 3, 2),
+@pytest.mark.parametrize("fmt,split,tokens,lookahead", [
+    ("mxfp4", 1, 1, 0), ("mxfp4", 2, 3, 0), ("mxfp4", 1, 4, 0), ("bf16", 1, 1, 0), ("bf16", 2, 3, 0),
+    ("fp32", 1, 4, 0), ("mxfp4", 2, 1, 1), ("mxfp4", 1, 4, 1), ("bf16", 1, 1, 1), ("bf16", 2, 3, 1),
+    ("mxfp4", 1, 1, 2), ("bf16", 2, 3, 2),
 ])
-def test_whole_tiles_load_unmasked_and_match_reference(fmt, decode, split, tokens, prefetch):
+def test_whole_tiles_load_unmasked_and_match_reference(fmt, split, tokens, lookahead):
     """Shapes every tile divides (as the presets' do), so the register paths load without masks
-    (`_even_tiles`), with the shared expert in K tiles of its own, loading one or two steps
-    ahead or not (the prefetches past the last step masked off even here): against the oracle."""
+    (`even_tiles`), with the shared expert in K tiles of its own, loading one or two steps
+    ahead or not (the look-ahead past the last step masked off even here): against the oracle."""
     cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, down_block_k=32,
-                          gemv_max_tokens=4, gemv_decode=decode, shared_split=split, shared_block_k=32,
-                          gate_up_prefetch=prefetch, down_prefetch=prefetch, shared_prefetch=prefetch)
+                          gemv_max_tokens=4, shared_split=split, shared_block_k=32,
+                          gate_up_lookahead=lookahead, down_lookahead=lookahead, shared_lookahead=lookahead)
     hidden, inter, i_shared = 128, 64, 64
-    assert triton_moe._even_tiles(cfg, hidden, inter, i_shared, split, (32, 32)) == (True, True)
+    assert triton_launch.even_tiles(cfg, hidden, inter, i_shared, split, (32, 32)) == (True, True)
     w_gate_up, w_down = make_weights(6, hidden, inter, fmt, seed=31)
     weights, ids = random_routing(tokens, 2, 6, seed=32)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(33))
     with backends.record_provenance() as prov:
         out, ref = run_both(x, weights, ids, w_gate_up, w_down, make_shared(hidden, i_shared), config=cfg)
-    assert_rows_close(out, ref, variant_rtol(decode))
+    assert_rows_close(out, ref, variant_rtol(fmt))
     assert [e.config["config"].shared_block_k for e in prov.events if "product" in e.config] == [32]
 
 
 # (gate_up routed, gate_up shared, down routed, down shared): the shared expert's down loop never
-# loads ahead (`MoELaunchConfig.shared_prefetch`).
-@pytest.mark.parametrize("fields,tokens,pipelines", [
-    (dict(gate_up_prefetch=2, down_prefetch=1), 1, (2, 0, 1, 0)),
-    (dict(gate_up_prefetch=2, down_prefetch=1, shared_prefetch=1), 2, (2, 1, 1, 0)),
-    (dict(gemv_stages=3), 4, (-3, -3, -3, -3)),  # Triton's pipeline: negative (`_stages`), never steps ahead
-    (dict(gate_up_prefetch=1, down_prefetch=1, shared_prefetch=2), 8, (0, 0, 0, 0)),  # past gemv_max_tokens
+# looks ahead (`MoELaunchConfig.shared_lookahead`).
+@pytest.mark.parametrize("fields,tokens,aheads", [
+    (dict(gate_up_lookahead=2, down_lookahead=1), 1, (2, 0, 1, 0)),
+    (dict(gate_up_lookahead=2, down_lookahead=1, shared_lookahead=1), 2, (2, 1, 1, 0)),
+    (dict(gate_up_lookahead=1, down_lookahead=1, shared_lookahead=2), 8, (0, 0, 0, 0)),  # past gemv_max_tokens
 ])
-def test_expert_launch_encodes_each_kernels_pipeline(fields, tokens, pipelines):
-    """The register loops' load strategy per kernel as `expert_launch` hands it to the kernels.
-    The interpreter runs Triton's software pipeline as a plain loop, so a wrong encoding here
-    would pass every CPU parity test and only change what the GPU runs."""
-    cfg = MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=32, shared_split=2, **fields)
-    launch = triton_moe.expert_launch(cfg, tokens=tokens, num_slots=3, hidden=128, inter=64, i_shared=64,
-                                      mxfp4=True, pdl=False)
-    assert tuple(k.consts[c] for k in (launch.gate_up, launch.down) for c in ("GEMV_PIPELINE", "SHARED_PIPELINE")) \
-        == pipelines
+def test_expert_launch_encodes_each_kernels_lookahead(fields, tokens, aheads):
+    """The register loops' look-ahead per kernel as `expert_launch` hands it to the kernels. The
+    interpreter computes the same sums at any look-ahead, so a wrong encoding here would pass
+    every CPU parity test and only change what the GPU runs."""
+    cfg = MoELaunchConfig(gemv_max_tokens=4, gate_up_block_n=32, shared_split=2, **fields)
+    launch = triton_launch.expert_launch(cfg, tokens=tokens, num_slots=3, hidden=128, inter=64, i_shared=64,
+                                         mxfp4=True, pdl=False)
+    assert tuple(k.consts[c] for k in (launch.gate_up, launch.down) for c in ("AHEAD", "SHARED_AHEAD")) == aheads
     split = 2 if tokens <= 4 else 1  # the shared expert's programs: its split on the register path only
     assert launch.gate_up.grid == (3 + split, 2) and launch.down.grid == (128 // cfg.down_block_n, 3 + split)
 
@@ -513,7 +493,7 @@ def test_even_tiles_needs_every_tile_whole():
     """The no-mask rule: every routed and shared tile of a kernel inside its weight."""
     cfg = MoELaunchConfig(gate_up_block_n=32, gate_up_block_k=512, down_block_n=32, down_block_k=256,
                           shared_block_k=128)
-    even = triton_moe._even_tiles
+    even = triton_launch.even_tiles
     assert even(cfg, 2560, 768, 768, 1, (128, 128)) == (True, True)  # Ling-3.0-flash
     assert even(cfg, 4096, 1024, 1024, 1, (128, 128)) == (True, True)  # Ling-flash-2.0
     assert even(cfg, 2560, 768, 0, 1, (128, 128)) == (True, True)  # no shared expert
@@ -531,22 +511,17 @@ def test_launch_config_rejects_bad_shared_k_tiles(value):
         MoELaunchConfig(shared_block_k=value)
 
 
-@pytest.mark.parametrize("fmt,router", [("mxfp4", "two"), ("bf16", "two"), ("mxfp4", "fused"),
-                                        ("mxfp4", "experts"), ("bf16", "experts")])
-def test_layer_with_overlapping_launches_matches_reference(fmt, router, monkeypatch):
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
     """The whole layer (router kernels + expert kernels) under a tuned config with PDL (on a GPU:
     each launch starting while the one before finishes, the shared expert's gate_up during the
     router's top-k) against the oracle backend on the same block, twice in a row (the second
-    call's router overlapping the first call's down kernel); the router overlaps too, in the
-    launches the config asks for (provenance): two, one fused, or (one token) the logits alone
-    with the top-k in the expert kernels."""
-    router_fused, in_experts = router == "fused", router == "experts"
+    call's router overlapping the first call's down kernel); provenance says the router ran with
+    PDL and its L2 prefetch."""
     from impl.model.config import get_config
     from impl.moe.random_layer import random_moe_block
     cfg = get_config("tiny")
-    tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True, pdl_prefetch=True,
-                            router_fused=router_fused, topk_in_experts=in_experts,
-                            **(dict(gemv_decode="dp4a") if fmt == "mxfp4" else {}))
+    tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True, l2_prefetch=True)
     for bucket in (1, 2):
         monkeypatch.setitem(configs.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
                                             bucket, fmt, configs.device_name(DEVICE)), tuned)
@@ -557,17 +532,13 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, router, monkeypa
         with backends.record_provenance() as prov, torch.no_grad():
             out = ours(x)
             ref = oracle(x)
-        kernels = ("router_logits_kernel" if in_experts and tokens == 1 else "router_fused_kernel" if router_fused
-                   else "router_logits_kernel+router_topk_kernel")
-        assert [(e.kernel, e.config.get("pdl"), e.config.get("prefetch")) for e in prov.events
-                if "router" in e.kernel] == [(kernels, True, True)]
-        assert [e.config["topk_in_experts"] for e in prov.events if "product" in e.config] == [
-            in_experts and tokens == 1]
+        assert [(e.kernel, e.config.get("pdl"), e.config.get("l2_prefetch")) for e in prov.events
+                if "router" in e.kernel] == [("router_logits_kernel+router_topk_kernel", True, True)]
         assert [e.config["config"] for e in prov.events if "config" in e.config] == [tuned]
-        assert_rows_close(out.cpu(), ref.cpu(), variant_rtol("dp4a" if fmt == "mxfp4" else fmt))
+        assert_rows_close(out.cpu(), ref.cpu(), variant_rtol(fmt))
 
 
-@pytest.mark.parametrize("field", ["pdl", "pdl_prefetch", "router_fused", "topk_in_experts"])
+@pytest.mark.parametrize("field", ["pdl", "l2_prefetch"])
 def test_launch_config_rejects_non_bool_pdl_flags(field):
     with pytest.raises(TypeError, match=f"{field} must be a bool, got 1"):
         MoELaunchConfig(**{field: 1})
@@ -591,21 +562,18 @@ def test_pdl_on_a_gpu_older_than_sm90_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(gemv_stages=1), "gemv_stages must be 0, 2, 3 or 4, got 1"),
-    (dict(gemv_stages=3, down_prefetch=1), "gemv_stages and the prefetches are two ways"),
-    (dict(gate_up_prefetch=3), "gate_up_prefetch must be 0, 1 or 2 .K steps ahead., got 3"),
-    (dict(down_prefetch=True), "down_prefetch must be 0, 1 or 2 .K steps ahead., got True"),
-    (dict(shared_prefetch=-1), "shared_prefetch must be 0, 1 or 2 .K steps ahead., got -1"),
-    (dict(gemv_stages=2, shared_prefetch=1), "gemv_stages and the prefetches are two ways"),
+    (dict(gate_up_lookahead=3), "gate_up_lookahead must be 0, 1 or 2 .K steps ahead., got 3"),
+    (dict(down_lookahead=True), "down_lookahead must be 0, 1 or 2 .K steps ahead., got True"),
+    (dict(shared_lookahead=-1), "shared_lookahead must be 0, 1 or 2 .K steps ahead., got -1"),
 ])
-def test_launch_config_rejects_bad_pipelines(fields, message):
+def test_launch_config_rejects_bad_lookaheads(fields, message):
     with pytest.raises(ValueError, match=message):
         MoELaunchConfig(**fields)
 
 
-def test_pdl_prefetch_needs_pdl():
-    with pytest.raises(ValueError, match="pdl_prefetch needs pdl"):
-        MoELaunchConfig(pdl_prefetch=True)
+def test_l2_prefetch_needs_pdl():
+    with pytest.raises(ValueError, match="l2_prefetch needs pdl"):
+        MoELaunchConfig(l2_prefetch=True)
 
 
 @pytest.mark.parametrize("split", [0, 3, 16])
@@ -614,9 +582,10 @@ def test_launch_config_rejects_other_shared_splits(split):
         MoELaunchConfig(shared_split=split)
 
 
-@pytest.mark.parametrize("variant", ["dot-scaled", "gemv-word32"])
-def test_mxfp4_variants_on_bf16_weights_change_nothing(variant):
-    """The MXFP4 choices do not apply to plain weights: same result, the plain product recorded."""
+@pytest.mark.parametrize("variant", ["dot-bits", "gemv-dp4a"])
+def test_plain_weights_take_the_plain_products(variant):
+    """Configs made for MXFP4 experts run plain weights through the plain products: same result,
+    the plain product recorded."""
     cfg = MXFP4_VARIANTS[variant][0]
     w_gate_up, w_down = make_weights(4, 64, 64, "bf16")
     weights, ids = random_routing(2, 2, 4)
@@ -628,64 +597,26 @@ def test_mxfp4_variants_on_bf16_weights_change_nothing(variant):
         "gemv-plain" if cfg.gemv_max_tokens >= 2 else "dot-plain"]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("mxfp4_product", "dot_scaled"), ("mxfp4_product", ""), ("gemv_decode", "word16"), ("gemv_decode", None),
-])
-def test_launch_config_rejects_unknown_mxfp4_products(field, value):
-    with pytest.raises(ValueError, match=rf"{field} must be one of \(.*\), got {value!r}"):
-        MoELaunchConfig(**{field: value})
-
-
-def test_launch_config_rejects_dp4a_with_gate_up_blocks_under_32():
+def test_launch_config_rejects_the_register_path_with_gate_up_blocks_under_32():
     """The gate_up kernel splits its output for the dp4a down projection in whole blocks of 32."""
-    with pytest.raises(ValueError, match="gemv_decode 'dp4a' needs gate_up_block_n >= 32 .*got 16"):
-        MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=16)
-    MoELaunchConfig(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_n=32, down_block_n=16)
+    with pytest.raises(ValueError, match="the register path needs gate_up_block_n >= 32 .*got 16"):
+        MoELaunchConfig(gemv_max_tokens=4, gate_up_block_n=16)
+    MoELaunchConfig(gemv_max_tokens=4, gate_up_block_n=32, down_block_n=16)
+    MoELaunchConfig(gate_up_block_n=16)  # tensor cores only
 
 
-def test_tuned_configs_without_the_new_fields_load_with_the_defaults(tmp_path):
-    """Entries written before mxfp4_product / gemv_decode existed keep meaning what they meant."""
+def test_tuned_configs_load_missing_fields_as_defaults_and_reject_unknown_ones(tmp_path):
+    """An entry that leaves fields out gets their defaults; one naming a field that no longer
+    exists (a removed path) is an error naming the file and the field."""
     path = tmp_path / "tuned.json"
-    path.write_text('[{"key": {"experts": 8, "hidden": 64, "intermediate": 32, "top_k": 2, "m_bucket": 1, '
-                    '"format": "mxfp4", "device": "cpu"}, "config": {"gemv_max_tokens": 4}}]')
+    key = ('{"experts": 8, "hidden": 64, "intermediate": 32, "top_k": 2, "m_bucket": 1, "format": "mxfp4", '
+           '"device": "cpu"}')
+    path.write_text(f'[{{"key": {key}, "config": {{"gemv_max_tokens": 4}}}}]')
     (cfg,) = configs.load_tuned(path).values()
-    assert (cfg.mxfp4_product, cfg.gemv_decode, cfg.gemv_max_tokens) == ("bits", "bits16", 4)
-
-
-@triton.jit
-def word32_decode_kernel(word_ptr, out_ptr, code_ptr, scale_ptr, N: tl.constexpr, PAIRS: tl.constexpr):
-    offs = tl.arange(0, N)
-    words = tl.load(word_ptr + offs)
-    if PAIRS:
-        for i in tl.static_range(4):
-            lo, hi = _e2m1_word_pair_to_fp32(words, i)
-            tl.store(out_ptr + offs * 8 + i, lo * TWO_POW_126)
-            tl.store(out_ptr + offs * 8 + i + 4, hi * TWO_POW_126)
-    else:
-        for i in tl.static_range(8):
-            tl.store(out_ptr + offs * 8 + i, _e2m1_word_to_fp32(words, i) * TWO_POW_126)
-    offs_c = tl.arange(0, 256)
-    tl.store(scale_ptr + offs_c, _e8m0_to_fp32(tl.load(code_ptr + offs_c)))
-
-
-@pytest.mark.parametrize("pairs", [False, True], ids=["word32", "word32x2"])
-def test_word32_decode_every_code_and_scale(pairs):
-    """`_e2m1_word_to_fp32` (or the two-codes-at-once `_e2m1_word_pair_to_fp32`) * 2**126 for every
-    code at every position of a word (all 2**8 byte values at each byte of the word, so every
-    nibble pair), and `_e8m0_to_fp32` for every code, against impl.quant's decode: bit for bit
-    (NaN for E8M0 255)."""
-    b = torch.arange(256, dtype=torch.uint8)
-    packed = torch.stack([b, b.flip(0), b * 7, b * 13 + 5], dim=1).contiguous()  # [256, 4] bytes (uint8 wraps)
-    packed = torch.cat([packed, packed.roll(1, dims=1)]).contiguous()  # each byte value at each position
-    words = packed.view(torch.int32).reshape(-1).to(DEVICE)
-    out = torch.empty(words.numel() * 8, dtype=torch.float32, device=DEVICE)
-    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    scales = torch.empty(256, dtype=torch.float32, device=DEVICE)
-    word32_decode_kernel[(1,)](words, out, codes, scales, N=words.numel(), PAIRS=pairs)
-    expected = decode_e2m1(unpack_nibbles(packed.reshape(-1)))
-    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))  # -0.0 included
-    ref = decode_e8m0(codes.cpu())
-    assert torch.equal(scales.cpu()[:255], ref[:255]) and scales[255].isnan()
+    assert (cfg.gemv_max_tokens, cfg.gate_up_lookahead, cfg.pdl) == (4, 0, False)
+    path.write_text(f'[{{"key": {key}, "config": {{"gemv_decode": "word32"}}}}]')
+    with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MoE configs .*gemv_decode"):
+        configs.load_tuned(path)
 
 
 @pytest.mark.parametrize("ids", [
@@ -693,10 +624,10 @@ def test_word32_decode_every_code_and_scale(pairs):
     [[0, 1], [2, 3], [4, 5], [6, 7]],  # every expert by one token (a typical verify step)
     [[6, 2], [2, 6], [6, 2]],  # every expert by every token
 ], ids=["mixed", "all-single", "all-shared"])
-@pytest.mark.parametrize("variant", ["gemv-word32", "gemv-word32x2", "gemv-dp4a"])
-def test_word32_rows_of_single_token_experts(ids, variant):
-    """word32 computes only the row of an expert chosen by exactly one token (its `tokens` mask
-    has one bit): both that branch and the all-rows branch against the oracle."""
+@pytest.mark.parametrize("variant", ["gemv-dp4a", "gemv-dp4a-lookahead"])
+def test_register_path_rows_of_single_token_experts(ids, variant):
+    """The register path computes only the row of an MXFP4 expert chosen by exactly one token (its
+    `tokens` mask has one bit): both that branch and the all-rows branch against the oracle."""
     cfg = MXFP4_VARIANTS[variant][0]
     ids = torch.tensor(ids)
     w_gate_up, w_down = make_weights(8, 64, 96, "mxfp4", seed=11)
@@ -708,17 +639,18 @@ def test_word32_rows_of_single_token_experts(ids, variant):
 def test_experts_on_x_split_elsewhere_match_their_own_split():
     """moe_experts given x already split (as the router's logits kernel does in the layer) gives
     bit for bit what it gives splitting x itself, without its split launch; `split_buffers`
-    offers buffers only when the dp4a decode will run."""
+    offers buffers only when the dp4a products will run."""
+    from impl.moe.triton_backend import moe_experts, split_buffers
     from impl.moe.triton_dp4a import split_int8_kernel
-    from impl.moe.triton_moe import moe_experts, split_buffers
     cfg = MXFP4_VARIANTS["gemv-dp4a"][0]
     w_gate_up, w_down = (on_device(w) for w in make_weights(6, 96, 64, "mxfp4", seed=31))
     weights, ids = random_routing(2, 2, 6, seed=32)
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(33)).to(DEVICE)
     slots = slots_from_routing(weights.to(DEVICE), ids.to(DEVICE), 6)
-    assert split_buffers(x, 2, w_gate_up, w_down, MXFP4_VARIANTS["gemv-word32x2"][0]) is None
-    assert split_buffers(x[:1].expand(16, 96), 2, w_gate_up, w_down, cfg) is None  # 16 tokens: tensor cores
-    q, s = split_buffers(x, 2, w_gate_up, w_down, cfg)
+    plan = triton_launch.plan
+    assert split_buffers(x, plan(2, 2, w_gate_up, w_down, DEVICE, MXFP4_VARIANTS["dot-bits"][0])) is None
+    assert split_buffers(x[:1].expand(16, 96), plan(16, 2, w_gate_up, w_down, DEVICE, cfg)) is None  # tensor cores
+    q, s = split_buffers(x, plan(2, 2, w_gate_up, w_down, DEVICE, cfg))
     split_int8_kernel[(2, 1)](x, x.stride(0), q, s, 96, BLOCK_K=128)
     with backends.record_provenance() as prov:
         given = moe_experts(x, slots, w_gate_up, w_down, config=cfg, x_split=(q, s))
@@ -732,7 +664,7 @@ def test_experts_on_x_split_elsewhere_match_their_own_split():
 
 
 def test_dp4a_nan_in_an_input_row_reaches_exactly_that_row():
-    """The dp4a decode splits x per token and block of 32: a NaN in token 1's row gives that
+    """The dp4a products split x per token and block of 32: a NaN in token 1's row gives that
     block a NaN scale, so token 1's outputs are all NaN (as the oracle's), and no other token's
     (each token's split is its own)."""
     cfg = MXFP4_VARIANTS["gemv-dp4a"][0]

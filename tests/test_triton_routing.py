@@ -1,6 +1,6 @@
-"""The fused Triton routing (impl.moe.triton_routing.route_triton) against the oracle routing of
-impl.routing, in each launch variant: two kernels (default), one fused kernel (`fused=True`, the
-last-arriving logits program does the top-k), and fewer warps for the top-k or logits kernels.
+"""The Triton routing (impl.moe.triton_routing.route_triton) against the oracle routing of
+impl.routing, in each launch variant: the default tiles and warps, fewer warps for the top-k or
+logits kernels, more K steps, programmatic dependent launches.
 
 Logits are computed by the kernels in fp32 in another summation order than torch's, so the
 oracle gets the float64 logits rounded to fp32 (a difference of ~1e-6); examples are fixed seeds
@@ -29,13 +29,12 @@ CONFIGS = {
 }
 VARIANTS = {
     "two-kernels": {},
-    "fused": dict(fused=True),
     "topk-1-warp": dict(topk_warps=1),
-    "fused-1-warp": dict(fused=True, logits_warps=1),
+    "logits-1-warp": dict(logits_warps=1),
     "k-tiles-of-32": dict(block_k=32),  # several K steps of the logits loop (the default takes one)
     # Programmatic dependent launches (on a GPU; the interpreter runs launches in order anyway).
     "pdl": dict(pdl=True),
-    "fused-pdl": dict(fused=True, pdl=True, prefetch=True),
+    "pdl-prefetch": dict(pdl=True, prefetch=True),
 }
 
 
@@ -58,25 +57,24 @@ def test_route_triton_variants_match_the_oracle(name, variant, tokens):
     w = torch.randn(cfg.num_experts, hidden, generator=g) / hidden**0.5
     bias = torch.randn(cfg.num_experts, generator=g) * 0.1 if cfg.router != "softmax" else None
     want_w, want_ids = oracle(x, w, bias, cfg)
-    for _ in range(2):  # the second call checks that the fused kernel's counter was reset
-        slots, got_w, got_ids = route_triton(x.to(DEVICE), w.to(DEVICE), None if bias is None else bias.to(DEVICE),
-                                             cfg, **VARIANTS[variant])
-        got_w, got_ids = got_w.cpu(), got_ids.cpu().long()
+    slots, got_w, got_ids = route_triton(x.to(DEVICE), w.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                                         cfg, **VARIANTS[variant])
+    got_w, got_ids = got_w.cpu(), got_ids.cpu().long()
+    for t in range(tokens):
+        order_got, order_want = got_ids[t].argsort(), want_ids[t].argsort()
+        assert got_ids[t][order_got].tolist() == want_ids[t][order_want].tolist(), f"token {t}"
+        torch.testing.assert_close(got_w[t][order_got], want_w[t][order_want], rtol=W_RTOL, atol=0)
+    # The slots group the same pairs: each distinct expert once, with its tokens' weights.
+    experts = slots.expert.cpu().tolist()
+    chosen = sorted(set(want_ids.flatten().tolist()))
+    assert sorted(e for e in experts if e >= 0) == chosen
+    for s, e in enumerate(experts):
+        if e < 0:
+            continue
         for t in range(tokens):
-            order_got, order_want = got_ids[t].argsort(), want_ids[t].argsort()
-            assert got_ids[t][order_got].tolist() == want_ids[t][order_want].tolist(), f"token {t}"
-            torch.testing.assert_close(got_w[t][order_got], want_w[t][order_want], rtol=W_RTOL, atol=0)
-        # The slots group the same pairs: each distinct expert once, with its tokens' weights.
-        experts = slots.expert.cpu().tolist()
-        chosen = sorted(set(want_ids.flatten().tolist()))
-        assert sorted(e for e in experts if e >= 0) == chosen
-        for s, e in enumerate(experts):
-            if e < 0:
-                continue
-            for t in range(tokens):
-                hit = (got_ids[t] == e)
-                assert bool((slots.tokens[s].item() >> t) & 1) == bool(hit.any())
-                torch.testing.assert_close(slots.weight[s, t].cpu(), got_w[t][hit].sum(), rtol=1e-6, atol=0)
+            hit = (got_ids[t] == e)
+            assert bool((slots.tokens[s].item() >> t) & 1) == bool(hit.any())
+            torch.testing.assert_close(slots.weight[s, t].cpu(), got_w[t][hit].sum(), rtol=1e-6, atol=0)
 
 
 def tie_oracle(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> list[list[int]]:
@@ -106,10 +104,9 @@ def test_route_triton_breaks_exact_ties_by_lower_index(experts, tokens):
     w = torch.zeros(experts, 64)
     bias = torch.randint(0, 4, (experts,), generator=g).float() / 4  # 0.5 + bias is exact in fp32
     want = tie_oracle((torch.sigmoid(torch.zeros(tokens, experts)) + bias), 8, 4, 8)
-    for fused in (False, True):
-        _, got_w, got_ids = route_triton(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), cfg, fused=fused)
-        assert got_ids.cpu().tolist() == want  # best first, ties by index
-        torch.testing.assert_close(got_w.cpu(), torch.full((tokens, 8), 2.5 / 8), rtol=W_RTOL, atol=0)
+    _, got_w, got_ids = route_triton(x.to(DEVICE), w.to(DEVICE), bias.to(DEVICE), cfg)
+    assert got_ids.cpu().tolist() == want  # best first, ties by index
+    torch.testing.assert_close(got_w.cpu(), torch.full((tokens, 8), 2.5 / 8), rtol=W_RTOL, atol=0)
 
 
 def test_route_triton_rejects_bad_warps():
@@ -135,8 +132,7 @@ def test_route_triton_rejects_bad_tiles(tiles):
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("fused", [False, True], ids=["two-kernels", "fused"])
-def test_router_splits_x_as_the_moe_would(fused, tokens):
+def test_router_splits_x_as_the_moe_would(tokens):
     """With `x_split` the logits programs also split x for the dp4a MoE (blocks of 32 columns, a
     program each in turn; here 5 blocks over 32 programs, and over 4 so that one takes two):
     the same planes and scales, bit for bit, as the MoE's own split kernel; the routing itself is
@@ -150,10 +146,10 @@ def test_router_splits_x_as_the_moe_would(fused, tokens):
     want_q = torch.empty(tokens, 4, hidden // 8, dtype=torch.int32, device=DEVICE)
     want_s = torch.empty(tokens, hidden // 32, dtype=torch.float32, device=DEVICE)
     split_int8_kernel[(tokens, 1)](x, x.stride(0), want_q, want_s, hidden, BLOCK_K=256)
-    _, want_w, want_ids = route_triton(x, w, None, cfg, fused=fused)
+    _, want_w, want_ids = route_triton(x, w, None, cfg)
     for block_e in (2, 16):
         q, s = torch.full_like(want_q, -1), torch.full_like(want_s, float("nan"))
-        _, got_w, got_ids = route_triton(x, w, None, cfg, block_e=block_e, fused=fused, x_split=(q, s))
+        _, got_w, got_ids = route_triton(x, w, None, cfg, block_e=block_e, x_split=(q, s))
         assert torch.equal(q, want_q) and torch.equal(s, want_s)
         assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
 
@@ -171,61 +167,3 @@ def test_route_triton_rejects_malformed_split_buffers():
         route_triton(x40, torch.randn(64, 40, device=DEVICE), None, cfg,
                      x_split=(torch.empty(2, 4, 5, dtype=torch.int32, device=DEVICE), torch.empty(2, 1, device=DEVICE)))
 
-
-# The Ling-3.0-flash router (512 experts in 8 groups, top 4 groups, top 8) beside the small ones.
-LING3_ROUTER = SimpleNamespace(router="sigmoid_grouped", num_experts=512, top_k=8, n_group=8, topk_group=4,
-                               norm_topk_prob=True, routed_scaling_factor=2.5)
-EXPERT_PATHS = {  # the expert kernels' launch configs: register path with dp4a MXFP4, tensor cores with bf16
-    "mxfp4-dp4a": ("mxfp4", dict(gemv_max_tokens=4, gemv_decode="dp4a", gate_up_block_k=64, down_block_k=64)),
-    "bf16-dot": ("bf16", dict(gate_up_block_k=64, down_block_k=64)),
-}
-
-
-@pytest.mark.parametrize("path", list(EXPERT_PATHS))
-@pytest.mark.parametrize("name", [*CONFIGS, "ling-3.0-flash-router"])
-def test_topk_in_experts_routes_as_the_topk_kernel(name, path):
-    """A decode step routed up to its logits (`route_logits`), the top-k done by the expert
-    kernels themselves: the same experts and weights as the top-k kernel's, bit for bit (the same
-    Triton functions on the same logits), hence the same layer output bit for bit; the ids,
-    weights and slots the kernels write for the caller equal the top-k kernel's. A kernel that
-    took another choice for a slot, or another weight, changes the output."""
-    from impl.moe.configs import MoELaunchConfig
-    from impl.moe.triton_moe import moe_experts
-    from impl.moe.triton_routing import route_logits
-    from test_triton_moe import make_shared, make_weights
-    cfg = CONFIGS.get(name, LING3_ROUTER)
-    fmt, fields = EXPERT_PATHS[path]
-    hidden, inter = 64, 32
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(1, hidden, generator=g).to(DEVICE)
-    w = (torch.randn(cfg.num_experts, hidden, generator=g) / hidden**0.5).to(DEVICE)
-    bias = (torch.randn(cfg.num_experts, generator=g) * 0.1).to(DEVICE) if cfg.router != "softmax" else None
-    gu, dn = (t.to(DEVICE) for t in make_weights(cfg.num_experts, hidden, inter, fmt))
-    shared = make_shared(hidden, 32, torch.float32 if fmt == "mxfp4" else torch.bfloat16)
-    shared = type(shared)(*(t.to(DEVICE) for t in (shared.gate, shared.up, shared.down)))
-    x = x if fmt == "mxfp4" else x.bfloat16()
-    launch = MoELaunchConfig(pdl=True, pdl_prefetch=True, **fields)
-    slots, want_w, want_ids = route_triton(x, w, bias, cfg, pdl=True)
-    want = moe_experts(x, slots, gu, dn, shared, launch)
-    for _ in range(2):  # the buffers the kernels fill start as garbage each call
-        routing = route_logits(x, w, bias, cfg, pdl=True, prefetch=True)
-        got = moe_experts(x, routing, gu, dn, shared, launch)
-        assert torch.equal(got, want)
-        assert torch.equal(routing.ids, want_ids) and torch.equal(routing.weights, want_w)
-        for field in ("expert", "tokens", "weight"):
-            assert torch.equal(getattr(routing.slots, field), getattr(slots, field)), field
-
-
-def test_topk_in_experts_takes_one_token():
-    from impl.moe import triton_moe
-    from impl.moe.configs import MoELaunchConfig
-    from impl.moe.triton_routing import route_logits
-    cfg = CONFIGS["softmax-e64-k6"]
-    x, w = torch.randn(2, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
-    with pytest.raises(ValueError, match="route_logits routes one token .a decode step., got 2"):
-        route_logits(x, w, None, cfg)
-    with pytest.raises(ValueError, match="the expert kernels route one token .a decode step. themselves, got 2"):
-        triton_moe.expert_launch(MoELaunchConfig(), tokens=2, num_slots=12, hidden=32, inter=32, i_shared=0,
-                                 mxfp4=False, pdl=False, topk=dict(triton_moe.NO_TOPK))
-    with pytest.raises(ValueError, match="router_fused and topk_in_experts are two places for the top-k"):
-        MoELaunchConfig(router_fused=True, topk_in_experts=True)

@@ -33,14 +33,14 @@ def _gather(x, weights, ids, w_gate_up, w_down, shared=None):
 
 
 def _triton(x, weights, ids, w_gate_up, w_down, shared=None):
-    from impl.moe.triton_moe import moe_triton
+    from impl.moe.triton_backend import moe_triton
     return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
 
 
 def _triton_layer(x, router, w_gate_up, w_down, shared=None):
-    from impl.moe.triton_layer import moe_triton_layer
-    from impl.moe.triton_routing import fused_routing_supported
-    if not fused_routing_supported(router.config):
+    from impl.moe.triton_backend import moe_triton_layer
+    from impl.moe.triton_routing import routing_supported
+    if not routing_supported(router.config):
         return _triton(x, *router(x), w_gate_up, w_down, shared)
     return moe_triton_layer(x, router, w_gate_up, w_down, shared)
 

@@ -1,4 +1,4 @@
-"""The `humming` MoE backend: the peer of issue 3 behind the same API as the others.
+"""The `humming` MoE backend: the peer library behind the same API as the others.
 
 Humming (`humming-kernels`, CUDA only, JIT-compiled) has shape-specialized MXFP4 x bf16 MoE GEMMs
 but leaves the rest of the layer to its caller. This module supplies that rest the way a serving
@@ -29,7 +29,7 @@ from impl.moe.shared import check_shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import tl, triton
 
-# Slots a block of the indexed layout holds: 8 beat 16 at every issue-3 shape (DESIGN.md).
+# Slots a block of the indexed layout holds: 8 beat 16 at every shape measured (DESIGN.md).
 HUMMING_BLOCK = 8
 # Slots (tokens x top-k) one call may route: the decode and verify steps these kernels are for.
 MAX_SLOTS = 256
@@ -248,8 +248,8 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
 
 def moe_humming_layer(x, router, w_gate_up, w_down, shared=None) -> torch.Tensor:
     """The whole layer: this repository's Triton routing (the fastest here), then `moe_humming`."""
-    from impl.moe.triton_routing import fused_routing_supported, route_triton
-    if fused_routing_supported(router.config):
+    from impl.moe.triton_routing import routing_supported, route_triton
+    if routing_supported(router.config):
         _, weights, ids = route_triton(x, router.weight, router.e_score_correction_bias, router.config)
     else:
         weights, ids = router(x)

@@ -1,9 +1,9 @@
-"""MXFP4 products as exact integer dot products (PTX `dp4a`): the "dp4a" decode of the Triton
-MoE's register path (`gemv_decode="dp4a"`, at most 4 tokens).
+"""MXFP4 products as exact integer dot products (PTX `dp4a`): how the Triton MoE's register path
+(at most `gemv_max_tokens` <= 4 tokens) multiplies MXFP4 experts.
 
-Why: the fp32 register paths ("word32", "word32x2") spend about ten instructions a code in their
-compiled sm_90 loop (the decode's shifts and masks, a rescale, a multiply-add, activation loads
-and widening; notes/moe-h200.md). Two times an E2M1 value is an integer in [-12, 12], so byte
+Why: decoding codes to fp32 in registers and multiply-adding costs about ten instructions a code
+in the compiled sm_90 loop (shifts and masks, a rescale, a multiply-add, activation loads and
+widening; those decodes were measured slower and removed: notes/moe-h200.md). Two times an E2M1 value is an integer in [-12, 12], so byte
 permutes (`prmt`) look four codes up at a time in tables held in registers (three permutes per
 four codes: the positive table, the negative one, a pick by the sign bits), and one `dp4a`
 multiplies four such bytes by four int8 activations and adds them: about five instructions a

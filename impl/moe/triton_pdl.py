@@ -16,7 +16,7 @@ Launched without PDL (and under the interpreter, where launches run one after an
 skipped at compile time.
 
 While it waits, a program can ask for its weights in L2 (`prefetch_l2`, the config's
-`pdl_prefetch`): the down kernel's weights then stream while the gate_up kernel, bound by its
+`l2_prefetch`): the down kernel's weights then stream while the gate_up kernel, bound by its
 instructions more than by memory, still runs; the router's while the previous layer finishes.
 """
 

@@ -1,15 +1,12 @@
-"""Fused routing for decode in two launches (or one: `fused=True`), so that a whole MoE layer
-is four kernels (or three):
+"""Routing for decode and verify steps in two launches, so that a whole MoE layer is four
+kernels:
 
 1. `router_logits_kernel` (expert blocks): logits = x Wr^T in fp32 (exact fp32 products, not
-   tf32: a top-k choice flips on tiny differences);
+   tf32: a top-k choice flips on tiny differences); with MXFP4 experts on the register path it
+   also splits x for their dp4a products, saving that launch;
 2. `router_topk_kernel` (one program): softmax or sigmoid + correction bias + group-limited
    top-k (impl/moe/triton_topk.py), renormalization and routed scaling, then the expert slots the
-   MoE kernels consume.
-
-A decode step can also stop after the logits (`route_logits`): the expert kernels then do the
-top-k themselves, three launches a layer with no top-k launch between the logits and the
-experts. `route_layer` picks among these as a layer's launch config says.
+   expert kernels consume (impl/moe/triton_slots.py).
 
 Same semantics as `impl.routing` (the oracle); grouped routing needs a power-of-two number of
 groups and of experts per group (every model in the presets), other shapes use the oracle.
@@ -19,10 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from impl import backends
-from impl.moe.configs import MoELaunchConfig
+from impl.moe.configs import M_PAD
 from impl.moe.triton_dp4a import check_split, store_split_int8
-from impl.moe.triton_moe import M_PAD, DecodeRouting, Slots, write_slots
+from impl.moe.triton_slots import Slots, write_slots
 from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl
 from impl.moe.triton_topk import batch_ids, choice_weights, decode_ids, store_decode_routing
 from impl.triton_env import ASM, tl, triton
@@ -91,53 +87,18 @@ def router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr,
                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
                        PDL: tl.constexpr):
-    """One program; tiles of ROWS = next_power_of_2(M) tokens (1 at decode), so a decode step
-    does 1/16 of the work of a padded verify step."""
+    """One program: scores, group-limited top-k, weights and slots from the logits [M, E], in
+    tiles of ROWS = next_power_of_2(M) tokens (1 at decode), so a decode step does 1/16 of the
+    work of a padded verify step."""
     pdl_wait(PDL)
     pdl_release(PDL)
-    _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
-                    M, E, TOP_K, num_slots, routed_scaling, ROUTER, RENORMALIZE, HAS_BIAS, N_GROUP, TOPK_GROUP,
-                    ROWS, M_PAD, E_PAD, K_PAD, S_PAD, "")
-
-
-@triton.jit
-def router_fused_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, counter_ptr, bias_ptr, ids_ptr, weights_ptr,
-                        slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
-                        M, E, H, TOP_K, num_slots, routed_scaling, xq_ptr, xs_ptr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
-                        ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
-                        M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                        PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """Both routing steps in one launch: each program computes its experts' logits as
-    `router_logits_kernel`; the program that arrives last (an atomic counter, as the MoE's down
-    kernel does) reads all logits back past L1 and does `router_topk_kernel`'s work, then resets
-    the counter for the next call. Saves a launch per layer."""
-    router_logits_kernel(x_ptr, stride_xm, w_ptr, stride_we, logits_ptr, M, E, H, xq_ptr, xs_ptr, ROWS, BLOCK_E,
-                         BLOCK_K, SPLIT_X, PDL, PREFETCH)
-    tl.debug_barrier()  # every thread's logits are written before the release below
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr,
-                        slot_tokens_ptr, M, E, TOP_K, num_slots, routed_scaling, ROUTER, RENORMALIZE, HAS_BIAS,
-                        N_GROUP, TOPK_GROUP, ROWS, M_PAD, E_PAD, K_PAD, S_PAD, ".cg")
-        tl.store(counter_ptr, 0)
-
-
-@triton.jit
-def _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
-                    M, E, TOP_K, num_slots, routed_scaling,
-                    ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr,
-                    M_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                    CACHE: tl.constexpr):
-    """Scores, group-limited top-k, weights and slots from the logits [M, E] (one program)."""
     offs_m = tl.arange(0, ROWS)
     offs_k = tl.arange(0, K_PAD)
     if ROWS == 1:
-        scores, ids = decode_ids(logits_ptr, bias_ptr, E, ROUTER, HAS_BIAS, N_GROUP, TOPK_GROUP, E_PAD, K_PAD, CACHE)
+        scores, ids = decode_ids(logits_ptr, bias_ptr, E, ROUTER, HAS_BIAS, N_GROUP, TOPK_GROUP, E_PAD, K_PAD)
     else:
         scores, ids = batch_ids(logits_ptr, bias_ptr, M, E, TOP_K, ROUTER, HAS_BIAS, N_GROUP, TOPK_GROUP, ROWS,
-                                E_PAD, K_PAD, CACHE)
+                                E_PAD, K_PAD)
     weights = choice_weights(scores, ids, TOP_K, RENORMALIZE, routed_scaling, K_PAD)
     if ROWS == 1:
         store_decode_routing(ids, weights, ids_ptr, weights_ptr, slot_expert_ptr, slot_weight_ptr, slot_tokens_ptr,
@@ -152,7 +113,7 @@ def _topk_and_slots(logits_ptr, bias_ptr, ids_ptr, weights_ptr, slot_expert_ptr,
                     P, S_PAD, M_PAD)
 
 
-def fused_routing_supported(router_config) -> bool:
+def routing_supported(router_config) -> bool:
     c = router_config
     if c.router == "softmax" or c.n_group == 1:
         return True
@@ -161,8 +122,7 @@ def fused_routing_supported(router_config) -> bool:
 
 
 def topk_consts(config, experts: int, has_bias: bool) -> tuple[dict, float]:
-    """(the top-k's constexprs, routed scaling) for a router config over `experts` experts: what
-    the top-k kernel and the expert kernels' own top-k (`DecodeRouting.consts`) compile with."""
+    """(the top-k kernel's constexprs, routed scaling) for a router config over `experts` experts."""
     sigmoid = config.router == "sigmoid_grouped"
     if sigmoid and config.n_group > 1 and triton.next_power_of_2(experts) != experts:
         raise ValueError(f"grouped routing needs a power-of-two expert count, got {experts}")
@@ -182,8 +142,8 @@ def check_router_weight(router_weight: torch.Tensor, config, experts: int, hidde
     if router_weight.stride(1) != 1:
         raise ValueError(f"router weight must be contiguous along the hidden dimension, got strides "
                          f"{router_weight.stride()}")
-    if not fused_routing_supported(config):
-        raise ValueError(f"fused routing needs power-of-two groups and experts per group, got "
+    if not routing_supported(config):
+        raise ValueError(f"the Triton routing needs power-of-two groups and experts per group, got "
                          f"{config.num_experts} experts in {config.n_group} groups")
 
 
@@ -210,8 +170,8 @@ def _logits_launch(x, router_weight, block_e, block_k, x_split):
     experts = router_weight.shape[0]
     xq, xs = x_split if x_split is not None else (x, x)  # read only when SPLIT_X
     # Few experts per program, so that E / block_e programs (256 at E = 512) stream the router
-    # weight from many SMs at once (8 programs of 64 experts took 55 us on the H200, run 2 in
-    # notes/moe-h200.md; 2 experts a program beat 4 and 8 in run 4); a K tile as long as the row
+    # weight from many SMs at once (on the H200 8 programs of 64 experts took 55 us; 2 experts a
+    # program beat 4 and 8: notes/moe-h200.md); a K tile as long as the row
     # where that fits (<= 4096 columns, <= 8K weights a program), so a program issues its loads
     # in one memory round trip at H <= 4096.
     block_k = block_k or min(triton.next_power_of_2(hidden), max(32, 8192 // block_e))
@@ -229,18 +189,17 @@ def _run_logits(x, router_weight, logits, block_e, block_k, x_split, pdl, prefet
 
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
-                 block_e: int = 2, block_k: int | None = None, fused: bool = False, topk_warps: int = 4,
+                 block_e: int = 2, block_k: int | None = None, topk_warps: int = 4,
                  logits_warps: int = 4, x_split: tuple[torch.Tensor, torch.Tensor] | None = None,
                  pdl: bool = False, prefetch: bool = False) -> tuple[Slots, torch.Tensor, torch.Tensor]:
     """Route at most M_PAD tokens x [M, H] with an fp32 router [E, H]; returns the slots and the
-    (weights fp32 [M, k], ids int32 [M, k]) they were built from. `fused`: one launch
-    (`router_fused_kernel`) instead of two; `topk_warps`: warps of the one-program top-k kernel
-    (fewer warps, fewer block-wide barriers in its k rounds of reductions); `logits_warps`: of
-    the logits kernel (and of the fused one, top-k included). `x_split` (from
-    `triton_moe.split_buffers`): buffers the logits kernel fills with x split for the dp4a MoE.
-    `pdl`: programmatic dependent launches (impl/moe/triton_pdl.py), as the MoE's `pdl`; `prefetch`
-    (with `pdl`): the logits programs ask for their router rows in L2 while waiting, as the MoE's
-    `pdl_prefetch`."""
+    (weights fp32 [M, k], ids int32 [M, k]) they were built from. `topk_warps`: warps of the
+    one-program top-k kernel (fewer warps, fewer block-wide barriers in its k rounds of
+    reductions); `logits_warps`: of the logits kernel. `x_split` (from
+    `triton_backend.split_buffers`): buffers the logits kernel fills with x split for the dp4a
+    products. `pdl`: programmatic dependent launches (impl/moe/triton_pdl.py), as the MoE's
+    `pdl`; `prefetch` (with `pdl`): the logits programs ask for their router rows in L2 while
+    waiting, as the MoE's `l2_prefetch`."""
     _check_route_args(x, router_weight, config, block_e, block_k, logits_warps, x_split, pdl, prefetch, topk_warps)
     m, hidden = x.shape
     experts = router_weight.shape[0]
@@ -251,71 +210,10 @@ def route_triton(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tenso
     ids = torch.empty(m, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(m, top_k, dtype=torch.float32, device=dev)
     consts, scaling = topk_consts(config, experts, bias is not None)
-    topk_args = (bias if bias is not None else logits, ids, weights, slots.expert, slots.weight, slots.tokens)
-    pdl = use_pdl(pdl, dev)
-    topk_meta = dict(consts, ROWS=triton.next_power_of_2(m), M_PAD=M_PAD,
-                     S_PAD=triton.next_power_of_2(slots.num_slots), PDL=pdl)
-    prefetch = prefetch and pdl
-    if fused:
-        grid, split_args, logits_meta = _logits_launch(x, router_weight, block_e, block_k, x_split)
-        router_fused_kernel[grid](
-            x, x.stride(0), router_weight, router_weight.stride(0), logits, _counter(dev), *topk_args,
-            m, experts, hidden, top_k, slots.num_slots, scaling, *split_args, **{**logits_meta, **topk_meta},
-            PREFETCH=prefetch, num_warps=logits_warps, launch_pdl=pdl)
-        return slots, weights, ids
-    _run_logits(x, router_weight, logits, block_e, block_k, x_split, pdl, prefetch, logits_warps)
-    router_topk_kernel[(1,)](logits, *topk_args, m, experts, top_k, slots.num_slots, scaling, **topk_meta,
-                             num_warps=topk_warps, launch_pdl=pdl)
-    return slots, weights, ids
-
-
-def route_logits(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor | None, config,
-                 block_e: int = 2, block_k: int | None = None, logits_warps: int = 4,
-                 x_split: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
-                 prefetch: bool = False) -> DecodeRouting:
-    """A decode step's routing up to its logits (one launch, `router_logits_kernel`), the top-k
-    left to the expert kernels: `moe_experts` takes the result in place of slots, and its gate_up
-    kernel fills the result's slots, weights and ids. Arguments as `route_triton`'s."""
-    _check_route_args(x, router_weight, config, block_e, block_k, logits_warps, x_split, pdl, prefetch)
-    m = x.shape[0]
-    if m != 1:
-        raise ValueError(f"route_logits routes one token (a decode step), got {m}")
-    experts = router_weight.shape[0]
-    dev = x.device
-    logits = torch.empty(m, experts, dtype=torch.float32, device=dev)
-    consts, scaling = topk_consts(config, experts, bias is not None)
     pdl = use_pdl(pdl, dev)
     _run_logits(x, router_weight, logits, block_e, block_k, x_split, pdl, prefetch and pdl, logits_warps)
-    return DecodeRouting(logits, bias, consts, scaling, Slots.empty(m, config.top_k, experts, dev),
-                         torch.empty(m, config.top_k, dtype=torch.float32, device=dev),
-                         torch.empty(m, config.top_k, dtype=torch.int32, device=dev))
-
-
-def route_layer(x: torch.Tensor, router, launch: MoELaunchConfig,
-                x_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> Slots | DecodeRouting:
-    """The routing of at most M_PAD tokens of a layer as its expert kernels' launch config asks:
-    overlapping launches (`pdl`, `pdl_prefetch`), in one launch (`router_fused`), or, at one
-    token, up to the logits with the top-k in the expert kernels (`topk_in_experts`). `router`
-    has `weight`, `e_score_correction_bias` and `config` (impl.routing's router)."""
-    args = (x, router.weight, router.e_score_correction_bias, router.config)
-    kw = dict(x_split=x_split, pdl=launch.pdl, prefetch=launch.pdl_prefetch)
-    if launch.topk_in_experts and x.shape[0] == 1:
-        backends.note("moe", "triton", "router_logits_kernel", tokens=1, split_x=x_split is not None,
-                      pdl=launch.pdl, prefetch=launch.pdl_prefetch, fused=False, topk_in_experts=True)
-        return route_logits(*args, **kw)
-    kernels = "router_fused_kernel" if launch.router_fused else "router_logits_kernel+router_topk_kernel"
-    backends.note("moe", "triton", kernels, tokens=x.shape[0], split_x=x_split is not None, pdl=launch.pdl,
-                  prefetch=launch.pdl_prefetch, fused=launch.router_fused, topk_in_experts=False)
-    return route_triton(*args, **kw, fused=launch.router_fused)[0]
-
-
-_COUNTERS: dict = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The fused kernel's arrival counter: zero between calls (the last arrival resets it), one
-    persistent int32 per device so that CUDA graphs capture a fixed address."""
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        buf = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return buf
+    router_topk_kernel[(1,)](logits, bias if bias is not None else logits, ids, weights, slots.expert, slots.weight,
+                             slots.tokens, m, experts, top_k, slots.num_slots, scaling, **consts,
+                             ROWS=triton.next_power_of_2(m), M_PAD=M_PAD, S_PAD=triton.next_power_of_2(slots.num_slots),
+                             PDL=pdl, num_warps=topk_warps, launch_pdl=pdl)
+    return slots, weights, ids

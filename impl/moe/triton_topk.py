@@ -3,9 +3,8 @@ kernels share: the routing scores (softmax, or sigmoid with the correction bias 
 choice), group-limited top-k by max reductions over order-preserving int64 keys, and the chosen
 experts' weights (renormalized, scaled). Same semantics as `impl.routing` (the oracle).
 
-A decode step (one token) takes `decode_ids`, a short dependent chain; the expert kernels can
-call `decode_route` on the router's logits themselves (`MoELaunchConfig.topk_in_experts`), one
-launch boundary less on a decode step's critical path.
+A decode step (one token) takes `decode_ids`, a short dependent chain; more tokens take
+`batch_ids`.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _rounds(per_chunk, k_pad, grouped):
 
 @triton.jit
 def decode_ids(logits_ptr, bias_ptr, E, ROUTER: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
-                TOPK_GROUP: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, CACHE: tl.constexpr):
+                TOPK_GROUP: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
     """(scores [1, E_PAD], ids [1, K_PAD]) for one token (a decode step): the routing scores and
     the experts of the K_PAD best choices, best first, among the TOPK_GROUP groups whose two best
     choices sum highest (N_GROUP > 1); the same as `batch_ids` on one row, with a short
@@ -74,7 +73,7 @@ def decode_ids(logits_ptr, bias_ptr, E, ROUTER: tl.constexpr, HAS_BIAS: tl.const
     R: tl.constexpr = _rounds(E_PAD // CH, K_PAD, N_GROUP > 1)
     offs_e = tl.arange(0, CH)[:, None] * (E_PAD // CH) + tl.arange(0, E_PAD // CH)[None, :]
     live = offs_e < E
-    logits = tl.load(logits_ptr + offs_e, mask=live, other=float("-inf"), cache_modifier=CACHE)
+    logits = tl.load(logits_ptr + offs_e, mask=live, other=float("-inf"))
     if ROUTER == 0:  # softmax over the experts
         exp = tl.exp(logits - tl.max(tl.max(logits, axis=1), axis=0))
         choice = tl.where(live, exp / tl.maximum(tl.sum(tl.sum(exp, axis=1), axis=0), 1e-30), float("-inf"))
@@ -113,16 +112,16 @@ def decode_ids(logits_ptr, bias_ptr, E, ROUTER: tl.constexpr, HAS_BIAS: tl.const
 @triton.jit
 def batch_ids(logits_ptr, bias_ptr, M, E, TOP_K, ROUTER: tl.constexpr, HAS_BIAS: tl.constexpr,
                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr, E_PAD: tl.constexpr,
-               K_PAD: tl.constexpr, CACHE: tl.constexpr):
+               K_PAD: tl.constexpr):
     """(scores [ROWS, E_PAD], ids [ROWS, K_PAD]) for ROWS tokens: as `decode_ids`, by rounds of
     max reductions over every expert (the group's best two, TOPK_GROUP groups, then TOP_K
-    experts). At 4 and 16 tokens `decode_ids`' candidates were no faster (notes/moe-h200.md)."""
+    experts). On the H200 `decode_ids`' candidates at 4 tokens were 0.66 us faster a layer (11.20
+    against 11.86 us), at 16 tokens slower (notes/moe-h200.md); this one serves every M > 1."""
     offs_m = tl.arange(0, ROWS)
     offs_e = tl.arange(0, E_PAD)
     offs_k = tl.arange(0, K_PAD)
     live = (offs_m[:, None] < M) & (offs_e[None, :] < E)
-    logits = tl.load(logits_ptr + offs_m[:, None] * E + offs_e[None, :], mask=live, other=float("-inf"),
-                     cache_modifier=CACHE)
+    logits = tl.load(logits_ptr + offs_m[:, None] * E + offs_e[None, :], mask=live, other=float("-inf"))
     if ROUTER == 0:  # softmax over the experts
         row_max = tl.where(offs_m < M, tl.max(logits, axis=1), 0.0)  # padded rows are all -inf
         denom = tl.maximum(tl.sum(tl.exp(logits - row_max[:, None]), axis=1), 1e-30)
@@ -169,17 +168,6 @@ def choice_weights(scores, ids, TOP_K, RENORMALIZE: tl.constexpr, routed_scaling
     if RENORMALIZE:
         weights = weights / (tl.sum(tl.where(in_k, weights, 0.0), axis=1)[:, None] + 1e-20)
     return weights * routed_scaling
-
-
-@triton.jit
-def decode_route(logits_ptr, bias_ptr, E, TOP_K, routed_scaling, ROUTER: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_PAD: tl.constexpr,
-                 K_PAD: tl.constexpr):
-    """(ids, weights) [1, K_PAD] of one token (a decode step) from its logits [E], best choice
-    first. The logits are read past L1 (".cg"): with overlapping launches an SM may hold lines of
-    this buffer from a launch that ran before the logits were written."""
-    scores, ids = decode_ids(logits_ptr, bias_ptr, E, ROUTER, HAS_BIAS, N_GROUP, TOPK_GROUP, E_PAD, K_PAD, ".cg")
-    return ids, choice_weights(scores, ids, TOP_K, RENORMALIZE, routed_scaling, K_PAD)
 
 
 @triton.jit

@@ -1,17 +1,17 @@
-"""Issue 3 on the GPU, in one call: parity of the Triton MoE against the fp32 oracle, then every
+"""The MoE kernels on the GPU, in one call: parity of the Triton MoE against the fp32 oracle, then every
 contender timed side by side under CUDA graphs, reported as microseconds and as a fraction of
 the bytes-read floor at the copy bandwidth measured in the same run; optionally a launch-config
 sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
-        [--paths gemv-dp4a,...] [--sweeps prefetch,router,shared,pdl,stages,tiles,warps] [--from-committed]
+        [--paths dot,gemv] [--sweeps lookahead,shared,pdl,stages,tiles,warps] [--from-committed]
 
 Tuning (`tune`) is per (shape, format, M), timing the whole layer: first the product path
-(tensor cores with our MXFP4 decode or tl.dot_scaled; for M <= 4 also register GEMVs with the
-bf16 or 32-bit-word decode), each with three tile presets (or only the committed config), then
-for the winner the sweeps named (`--sweeps`, see `tune`), within a shared time budget.
-Routing variants (fused launch, fewer warps) are timed beside the default routing.
+(tensor cores; for M <= 4 also the register path, MXFP4 through dp4a products), each with three
+tile presets (or only the committed config), then for the winner the sweeps named (`--sweeps`,
+see `tune`), within a shared time budget. Routing variants (fewer warps, more experts a
+program) are timed beside the default routing.
 
 Each timed call is captured 10 times per graph with 10 different inputs (so the chosen experts
 differ and the weights stream from HBM, not L2); the figure is the median replay time / 10.
@@ -28,25 +28,24 @@ import time
 import traceback
 from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
+import torch
+import torch.nn.functional as F
+import triton
 
-from impl.model.config import get_config  # noqa: E402
-from impl.moe.configs import (GEMV_DECODES, MXFP4_PRODUCTS, TUNED_PATH, MoELaunchConfig,  # noqa: E402
-                              device_name, lookup, m_bucket, save_tuned)
-from impl import backends  # noqa: E402
-from impl.moe.gather import moe_gather  # noqa: E402
-from impl.moe.humming import humming_layer  # noqa: E402
-from impl.moe.reference import moe_reference  # noqa: E402
-from impl.moe.random_layer import (bytes_per_token, distinct_experts, random_inputs, random_moe_block,  # noqa: E402
+from impl.model.config import get_config
+from impl.moe.configs import TUNED_PATH, MoELaunchConfig, device_name, lookup, m_bucket, save_tuned
+from impl import backends
+from impl.moe.gather import moe_gather
+from impl.moe.humming import humming_layer
+from impl.moe.reference import moe_reference
+from impl.moe.random_layer import (bytes_per_token, distinct_experts, random_inputs, random_moe_block,
                                    shared_of)
-from impl.moe.shared import SharedExpert  # noqa: E402
-from impl.moe.triton_layer import moe_triton_layer  # noqa: E402
-from impl.moe.triton_moe import launch_config, moe_experts, split_buffers  # noqa: E402
-from impl.moe.triton_routing import route_layer, route_triton  # noqa: E402
-from impl.quant.mxfp4 import MXFP4Tensor  # noqa: E402
-from impl.gpu_timing import copy_bandwidth, graph_us  # noqa: E402
+from impl.moe.shared import SharedExpert
+from impl.moe.triton_backend import moe_experts, moe_triton_layer, route_chunk, split_buffers
+from impl.moe.triton_launch import plan
+from impl.moe.triton_routing import route_triton
+from impl.quant.mxfp4 import MXFP4Tensor
+from impl.gpu_timing import copy_bandwidth, graph_us
 
 CALLS_PER_GRAPH = 10
 DEV = torch.device("cuda")
@@ -142,31 +141,27 @@ def humming_whole_layer(block, cfg, xs, rows, m):
     return [lambda x=x: layer(x, block.gate, gu, dn, sh) for x in xs]
 
 
-# route_triton's launch variants, timed beside the default (two kernels, 4 warps each).
-ROUTING_VARIANTS = {"fused": dict(fused=True), "top-k 1 warp": dict(topk_warps=1),
-                    "fused, 2 warps": dict(fused=True, logits_warps=2), "4 experts a program": dict(block_e=4),
-                    "8 experts a program": dict(block_e=8)}
+# route_triton's launch variants, timed beside the default (4 warps each kernel, 2 experts a program).
+ROUTING_VARIANTS = {"top-k 1 warp": dict(topk_warps=1), "logits 2 warps": dict(logits_warps=2),
+                    "4 experts a program": dict(block_e=4), "8 experts a program": dict(block_e=8)}
 
 
 def layer_routing(block, cfg, x, launch_cfg=None, split_in_router=True):
-    """The layer's routing as the backend runs it (`route_layer`), with an explicit launch config
-    (None: the committed one): with the dp4a decode the router's logits kernel splits x, and the
-    router overlaps its launches, and places its top-k, as the config says. Returns what the
-    expert kernels take: (launch config, x split or None, slots or a decode step's logits)."""
-    gu, dn = block.experts.weights()
-    lc = launch_config(x, cfg.top_k, gu, dn, launch_cfg)
-    x_split = split_buffers(x, cfg.top_k, gu, dn, lc) if split_in_router else None
-    return lc, x_split, route_layer(x, block.gate, lc, x_split)
+    """The layer's routing as the backend runs it (`route_chunk`), with an explicit launch config
+    (None: the committed one). Returns what the expert kernels take: (launch config, x split or
+    None, slots)."""
+    p = plan(x.shape[0], cfg.top_k, *block.experts.weights(), x.device, launch_cfg)
+    x_split, slots = route_chunk(x, block.gate, p, split_in_router)
+    return p.config, x_split, slots
 
 
 def layer_call(block, cfg, x, launch_cfg=None, split_in_router=True):
-    """The whole layer as the backend runs it (`moe_triton_layer`: one launch, or the routing and
-    the expert kernels); with `split_in_router` False the multi-launch path with x split in its
-    own launch."""
+    """The whole layer as the backend runs it (`moe_triton_layer`); with `split_in_router` False,
+    x split for the dp4a products in a launch of its own."""
     if split_in_router:
         return moe_triton_layer(x, block.gate, *block.experts.weights(), shared_of(block), launch_cfg)
-    lc, x_split, routing = layer_routing(block, cfg, x, launch_cfg, split_in_router)
-    return moe_experts(x, routing, *block.experts.weights(), shared_of(block), lc, x_split=x_split)
+    lc, _, slots = layer_routing(block, cfg, x, launch_cfg, split_in_router=False)
+    return moe_experts(x, slots, *block.experts.weights(), shared_of(block), lc)
 
 
 def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_variants=False):
@@ -195,7 +190,7 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
         contenders["triton (ours), experts only"] = [experts_only(x) for x in xs]
     except Exception as e:  # a contender that cannot be set up is reported, the others still run
         log(f"experts only: {type(e).__name__}: {e}")
-    if split_buffers(xs[0], cfg.top_k, gu, dn, tuned_cfg) is not None:
+    if split_buffers(xs[0], plan(m, cfg.top_k, gu, dn, DEV, tuned_cfg)) is not None:
         contenders["triton (ours), x split in own launch"] = [lambda x=x: ours(x, False) for x in xs]
     if routing_variants:
         for name, kw in ROUTING_VARIANTS.items():
@@ -248,11 +243,8 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     return results
 
 
-# Product paths: tensor cores with each MXFP4 product (our decode, "bits", or tl.dot_scaled,
-# "scaled"), and for M <= 4 register multiply-adds with each register-path decode (configs.py):
-# a decode added there is tuned without touching this file.
-PATHS_DOT = {f"dot-{p}": dict(gemv_max_tokens=0, mxfp4_product=p) for p in MXFP4_PRODUCTS}
-PATHS_GEMV = {f"gemv-{d}": dict(gemv_max_tokens=4, gemv_decode=d) for d in GEMV_DECODES}
+# Product paths: tensor cores, and for M <= 4 register multiply-adds (MXFP4 through dp4a products).
+PATHS = {"dot": dict(gemv_max_tokens=0), "gemv": dict(gemv_max_tokens=4)}
 # Each path is tried with these tiles (the M=1 MXFP4 winner of the first tuning, and the defaults)
 # before the tiles of the winning path are swept.
 # (The shared expert's K tile is set apart from the routed tiles', so that on the register path its
@@ -271,39 +263,23 @@ SWEEP_WARPS = [dict(gate_up_warps=w) for w in (2, 4, 8)] + [dict(down_warps=w) f
 # Tensor-core path: stages of Triton's software pipeline (the weight tiles in flight in shared
 # memory), each kernel its own; a stage more is a tile more of bytes in flight per program.
 SWEEP_STAGES = [dict(gate_up_stages=s) for s in (2, 4, 5, 6)] + [dict(down_stages=s) for s in (2, 4, 5, 6)]
-# How the register loops keep loads in flight: one or two steps ahead in registers (each kernel
-# its own), Triton's software pipeline of 2 to 4 stages through shared memory, or neither.
-SWEEP_PREFETCH = [dict(gate_up_prefetch=g, down_prefetch=d, gemv_stages=0) for g, d in ((1, 1), (2, 1), (2, 2), (1, 2))]
-SWEEP_PREFETCH += [dict(gate_up_prefetch=0, down_prefetch=0, shared_prefetch=0, gemv_stages=s) for s in (2, 3, 4, 0)]
-# The shared expert's gate_up loop on its own (with gemv_stages set, these fail validation and are skipped).
-SWEEP_SHARED_PREFETCH = [dict(shared_prefetch=s) for s in (1, 2, 0)]
-# Triton's software pipeline with tiles of few registers a thread (so several programs an SM),
-# since at the register path's usual tiles one program of 8 warps filled an SM and waited on its
-# loads (Nsight Compute, notes/moe-h200.md run 9).
-SWEEP_PIPELINE = [dict(gate_up_prefetch=0, down_prefetch=0, shared_prefetch=0, gemv_stages=s, gate_up_block_n=n,
-                       gate_up_block_k=k, down_block_n=32, down_block_k=256, down_warps=4)
-                  for s in (3, 2, 4) for n, k in ((32, 256), (32, 512), (64, 256))]
-# Where the top-k runs: its own launch, the logits kernel's last program, or (one token) every
-# expert kernel program.
-SWEEP_ROUTER = [dict(router_fused=True, topk_in_experts=False), dict(router_fused=False, topk_in_experts=True),
-                dict(router_fused=False, topk_in_experts=False)]
-SWEEP_PDL = [dict(pdl=True, pdl_prefetch=False), dict(pdl=True, pdl_prefetch=True),
-             dict(pdl=False, pdl_prefetch=False)]
+# How far ahead the register loops load: one or two K steps, each kernel its own, or none.
+SWEEP_LOOKAHEAD = [dict(gate_up_lookahead=g, down_lookahead=d) for g, d in ((1, 1), (2, 1), (2, 2), (1, 2), (0, 0))]
+# The shared expert's gate_up loop on its own.
+SWEEP_SHARED_LOOKAHEAD = [dict(shared_lookahead=s) for s in (1, 2, 0)]
+SWEEP_PDL = [dict(pdl=True, l2_prefetch=False), dict(pdl=True, l2_prefetch=True), dict(pdl=False, l2_prefetch=False)]
 # The sweeps by name (`--sweeps`, run in the order given, a name may come twice: the best
-# prefetch choice depends on the tiles' registers). By default cheap and decisive ones first: a
+# look-ahead depends on the tiles' registers). By default cheap and decisive ones first: a
 # tuning out of time skips the rest.
-SWEEPS = {"prefetch": (SWEEP_PREFETCH, SWEEP_SHARED_PREFETCH), "pipeline": (SWEEP_PIPELINE,), "router": (SWEEP_ROUTER,),
-          "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,), "stages": (SWEEP_STAGES,),
-          "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
+SWEEPS = {"lookahead": (SWEEP_LOOKAHEAD, SWEEP_SHARED_LOOKAHEAD), "shared": (SWEEP_SHARED,), "pdl": (SWEEP_PDL,),
+          "stages": (SWEEP_STAGES,), "tiles": (SWEEP_GATE_UP, SWEEP_DOWN), "warps": (SWEEP_WARPS,)}
 TUNE_REL_ERR = 5e-2  # a candidate further than this from the default config's output is wrong, not fast
 
 
-def paths_for(fmt: str, m: int, only: frozenset | None = None) -> dict:
-    """The product paths worth timing at M tokens: the register path only up to 4 tokens, and the
-    MXFP4 decode choices only for MXFP4 weights; `only` narrows the MXFP4 ones to those names."""
-    if fmt != "mxfp4":
-        return {"dot": PATHS_DOT["dot-bits"], **({"gemv": PATHS_GEMV["gemv-bits16"]} if m <= 4 else {})}
-    paths = {**PATHS_DOT, **(PATHS_GEMV if m <= 4 else {})}
+def paths_for(m: int, only: frozenset | None = None) -> dict:
+    """The product paths worth timing at M tokens (the register path only up to 4 tokens);
+    `only` narrows them to those names."""
+    paths = {k: v for k, v in PATHS.items() if k == "dot" or m <= 4}
     return {k: v for k, v in paths.items() if only is None or k in only}
 
 
@@ -312,10 +288,10 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
     """Coordinate search for M tokens, timing the whole layer (routing included, so that the
     launches' overlap counts): each product path (see `paths_for`) with each tile preset (or,
     `from_committed`, the committed config alone), then, for the winner, the named `sweeps` in the
-    order given (`SWEEPS`): (register path) loading a K step ahead or in Triton's software pipeline
-    (also with smaller tiles) or neither, routing in one launch or two, (register path, with a
-    shared expert) its split and K tile, launches overlapping (PDL) or not, (tensor-core path)
-    the pipeline's stages, the gate_up and down tiles, and the warps.
+    order given (`SWEEPS`): (register path) loading one or two K steps ahead or not, (register
+    path, with a shared expert) its split and K tile, launches overlapping (PDL) or not, with or
+    without L2 prefetch, (tensor-core path) the pipeline's stages, the gate_up and down tiles,
+    and the warps.
     Candidates that fail to compile or disagree with the default config's output are skipped.
     Shorter timing than the contenders' (do_bench rep 80 ms): about 20 to 27 configs a call.
     Past `deadline` (time.time()) the remaining sweep candidates are skipped (the path stage always
@@ -341,7 +317,7 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
             skipped.append(label)
             return
         try:
-            c = MoELaunchConfig(**fields)  # some paths rule some tiles out (dp4a: gate_up blocks >= 32)
+            c = MoELaunchConfig(**fields)  # some paths rule some tiles out (register path: gate_up blocks >= 32)
             us = measure(c)
         except Exception as e:  # e.g. out of shared memory for a large tile, or unsupported on this GPU
             log(f"  {label} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
@@ -355,13 +331,13 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
         committed = lookup(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, m, fmt, DEV)
         consider(dataclasses.asdict(committed), "committed", always=True)
     else:
-        for name, path in paths_for(fmt, m, only).items():
+        for name, path in paths_for(m, only).items():
             for i, tiles in enumerate(TILE_PRESETS):
                 consider({**path, **tiles}, f"path {name} tiles {i}", always=True)
     if best is None:
         raise RuntimeError(f"no configuration ran for {cfg.name} {fmt} M={m}")
     gemv = best.gemv_max_tokens >= m
-    applies = {"shared": gemv and sh is not None, "prefetch": gemv, "pipeline": gemv, "stages": not gemv}
+    applies = {"shared": gemv and sh is not None, "lookahead": gemv, "stages": not gemv}
     for sweep in (sw for name in sweeps if applies.get(name, True) for sw in SWEEPS[name]):
         for params in sweep:
             cand = {**dataclasses.asdict(best), **params}
@@ -377,10 +353,9 @@ def tune(block, cfg, fmt, m, rows, deadline: float = float("inf"), only: frozens
 
 def parse_paths(value: str) -> frozenset | None:
     names = frozenset(v for v in value.split(",") if v)
-    unknown = names - {*PATHS_DOT, *PATHS_GEMV}
+    unknown = names - set(PATHS)
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown product paths {sorted(unknown)}; known: "
-                                         f"{', '.join([*PATHS_DOT, *PATHS_GEMV])}")
+        raise argparse.ArgumentTypeError(f"unknown product paths {sorted(unknown)}; known: {', '.join(PATHS)}")
     return names or None
 
 
@@ -408,8 +383,7 @@ def main() -> None:
     ap.add_argument("--write-configs", action="store_true",
                     help="merge the tuned configs into impl/moe/tuned_configs.json (after each tuning)")
     ap.add_argument("--paths", default="", type=parse_paths,
-                    help="comma-separated MXFP4 product paths the tuning tries (default: all of "
-                         f"{', '.join([*PATHS_DOT, *PATHS_GEMV])})")
+                    help=f"comma-separated product paths the tuning tries (default: all of {', '.join(PATHS)})")
     ap.add_argument("--sweeps", default=",".join(SWEEPS), type=parse_sweeps,
                     help="comma-separated sweeps after the path stage (default: %(default)s)")
     ap.add_argument("--from-committed", action="store_true",

@@ -26,15 +26,15 @@ import itertools
 import json
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from bench_moe import (CALLS_PER_GRAPH, DEV, build_block, copy_bandwidth, graph_us, inputs,  # noqa: E402
+from bench_moe import (CALLS_PER_GRAPH, DEV, build_block, copy_bandwidth, graph_us, inputs,
                        layer_call, log)
-from impl.model.config import get_config  # noqa: E402
-from impl.moe.random_layer import FORMATS  # noqa: E402
-from impl.moe.triton_pdl import pdl_release, pdl_wait  # noqa: E402
-from impl.moe.triton_routing import route_triton  # noqa: E402
-from impl.triton_env import tl, triton  # noqa: E402
+from impl.model.config import get_config
+from impl.moe.random_layer import FORMATS
+from impl.moe.triton_pdl import pdl_release, pdl_wait
+from impl.moe.triton_routing import route_triton
+from impl.triton_env import tl, triton
 
 WORD = 4  # bytes: the stream kernels read int32 words
 

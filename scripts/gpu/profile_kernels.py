@@ -1,6 +1,6 @@
 """Where a captured step's time goes, kernel by kernel (CUPTI through torch.profiler), on the GPU:
 the tiny model's decode step, its speculative step and that step's parts, and whole MoE layers
-of the issue-3 shapes. Per step it prints the kernels (count, device us per step), the summed
+of the Ling shapes (ling-3.0-flash, ling-flash-2.0). Per step it prints the kernels (count, device us per step), the summed
 kernel time and the replay's wall time per step: their difference is the launch gaps inside the
 graph, which no kernel speed-up removes.
 
@@ -9,7 +9,7 @@ graph, which no kernel speed-up removes.
         [--override pdl=false,... [--override ...]] [--without-shared]
 
 Each --override runs the MoE tables again with those launch-config fields set in every committed
-config (one process: the A/B of a few configs shares its weights and warm-up). Under Nsight
+config (shapes nobody tuned keep the defaults; one process: the A/B of a few configs shares its weights and warm-up). Under Nsight
 Compute (CUPTI taken) the tables are empty and only the wall times print.
 """
 
@@ -19,10 +19,10 @@ import argparse
 import collections
 import dataclasses
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from impl.graphs import StepGraph, capture_graph  # noqa: E402
+from impl.graphs import StepGraph, capture_graph
 
 REPLAYS = 20  # per window; a decode run of 40 steps fits the tiny model's cache
 
@@ -153,7 +153,6 @@ def main() -> None:
     committed = configs.TUNED
     for override in args.override or [{}]:
         configs.TUNED = {k: dataclasses.replace(c, **override) for k, c in committed.items()}
-        configs.fallback = lambda hidden, intermediate, o=override: dataclasses.replace(configs.MoELaunchConfig(), **o)
         label = f" [{', '.join(f'{k}={v}' for k, v in override.items())}]" if override else ""
         if args.model:
             profile_model(args.model, args.moe_backend)

@@ -5,9 +5,9 @@
 #                                         # sweep (tuned configs in $OUT/tuned_configs.json)
 #     bash scripts/gpu/run_all.sh bench   # the same with the committed configs (no sweep);
 #                                         # CHECKS="files" narrows the correctness suites
-#     bash scripts/gpu/run_all.sh layer   # the one-launch MoE layer's GPU tests, then a profile
-#                                         # A/B: the committed configs against each override of
-#                                         # LAYER_AB (space-separated), over SHAPES, FORMATS, MS
+#     bash scripts/gpu/run_all.sh profile # kernel-by-kernel profile A/B: the committed configs
+#                                         # against each override of PROFILE_AB (space-separated,
+#                                         # e.g. "pdl=false"), over SHAPES, FORMATS, MS
 #     bash scripts/gpu/run_all.sh humming # the humming backend's GPU tests, and the parity suite
 #                                         # with --moe-backend humming (its MXFP4 cases)
 #     bash scripts/gpu/run_all.sh gate    # FP8 head bench, then the main job `pytest --moe-bench`
@@ -41,17 +41,13 @@ if [ "$PART" = tune ] || [ "$PART" = bench ] || [ "$PART" = all ]; then
   echo "gpu checks rc=$?"
   grep -A60 "== summary" "$OUT/moe.log" | grep -v "^TUNED"; tail -25 "$OUT/checks.log"
 fi
-if [ "$PART" = layer ]; then
-  if [ -z "${SKIP_CHECKS:-}" ]; then  # 480 s: a 240 s limit cut them short on the H200
-    timeout "${CHECK_SECONDS:-480}" $PYTEST -rf tests/test_triton_layer.py > "$OUT/layer-checks.log" 2>&1
-    echo "layer checks rc=$?"; tail -4 "$OUT/layer-checks.log"
-  fi
+if [ "$PART" = profile ]; then
   overrides=(--override "")
-  for o in ${LAYER_AB:-one_launch=true}; do overrides+=(--override "$o"); done
+  for o in ${PROFILE_AB:-pdl=false}; do overrides+=(--override "$o"); done
   timeout "${AB_SECONDS:-300}" python3 scripts/gpu/profile_kernels.py --model= \
     --moe-shapes "${SHAPES:-ling-3.0-flash,ling-flash-2.0}" --formats "${FORMATS:-mxfp4,bf16}" --ms "${MS:-1,4}" \
-    "${overrides[@]}" > "$OUT/layer-ab${TAG:-}.log" 2>&1; echo "profile rc=$?"
-  grep "^== " "$OUT/layer-ab${TAG:-}.log"
+    "${overrides[@]}" > "$OUT/profile-ab${TAG:-}.log" 2>&1; echo "profile rc=$?"
+  grep "^== " "$OUT/profile-ab${TAG:-}.log"
 fi
 if [ "$PART" = humming ]; then
   timeout "${CHECK_SECONDS:-240}" $PYTEST -rfs tests/test_moe_humming.py > "$OUT/humming-checks.log" 2>&1
