@@ -22,7 +22,8 @@ def arms(model):
 
 
 def requests(n, max_tokens=3):
-    return [request(p.prompt, max_tokens, rid=f"q{i}", ignore_eos=True) for i, p in enumerate(take("heldout", n, seed=4))]
+    problems = take("heldout", n, seed=4)
+    return [request(p.prompt, max_tokens, rid=f"q{i}", ignore_eos=True) for i, p in enumerate(problems)]
 
 
 def test_interleaved_order_alternates():
@@ -31,12 +32,15 @@ def test_interleaved_order_alternates():
 
 def test_every_arm_serves_every_request_alternating(arms):
     lines = []
-    records = run_ladder(arms, requests(4), progress=lines.append, progress_interval_s=0)
+    before = [a.provenance.requests if a.provenance else 0 for a in arms]
+    records = run_ladder(arms, requests(4), progress=lines.append, progress_interval_s=0, warmup=2)
     names = [a.name for a in arms]
     assert [(r["request_id"], r["arm"]) for r in records] == [
         (f"q{i}", a) for i in range(4) for a in (names if i % 2 == 0 else names[::-1])]
-    # One warm-up request per arm, not recorded, before the first record.
-    assert all(a.provenance.requests == 4 + 1 for a in arms)
+    # Two warm-up requests per arm, not recorded, before the first record.
+    assert [a.provenance.requests - b for a, b in zip(arms, before)] == [4 + 2] * 3
+    with pytest.raises(ValueError, match="warmup must be a number of requests >= 0"):
+        run_ladder(arms, requests(1), warmup=-1)
     assert len(lines) == len(records)
     assert re.fullmatch(r"12/12 records, [\d.]+/s, elapsed \d+m\d\ds, ETA 0m00s; last baseline request 'q3'",
                         lines[-1]), lines[-1]
@@ -60,10 +64,10 @@ def test_a_run_stopped_part_way_keeps_its_records(arms):
     kept = []
     bad = [*reqs[:2], request(reqs[2].prompt, 10_000, rid="too-long")]
     with pytest.raises(ValueError, match="request 'too-long'"):
-        run_ladder(arms, bad, records=kept, warmup=False)
+        run_ladder(arms, bad, records=kept, warmup=0)
     assert [r["request_id"] for r in kept] == ["q0"] * 3 + ["q1"] * 3
     # A generator gives the same records one at a time.
-    it = iter_ladder(arms, reqs[:1], warmup=False)
+    it = iter_ladder(arms, reqs[:1], warmup=0)
     assert next(it)["arm"] == arms[0].name
 
 
@@ -87,11 +91,12 @@ def test_memory_is_flat_over_many_requests(arms):
     # (tracemalloc would be the finer tool, but it slows these torch-heavy loops tenfold). The
     # records themselves are dropped as they come.
     pair = [arms[0], arms[2]]
-    reqs = [request(p.prompt[-16:], 2, rid=f"m{i}", ignore_eos=True) for i, p in enumerate(take("heldout", 150, seed=6))]
+    problems = take("heldout", 150, seed=6)
+    reqs = [request(p.prompt[-16:], 2, rid=f"m{i}", ignore_eos=True) for i, p in enumerate(problems)]
     for _ in iter_ladder(pair, reqs[:20]):
         pass
     marks = []
-    for i, _ in enumerate(iter_ladder(pair, reqs, warmup=False)):
+    for i, _ in enumerate(iter_ladder(pair, reqs, warmup=0)):
         if i % 100 == 0:
             gc.collect()
             marks.append((len(gc.get_objects()), _rss_bytes()))

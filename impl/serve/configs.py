@@ -100,7 +100,8 @@ class ServeConfig:
         if self.moe not in moe_names:
             raise ValueError(f"moe: unknown MoE backend {self.moe!r}; known: {moe_names}")
         if self.experts not in EXPERT_FORMATS:
-            raise ValueError(f"experts: unknown expert weight format {self.experts!r}; expected one of {EXPERT_FORMATS}")
+            raise ValueError(f"experts: unknown expert weight format {self.experts!r}; "
+                             f"expected one of {EXPERT_FORMATS}")
         moe = backends.get("moe", self.moe)
         if self.experts != "auto" and self.experts not in moe.formats:
             raise ValueError(f"moe/experts: the {self.moe!r} MoE backend takes {list(moe.formats)} experts, "

@@ -31,8 +31,10 @@ completes a stop string); `text` excludes EOS and stops before the stop string. 
 "eos", "stop" or "length" (earliest token wins; at the same token EOS, then stop, then length).
 
 Times: host `time.perf_counter` after a device sync at the request's start; TTFT when the host
-holds the first token (prefill included); latency when the host holds the token that ends the
-request. TPOT = (latency - TTFT) / (output_tokens - 1) (None for one token); decode tokens/s =
+holds the first token (prefill included; for a speculative row also the draft layer's pass over
+the prompt, queued behind the first token: vLLM and SGLang run their draft's prefill inside the
+prefill step too, so their MTP TTFT includes it); latency when the host holds the token that
+ends the request. TPOT = (latency - TTFT) / (output_tokens - 1) (None for one token); decode tokens/s =
 (output_tokens - 1) / (latency - TTFT).
 
 Sampling: each request draws from its own seed (`request_seed`: the row's seed and the request
@@ -54,13 +56,12 @@ from impl.generate import DecodeState, decode_step, prefill
 from impl.graphs import StepGraph
 from impl.serve.provenance import RowProvenance
 
-__all__ = ["LOOKAHEAD", "RECORD_KEYS", "request_seed", "run_request"]
+__all__ = ["LOOKAHEAD", "RECORD_KEYS", "prepare", "request_seed", "run_request"]
 
 LOOKAHEAD = 1  # steps queued ahead of the host's stop check, on CUDA (0 on CPU)
 RECORD_KEYS = ("arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s", "tpot_s",
                "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps", "text",
                "stop_reason")
-_SLOTS = LOOKAHEAD + 3  # pinned readback buffers per arm: more than can be pending at once
 
 
 def request_seed(seed: int, request_id) -> int:
@@ -84,15 +85,18 @@ class _Reader:
     def __init__(self, device: torch.device, width: int) -> None:
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.buf = torch.empty(_SLOTS, width, dtype=torch.long, pin_memory=True)
-            self.done = [torch.cuda.Event() for _ in range(_SLOTS)]
+            # More slots than reads can be pending at once (LOOKAHEAD + 1), so a slot is written
+            # again only after its values were read.
+            self.slots = LOOKAHEAD + 3
+            self.buf = torch.empty(self.slots, width, dtype=torch.long, pin_memory=True)
+            self.done = [torch.cuda.Event() for _ in range(self.slots)]
             self.i = 0
 
     def read(self, src: torch.Tensor):
         if not self.cuda:
             values = src.tolist()
             return lambda: values
-        slot, n = self.i % _SLOTS, src.numel()
+        slot, n = self.i % self.slots, src.numel()
         self.i += 1
         host = self.buf[slot, :n]
         host.copy_(src, non_blocking=True)
@@ -260,8 +264,8 @@ class _Output:
     def __init__(self, tokenizer, request) -> None:
         self.tok = tokenizer
         self.max_tokens = request.max_tokens
-        self.stop = tuple(s for s in request.stop if s)
-        self.eos = None if request.ignore_eos else tokenizer.eos_id
+        self.stop = tuple(s for s in (getattr(request, "stop", None) or ()) if s)
+        self.eos = None if getattr(request, "ignore_eos", False) else tokenizer.eos_id
         self.longest = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
         self.checked = 0  # characters of the text searched for stops without a hit
@@ -353,7 +357,7 @@ def run_request(arm, request) -> dict:
     spec = arm.decoder is not None
     stats = {"accept_lengths": [], "accepted_per_position": [0] * arm.decoder.k} if spec else None
     out = _Output(arm.tokenizer, request)
-    lookahead = LOOKAHEAD if arm.device.type == "cuda" else 0
+    lookahead = min(LOOKAHEAD, loop.reader.slots - 3) if arm.device.type == "cuda" else 0
     _sync(arm.device)
     with torch.inference_mode(), backends.record_provenance() as prov:
         start = time.perf_counter()

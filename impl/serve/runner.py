@@ -5,8 +5,11 @@ for odd i (A B, then B A, ...). Slow drift of the machine (clocks, heat, a noisy
 falls on every arm alike: each arm's mean position within a request's slot is the same, and a
 paired per-request comparison sees the same machine state on both sides.
 
-Before the first recorded request each arm serves one warm-up request (the first request; not
-recorded): it captures the arm's CUDA graph, compiles kernels and fills caches. With `check`,
+Before the first recorded request each arm serves `warmup` warm-up requests (the first ones of
+the list; not recorded): they capture the arm's CUDA graph, compile kernels and fill caches.
+Triton kernels compile again for prefill shapes they have not seen (on the H200 a prompt length
+new to the MTP row cost it ~0.45 s of TTFT), so where TTFT matters warm up with requests of the
+prompt lengths the run will see. With `check`,
 each arm's provenance after its warm-up must match its name and configuration
 (impl.serve.provenance.check_provenance), so a row that is not what it says fails before the
 long run rather than after it.
@@ -62,8 +65,10 @@ class _Progress:
 
 
 def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] | None = None,
-                warmup: bool = True, check: bool = True, progress_interval_s: float = 10.0) -> Iterator[dict]:
+                warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0) -> Iterator[dict]:
     """Yield one record per (request, arm), interleaved (module docstring)."""
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a number of requests >= 0, got {warmup!r}")
     arms = list(arms)
     if not arms:
         raise ValueError("no arms to run")
@@ -76,7 +81,8 @@ def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] 
     if warmup:
         for arm in arms:
             prepare(arm)
-            run_request(arm, requests[0])
+            for request in requests[:warmup]:
+                run_request(arm, request)
             if check:
                 check_provenance(arm.name, arm.config, arm.provenance)
     tick = _Progress(len(arms) * len(requests), progress, progress_interval_s)
@@ -91,7 +97,7 @@ def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] 
 
 def run_ladder(arms: list, requests: Iterable, on_record: Callable[[dict], None] | None = None,
                progress: Callable[[str], None] | None = None, *, records: list | None = None,
-               warmup: bool = True, check: bool = True, progress_interval_s: float = 10.0) -> list[dict]:
+               warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0) -> list[dict]:
     """Every record of the interleaved run, in the order served. Each record is in `records` (a
     list of yours, or a new one) and passed to `on_record` as soon as it exists; on an exception
     (KeyboardInterrupt included) the completed records stay in `records`, the exception

@@ -1,0 +1,83 @@
+"""A quick ladder on the embedded model: `python -m impl.serve [--device cuda] [--ladder ...] [--n 20]`.
+
+Serves held-out arithmetic problems (impl.data.arith, byte-level prompts) on every row of the
+ladder, interleaved, and prints each row's medians (TTFT, TPOT, decode tokens/s, latency), its
+mean accept length and whether its provenance matches its name. Each request stops at
+`--max-tokens` (the byte-level checkpoint ends an answer with a newline after `#### N`, which a
+stop string cannot tell from the newlines inside the answer, so no stop string is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from impl.data.arith import take
+from impl.serve import engine
+from impl.serve.arm import build_arms
+from impl.serve.configs import parse_ladder
+from impl.serve.provenance import provenance_problems
+from impl.serve.runner import run_ladder
+
+
+class _Bytes:
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("ascii"))
+
+    def decode(self, ids) -> str:
+        return bytes(list(ids)).decode("ascii", "replace")
+
+
+class _Request:
+    def __init__(self, i: int, prompt: str, answer: str, max_tokens: int) -> None:
+        self.request_id, self.prompt, self.answer = f"arith-{i}", prompt, answer
+        self.prompt_ids, self.max_tokens = list(prompt.encode("ascii")), max_tokens
+        self.stop, self.ignore_eos = (), True
+
+
+def _median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m impl.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--model", default="tiny-gsm")
+    p.add_argument("--ladder", default="baseline;+kernels;+fp8-head;+mtp")
+    p.add_argument("--n", type=int, default=20, help="requests")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--lookahead", type=int, choices=(0, 1), default=engine.LOOKAHEAD,
+                   help="steps queued ahead of the host's stop check on CUDA")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up requests per row (the first ones), not recorded")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine.LOOKAHEAD = args.lookahead
+    from impl.model.build import build_model
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    model = build_model(args.model, args.device, dtype)
+    arms = build_arms(model, parse_ladder(args.ladder, args.device), tokenizer=_Bytes())
+    requests = [_Request(i, q.prompt, q.answer, args.max_tokens) for i, q in enumerate(take("heldout", args.n, seed=1))]
+    records = run_ladder(arms, requests, progress=print, warmup=args.warmup)
+    print(f"{'row':<12} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>8} {'latency ms':>10} {'accept':>6}  provenance")
+    for arm in arms:
+        mine = [r for r in records if r["arm"] == arm.name]
+        accept = [a for r in mine for a in (r["accept_lengths"] or [])]
+        problems = provenance_problems(arm.name, arm.config, arm.provenance)
+        print(f"{arm.name:<12} {1e3 * _median(r['ttft_s'] for r in mine):8.3f} "
+              f"{1e3 * _median(r['tpot_s'] for r in mine):8.3f} {_median(r['decode_tokens_per_s'] for r in mine):8.1f} "
+              f"{1e3 * _median(r['latency_s'] for r in mine):10.2f} "
+              f"{(sum(accept) / len(accept)) if accept else float('nan'):6.2f}  "
+              f"{'ok' if not problems else '; '.join(problems)}  graphs={arm.provenance.graphs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
