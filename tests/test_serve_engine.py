@@ -155,6 +155,31 @@ def test_stop_string_and_eos(model, prompts, spec):
     assert (rec["stop_reason"], rec["output_tokens"]) == ("eos", nl + 1)
 
 
+def test_arith_requests_stop_where_their_answer_ends(model, prompts):
+    # The data workloads' Request: END stops only after "#### " (its stop_from), as the arithmetic
+    # checkpoint's answers end; the newlines inside the worked answer must not stop it.
+    from impl.data.arith import END, answer_length
+    from impl.data.workloads import ARITH_STOP_FROM, Request as WorkloadRequest
+    for spec in ("moe=gather", "+mtp"):
+        arm = arm_of(model, spec)
+        ref = reference_text(model, arm, prompts[0], 120)
+        n = answer_length(ref)
+        assert n is not None and ref.index(END) < n - 1  # a newline before the answer's end
+        req = WorkloadRequest("a", prompts[0], list(prompts[0].encode("ascii")), None, 120, stop=(END,),
+                              stop_from=ARITH_STOP_FROM)
+        rec = run_request(arm, req)
+        assert (rec["stop_reason"], rec["output_tokens"], rec["text"]) == ("stop", n, ref[:n - len(END)])
+        # The stand-in request (no stop_index method) gets the same from its stop_from field.
+        rec = run_request(arm, StopFromRequest("b", prompts[0], list(prompts[0].encode("ascii")), None, 120,
+                                               stop=(END,), stop_from=ARITH_STOP_FROM))
+        assert (rec["stop_reason"], rec["output_tokens"]) == ("stop", n)
+
+
+@dataclass(frozen=True)
+class StopFromRequest(Request):
+    stop_from: str | None = None
+
+
 class WordTokenizer:
     """Multi-character tokens, to check stops that straddle tokens."""
 
@@ -181,6 +206,9 @@ def test_stops_across_token_boundaries():
     assert end([[1, 2, 3]], max_tokens=2) == (2, "length", "abcd")
     assert end([[1, 2, 3]], stop=("ef",), max_tokens=2) == (2, "length", "abcd")  # the stop lies past the budget
     assert end([[1], [2]], stop=("zz",)) is None
+    out = _Output(WordTokenizer(), StopFromRequest("x", "x", [1], None, 10, stop=("ab", "g"), stop_from="e"))
+    assert not out.add([1, 2]) and not out.add([3]) and out.add([4])  # "ab" before the marker "e" does not stop
+    assert (out.count, out.reason, out.text) == (4, "stop", "abcdef")
 
 
 def test_sampled_rows_follow_their_seed(model, prompts):

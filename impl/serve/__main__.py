@@ -1,10 +1,9 @@
 """A quick ladder on the embedded model: `python -m impl.serve [--device cuda] [--ladder ...] [--n 20]`.
 
-Serves held-out arithmetic problems (impl.data.arith, byte-level prompts) on every row of the
-ladder, interleaved, and prints each row's medians (TTFT, TPOT, decode tokens/s, latency), its
-mean accept length and whether its provenance matches its name. Each request stops at
-`--max-tokens` (the byte-level checkpoint ends an answer with a newline after `#### N`, which a
-stop string cannot tell from the newlines inside the answer, so no stop string is set).
+Serves the `arith` workload (impl.data.workloads: held-out problems, stopping at the END after
+`#### N`) on every row of the ladder, interleaved, and prints each row's medians (TTFT, TPOT,
+decode tokens/s, latency), its mean accept length, its exact-answer rate and whether its
+provenance matches its name.
 """
 
 from __future__ import annotations
@@ -14,29 +13,11 @@ import statistics
 
 import torch
 
-from impl.data.arith import take
 from impl.serve import engine
 from impl.serve.arm import build_arms
 from impl.serve.configs import parse_ladder
 from impl.serve.provenance import provenance_problems
 from impl.serve.runner import run_ladder
-
-
-class _Bytes:
-    eos_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("ascii"))
-
-    def decode(self, ids) -> str:
-        return bytes(list(ids)).decode("ascii", "replace")
-
-
-class _Request:
-    def __init__(self, i: int, prompt: str, answer: str, max_tokens: int) -> None:
-        self.request_id, self.prompt, self.answer = f"arith-{i}", prompt, answer
-        self.prompt_ids, self.max_tokens = list(prompt.encode("ascii")), max_tokens
-        self.stop, self.ignore_eos = (), True
 
 
 def _median(values) -> float:
@@ -51,7 +32,6 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny-gsm")
     p.add_argument("--ladder", default="baseline;+kernels;+fp8-head;+mtp")
     p.add_argument("--n", type=int, default=20, help="requests")
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--lookahead", type=int, choices=(0, 1), default=engine.LOOKAHEAD,
                    help="steps queued ahead of the host's stop check on CUDA")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -60,21 +40,30 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine.LOOKAHEAD = args.lookahead
+    from impl.data.text import tokenizer_for
+    from impl.data.workloads import load_workload
     from impl.model.build import build_model
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     model = build_model(args.model, args.device, dtype)
-    arms = build_arms(model, parse_ladder(args.ladder, args.device), tokenizer=_Bytes())
-    requests = [_Request(i, q.prompt, q.answer, args.max_tokens) for i, q in enumerate(take("heldout", args.n, seed=1))]
+    tokenizer = tokenizer_for(args.model, model.config.vocab_size)
+    rows = parse_ladder(args.ladder, args.device)
+    arms = build_arms(model, rows, tokenizer=tokenizer)
+    k = max(r.config.k for r in rows)  # a verify step writes k positions past the last token
+    workload = load_workload("arith", tokenizer, model.config.max_seq_len - k, n=args.n)
+    requests = list(workload)
     records = run_ladder(arms, requests, progress=print, warmup=args.warmup)
-    print(f"{'row':<12} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>8} {'latency ms':>10} {'accept':>6}  provenance")
+    by_id = {r.request_id: r for r in requests}
+    print(f"{'row':<12} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>8} {'latency ms':>10} {'accept':>6} "
+          f"{'exact':>6}  provenance")
     for arm in arms:
         mine = [r for r in records if r["arm"] == arm.name]
         accept = [a for r in mine for a in (r["accept_lengths"] or [])]
         problems = provenance_problems(arm.name, arm.config, arm.provenance)
+        exact = statistics.mean(bool(workload.score(by_id[r["request_id"]], r["text"])["correct"]) for r in mine)
         print(f"{arm.name:<12} {1e3 * _median(r['ttft_s'] for r in mine):8.3f} "
               f"{1e3 * _median(r['tpot_s'] for r in mine):8.3f} {_median(r['decode_tokens_per_s'] for r in mine):8.1f} "
               f"{1e3 * _median(r['latency_s'] for r in mine):10.2f} "
-              f"{(sum(accept) / len(accept)) if accept else float('nan'):6.2f}  "
+              f"{(sum(accept) / len(accept)) if accept else float('nan'):6.2f} {exact:6.1%}  "
               f"{'ok' if not problems else '; '.join(problems)}  graphs={arm.provenance.graphs}")
     return 0
 

@@ -27,7 +27,10 @@ the request's budget and cache. On a CPU every step is synchronous anyway, so th
 after each step with no lookahead and no surplus.
 
 Stops follow vLLM: output_tokens counts the token that ends the request (EOS, or the one that
-completes a stop string); `text` excludes EOS and stops before the stop string. `stop_reason` is
+completes a stop string); `text` excludes EOS and stops before the stop string. Where the request
+has `stop_index(text, start)` (impl.data.workloads.Request: it also honours `stop_from`, after
+which alone stop strings count, as the arithmetic workload's END after `#### N`), that method
+decides where a stop string starts; otherwise the first of `stop` found in the text does. `stop_reason` is
 "eos", "stop" or "length" (earliest token wins; at the same token EOS, then stop, then length).
 
 Times: host `time.perf_counter` after a device sync at the request's start; TTFT when the host
@@ -265,6 +268,8 @@ class _Output:
         self.tok = tokenizer
         self.max_tokens = request.max_tokens
         self.stop = tuple(s for s in (getattr(request, "stop", None) or ()) if s)
+        self.stop_from = getattr(request, "stop_from", None)
+        self.stop_index = getattr(request, "stop_index", None) or self._stop_index
         self.eos = None if getattr(request, "ignore_eos", False) else tokenizer.eos_id
         self.longest = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
@@ -296,18 +301,29 @@ class _Output:
         self.text = text
         return True
 
+    def _stop_index(self, text: str, start: int = 0) -> int | None:
+        """Where the first stop string starts in `text` (searched from `start`, and from the first
+        `stop_from` on when set), or None."""
+        if self.stop_from:
+            marker = text.find(self.stop_from)
+            if marker < 0:
+                return None
+            start = max(start, marker)
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
     def _find_stop(self, start: int, limit: int):
         """(token count that completes the first stop string, text before it), or None."""
         text = self.tok.decode(self.ids[:limit])
         lo = max(0, self.checked - self.longest - self.MARGIN)
-        if not any(s in text[lo:] for s in self.stop):
+        if self.stop_index(text, lo) is None:
             self.checked = len(text)
             return None
         for count in range(max(start, 1), limit + 1):  # the fewest tokens whose text holds a stop
             prefix = self.tok.decode(self.ids[:count])
-            found = [i for i in (prefix.find(s, lo) for s in self.stop) if i >= 0]
-            if found:
-                return count, prefix[:min(found)]
+            i = self.stop_index(prefix, lo)
+            if i is not None:
+                return count, prefix[:i]
         raise AssertionError("a stop string found in the whole text but in none of its prefixes")
 
 
