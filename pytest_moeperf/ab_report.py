@@ -309,8 +309,10 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
         path = out / FILES[kind]
         _atomic_write_bytes(path, png)
         written[kind] = path
+    # The rows and every per-request record too: a reader can redo any statistic from the file.
     doc = {"schema": "pytest-moeperf/ab-report/1", "summary": summary,
-           "figures": {k: p.name for k, p in written.items()}}
+           "figures": {k: p.name for k, p in written.items()},
+           "arms": result.get("arms", []), "requests": result.get("requests", [])}
     path = out / FILES["json"]
     _atomic_write_bytes(path, (json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n").encode())
     written["json"] = path

@@ -14,7 +14,9 @@ from pytest_moeperf.session import SESSION_KEY, MoePerfSession, Options
 from pytest_moeperf.timing import parse_samples
 
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
-            "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": ""}
+            "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": "",
+            "moe_ladder": "", "moe_workload": "arith", "moe_requests": "", "moe_shots": "", "moe_margin": "1",
+            "moe_ab_report": "ab-report"}
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
     "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
@@ -53,6 +55,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--moe-trust", "moe_trust", "gate-trust run: gate each timed figure N times (its measurement, then N-1 "
         "re-measurements) and record the verdicts instead of acting on them (see scripts/gate_trust.py)",
         metavar="N")
+    add("--moe-ladder", "moe_ladder", "A/B rows of the ladder suite, separated by ';': presets (baseline, +kernels, "
+        "+fp8-head, +mtp), NAME=SPEC or SPEC with SPEC key=value items (moe, experts, head, head_scales, spec, "
+        "temperature, top_k, top_p, seed; see impl/serve/configs.py) (default: baseline;+kernels;+fp8-head;+mtp "
+        "on CUDA, baseline;+fp8-head;+mtp on CPU)", metavar="ROWS")
+    add("--moe-workload", "moe_workload", "prompts of the ladder suite: arith, gsm8k[:FOLDER|HUB_ID], "
+        "synthetic[:IN:OUT] or jsonl:FILE (prompt, optional answer and max_tokens) (default: arith)",
+        metavar="WORKLOAD")
+    add("--moe-requests", "moe_requests", "requests the ladder suite serves per row (default: 60 on CPU, 1000 "
+        "on CUDA; at most the workload's size)", metavar="N")
+    add("--moe-shots", "moe_shots", "few-shot examples of the gsm8k workload (default: 5, as lm-evaluation-harness)",
+        metavar="K")
+    add("--moe-margin", "moe_margin", "equivalence margin of the ladder's accuracy comparison, in percentage "
+        "points (default: 1)", metavar="POINTS")
+    add("--moe-ab-report", "moe_ab_report", "folder for the ladder's report (JSON, Markdown, PNG figures), "
+        "relative to rootdir (default: ab-report)", metavar="DIR")
     add("--moe-plant", "moe_plant", "gate-trust run: plant a slowdown, KIND[:NAME]=FRACTION[,...] (e.g. moe=0.1: "
         "every call of the MoE backend under test takes 10%% longer; head:fp8-triton=0.1; decoder:mtp=0.1)",
         metavar="SPEC")
@@ -105,6 +122,51 @@ def parse_trust(value: str | None) -> int:
     return n
 
 
+def parse_ladder_option(value: str | None, device: str) -> str | None:
+    """The ladder text as given (None: the device's default), after checking that every row
+    parses for `device`: an unknown preset, key, backend or a bad combination is a usage error."""
+    if not value:
+        return None
+    from impl.serve.configs import parse_ladder
+    try:
+        parse_ladder(value, device)
+    except ValueError as e:
+        raise ValueError(f"--moe-ladder: {e}") from None
+    return value
+
+
+def parse_workload_option(value: str):
+    from impl.data.workloads import parse_workload
+    try:
+        return parse_workload(value)
+    except ValueError as e:
+        raise ValueError(f"--moe-workload: {e}") from None
+
+
+def parse_count(flag: str, value: str | None, minimum: int) -> int | None:
+    """A whole number >= minimum, or None when not given."""
+    if value in (None, ""):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = minimum - 1
+    if n < minimum:
+        raise ValueError(f"{flag} must be a whole number >= {minimum}, got {value!r}")
+    return n
+
+
+def parse_margin(value: str) -> float:
+    """Percentage points -> a fraction (1 -> 0.01), in (0, 50]."""
+    try:
+        points = float(value)
+    except ValueError:
+        points = -1.0
+    if not 0 < points <= 50:
+        raise ValueError(f"--moe-margin must be in (0, 50] percentage points, got {value!r}")
+    return points / 100
+
+
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     baselines = Path(_option(config, "moe_baselines"))
@@ -121,6 +183,12 @@ def parse_options(config: pytest.Config) -> Options:
         samples=parse_samples(_option(config, "moe_samples")),
         strict=bool(_option(config, "moe_strict")),
         trust=parse_trust(_option(config, "moe_trust")),
+        ladder=_option(config, "moe_ladder") or None,
+        workload=parse_workload_option(_option(config, "moe_workload")),
+        requests=parse_count("--moe-requests", _option(config, "moe_requests"), 1),
+        shots=parse_count("--moe-shots", _option(config, "moe_shots"), 0),
+        margin=parse_margin(_option(config, "moe_margin")),
+        ab_report=root / _option(config, "moe_ab_report"),
     )
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
@@ -184,6 +252,10 @@ def pytest_configure(config: pytest.Config) -> None:
                 session.device.torch_device
             except ValueError as e:
                 raise pytest.UsageError(str(e)) from None
+        try:
+            parse_ladder_option(options.ladder, session.device.torch_device.type)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
 

@@ -28,6 +28,15 @@ class Options:
     strict: bool = False
     trust: int = 0  # evaluations per timed figure in a gate-trust run (0: an ordinary run)
     plants: tuple = ()  # impl.plant.Plant: planted slowdowns of a gate-trust run
+    # The A/B ladder suite (suites/test_ab_ladder.py): rows (None: the device's default), the
+    # workload (impl.data.workloads.WorkloadSpec), requests per row and shots (None: defaults),
+    # the accuracy equivalence margin (a fraction) and the report folder.
+    ladder: str | None = None
+    workload: object = None
+    requests: int | None = None
+    shots: int | None = None
+    margin: float = 0.01
+    ab_report: Path | None = None
 
 
 class MoePerfSession:

@@ -345,8 +345,10 @@ def test_warm_up_lasts_its_rounds_and_its_time():
     from pytest_moeperf.timing import Sampler
     calls = []
     sampler = Sampler(None, rounds=2, warmup=1, warmup_s=0.05)
-    sampler.sample(lambda: (calls.append(1), time.sleep(0.005)))
-    assert len(calls) >= 2 + 0.05 / 0.006  # two timed rounds after ~10 warm-up rounds, not one
+    sampler.sample(lambda: (calls.append(time.perf_counter()), time.sleep(0.005)))
+    # Warm-up rounds until 0.05 s had passed (however long a sleep takes on a loaded host), not one
+    # round: the first timed round starts at least 0.05 s after the first warm-up round did.
+    assert len(calls) > 3 and calls[-2] - calls[0] >= 0.05, calls
     calls.clear()
     Sampler(None, rounds=2, warmup=3, warmup_s=0).sample(lambda: calls.append(1))
     assert len(calls) == 3 + 2

@@ -18,7 +18,9 @@ FIGURE_OF = {"decode_tokens_per_s": "timing", "moe_layer_us": "timing", "fp8_hea
              "moe_over_dense_equivalent": "moe_over_dense", "mtp_speedup": "mtp_over_plain",
              "fp8_over_bf16_head": "ratio", "moe_layer_over_humming": "ratio",
              "mtp_accept_length": "accept_length", "mtp_acceptance": "accept_length",
-             "mtp_greedy_agreement": "agreement"}
+             "mtp_greedy_agreement": "agreement", "ab_tokens_per_s": "ab_speed", "ab_tpot": "ab_speed",
+             "ab_ttft": "ab_speed", "ab_answers_alike": "ab_accuracy", "ab_reference_accuracy": "ab_accuracy",
+             "ab_accept_length": "accept_length"}
 
 
 def _figure(metric_id: str) -> str:
@@ -29,7 +31,7 @@ def _figure(metric_id: str) -> str:
 
 
 def test_every_timing_on_a_gpu_has_one_tolerance():
-    timings = ("timing", "ratio", "moe_over_dense", "mtp_over_plain")
+    timings = ("timing", "ratio", "moe_over_dense", "mtp_over_plain", "ab_speed")
     assert {tolerance_for(f, torch.device("cuda", 0)) for f in timings} == {GPU_TIMING}
 
 
