@@ -371,7 +371,10 @@ def _set_ticks(ax, arms) -> None:
 
 def _title(summary: dict) -> str:
     w = summary["workload"]
-    t = f"{w.get('name', 'workload')} on {summary['device'] or '-'}"
+    # The device's name alone (its full description, with software versions, is in the Markdown):
+    # a figure title wider than the figure is cut off.
+    device = (summary["device"] or "-").split(" (")[0]
+    t = f"{w.get('name', 'workload')} on {device}"
     return t if summary["complete"] else t + " (PARTIAL run)"
 
 

@@ -677,3 +677,23 @@ def test_dp4a_nan_in_an_input_row_reaches_exactly_that_row():
     assert out[1].isnan().all() and ref[1].isnan().all()
     assert out[[0, 2]].isfinite().all()
     assert_rows_close(out[[0, 2]], ref[[0, 2]], DP4A_RTOL)
+
+
+@pytest.mark.parametrize("fmt,tokens,kernel", [("bf16", 40, "moe_gather"), ("mxfp4", 20, "moe_gate_up_kernel")])
+def test_layer_prefill_of_plain_experts_takes_one_gather_pass(fmt, tokens, kernel):
+    """More than M_PAD tokens through the whole layer: plain experts in one gather pass over all
+    tokens (recorded as the triton backend's `moe_gather`, prefill), MXFP4 experts in chunks of
+    the expert kernels; both against the oracle backend on the same block."""
+    from impl.model.config import get_config
+    from impl.moe.random_layer import random_moe_block
+    cfg = get_config("tiny")
+    ours, oracle = (random_moe_block(cfg, fmt, DEVICE, backend, seed=7, dtype=torch.float32)
+                    for backend in ("triton", "reference"))
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    with backends.record_provenance() as prov, torch.no_grad():
+        out = ours(x)
+        ref = oracle(x)
+    ran = [e.kernel for e in prov.events if e.backend == "triton"]
+    assert any(kernel in k for k in ran), ran
+    assert ("moe_gather" in ran) == (fmt == "bf16"), ran
+    assert_rows_close(out.cpu(), ref.cpu(), variant_rtol(fmt) if fmt == "mxfp4" else RTOL)

@@ -8,12 +8,11 @@ A `moe` backend is fn(x [T, H], weights fp32 [T, k], ids [T, k], w_gate_up, w_do
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 
 from impl import backends
 from impl.moe.gather import moe_gather
 from impl.moe.reference import check_moe_inputs, moe_reference, swiglu
-from impl.moe.shared import SharedExpert
+from impl.moe.shared import SharedExpert, shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor
 
 
@@ -27,9 +26,7 @@ def _gather(x, weights, ids, w_gate_up, w_down, shared=None):
         raise TypeError("the gather MoE backend takes plain tensors; use 'triton' or 'reference' for MXFP4 experts")
     backends.note("moe", "gather", "moe_gather", tokens=x.shape[0])
     out = moe_gather(x, weights, ids, w_gate_up, w_down)
-    if shared is not None:
-        out = out + F.linear(F.silu(F.linear(x, shared.gate)) * F.linear(x, shared.up), shared.down)
-    return out
+    return out if shared is None else out + shared_expert(x, shared)
 
 
 def _triton(x, weights, ids, w_gate_up, w_down, shared=None):

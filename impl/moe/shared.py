@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -24,3 +25,8 @@ def check_shared_expert(shared: SharedExpert, hidden: int, device: torch.device)
                          f"{tuple(shared.gate.shape)}, {tuple(shared.up.shape)}, {tuple(shared.down.shape)}")
     if any(not t.is_contiguous() or t.device != device for t in (shared.gate, shared.up, shared.down)):
         raise ValueError("shared expert weights must be contiguous and on the device of x")
+
+
+def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+    """The shared expert's SwiGLU MLP on x [T, H], in x's dtype (torch ops)."""
+    return F.linear(F.silu(F.linear(x, shared.gate)) * F.linear(x, shared.up), shared.down)

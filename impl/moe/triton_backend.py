@@ -5,7 +5,8 @@ tokens the launches in order, with no host synchronization:
   (impl/moe/triton_slots.py), then the expert kernels;
 - `moe_triton_layer` (the whole layer, routing included): the router's logits and top-k
   kernels (impl/moe/triton_routing.py; with MXFP4 on the register path the logits kernel also
-  splits x for the dp4a products), then the expert kernels.
+  splits x for the dp4a products), then the expert kernels. A prefill of plain experts (more
+  than M_PAD tokens) takes one batched gather pass instead (`_prefill`).
 
 The expert kernels (impl/moe/triton_experts.py) run as the launch plan says
 (impl/moe/triton_launch.py, from the committed config of the shape's M bucket). Provenance
@@ -176,6 +177,8 @@ def moe_triton_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedE
     launch config says (`config`, else the committed one for the chunk's size). `router` has
     `weight` (fp32 [E, H]), `e_score_correction_bias` and `config` (impl.model.layers.Router)."""
     check_triton_inputs(x, None, None, w_gate_up, w_down, shared)
+    if x.shape[0] > M_PAD and not isinstance(w_gate_up, MXFP4Tensor):
+        return _prefill(x, router, w_gate_up, w_down, shared)
     outs = []
     for i in range(0, max(x.shape[0], 1), M_PAD):
         chunk = x[i:i + M_PAD]
@@ -183,6 +186,20 @@ def moe_triton_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedE
         x_split, slots = route_chunk(chunk, router, p)
         outs.append(moe_experts(chunk, slots, w_gate_up, w_down, shared, p.config, x_split=x_split))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _prefill(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | None) -> torch.Tensor:
+    """More than M_PAD tokens of plain experts (a prefill): the router's own routing, then the
+    chosen experts' weights gathered and applied by two batched matmuls (impl.moe.gather), one
+    pass over all tokens. The decode kernels would take the tokens 16 at a time, re-reading each
+    chosen expert per chunk and paying four launches a chunk: on the H200 the tiny model's
+    time to first token (about 80-token prompts) was 16.7 ms through them against 7.2 ms here."""
+    from impl.moe.gather import moe_gather
+    from impl.moe.shared import shared_expert
+    weights, ids = router(x)
+    backends.note("moe", "triton", "moe_gather", tokens=x.shape[0], prefill=True)
+    out = moe_gather(x, weights, ids, w_gate_up, w_down)
+    return out if shared is None else out + shared_expert(x, shared)
 
 
 def route_chunk(x: torch.Tensor, router, p: Plan, split_x: bool = True
