@@ -1,0 +1,95 @@
+"""The A/B ladder suite (suites/test_ab_ladder.py) end to end through pytester, on CPU:
+
+- GSM8K: a random transformers Qwen3-MoE checkpoint with a BPE tokenizer trained on GSM8K train
+  text (tests/gsm8k_checkpoint.py), the 5-shot `gsm8k` workload from ../shared/data/gsm8k, three
+  questions: every per-request figure is in the report and every answer is scored (strict and
+  flexible);
+- a run stopped part-way (the serving loop raising at the fifth request): the report still holds
+  the records that completed, marked incomplete;
+- an unknown row name is a usage error naming it and the presets.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gsm8k_checkpoint import GSM8K_DIR, build_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "suites" / "test_ab_ladder.py"
+CHECKPOINT = ROOT / "checkpoints" / "tiny-gsm"
+FIGURES = ("ttft_s", "latency_s", "tpot_s", "decode_tokens_per_s", "output_tokens", "prompt_tokens")
+
+ONE_THREAD = '''
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+'''
+
+STOPS_AT_FIFTH = ONE_THREAD + '''
+import impl.serve.runner as runner
+
+_serve = runner.run_request
+_calls = []
+
+
+def _stopping(arm, request):
+    _calls.append(request.request_id)
+    if len(_calls) == 2 * 2 + 5:  # two warm-up requests for each of the two rows, then five served
+        raise RuntimeError("planted: the serving loop stops here")
+    return _serve(arm, request)
+
+
+runner.run_request = _stopping
+'''
+
+
+def _run(pytester, conftest, *args):
+    pytester.makeconftest(conftest)
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    report = pytester.path / "ab"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-baselines",
+                                           str(pytester.mkdir("no-baselines")), "--moe-ab-report", str(report),
+                                           "-rA", *args, "test_ab_ladder.py", timeout=600)
+    path = report / "ab-report.json"
+    return result, json.loads(path.read_text()) if path.is_file() else None
+
+
+@pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K data not found at {GSM8K_DIR}")
+def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_figure(pytester):
+    ckpt = build_checkpoint(pytester.path / "qwen3-moe")
+    result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-workload", f"gsm8k:{GSM8K_DIR}",
+                          "--moe-requests", "3", "--moe-ladder", "a=baseline;b=baseline", "-k", "provenance")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    assert report["summary"]["workload"]["shots"] == 5
+    records = report["requests"]
+    assert len(records) == 6 and {r["arm"] for r in records} == {"a", "b"}
+    for r in records:
+        assert all(r[f] is not None for f in FIGURES), r
+        assert r["ttft_s"] <= r["latency_s"] and r["output_tokens"] > 1
+        assert all(isinstance(r[k], bool) for k in ("correct", "strict_correct", "flexible_correct")), r
+
+
+@pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(), reason=f"no trained checkpoint at {CHECKPOINT}")
+def test_a_run_stopped_part_way_keeps_what_completed_in_its_report(pytester):
+    result, report = _run(pytester, STOPS_AT_FIFTH, "--moe-model", str(CHECKPOINT), "--moe-ladder", "baseline;+mtp",
+                          "--moe-requests", "8")
+    assert result.ret == 1 and "planted: the serving loop stops here" in result.stdout.str(), \
+        result.stdout.str()[-3000:]
+    assert report is not None and report["summary"]["complete"] is False
+    assert len(report["requests"]) == 4 and all(r["text"] is not None for r in report["requests"])
+
+
+def test_an_unknown_row_is_a_usage_error_naming_it(pytester):
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-ladder",
+                                           "baseline;+turbo", "test_ab_ladder.py", timeout=300)
+    assert result.ret == 4, result.stdout.str()[-2000:] + result.stderr.str()[-2000:]
+    result.stderr.fnmatch_lines(["*--moe-ladder*+turbo*"])
