@@ -15,12 +15,11 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import tempfile
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from pytest_moeperf.baselines import atomic_write_bytes
 from pytest_moeperf.stats import (
     CONFIDENCE, mean_interval, paired_accuracy, paired_ratio, percentiles, wilson_interval,
 )
@@ -265,21 +264,6 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
 
 # --- writing -----------------------------------------------------------------------------------
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    # A temporary file in the same folder, then a rename: a reader sees the old file or the new
-    # one, never half of one (os.replace is atomic within a file system).
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _jsonable(x):
     if isinstance(x, float):
         return x if math.isfinite(x) else None  # JSON has no NaN
@@ -307,17 +291,17 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
     written: dict[str, Path] = {}
     for kind, png in render_figures(summary, {key: _values(result, key) for key in METRICS}).items():
         path = out / FILES[kind]
-        _atomic_write_bytes(path, png)
+        atomic_write_bytes(path, png)
         written[kind] = path
     # The rows and every per-request record too: a reader can redo any statistic from the file.
     doc = {"schema": "pytest-moeperf/ab-report/1", "summary": summary,
            "figures": {k: p.name for k, p in written.items()},
            "arms": result.get("arms", []), "requests": result.get("requests", [])}
     path = out / FILES["json"]
-    _atomic_write_bytes(path, (json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n").encode())
     written["json"] = path
     path = out / FILES["markdown"]
-    _atomic_write_bytes(path, markdown(summary, {k: p.name for k, p in written.items()}).encode())
+    atomic_write_bytes(path, markdown(summary, {k: p.name for k, p in written.items()}).encode())
     written["markdown"] = path
     return written
 

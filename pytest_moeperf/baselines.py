@@ -118,12 +118,17 @@ def load_file(path: Path) -> BaselineFile:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: readers see the old or the new file."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: readers see the old or the new file
+    (os.replace is atomic within a file system), never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from pytest_moeperf import ab_report
+from pytest_moeperf import ab_report, baselines
 from pytest_moeperf.ab_report import ACCEPT_LENGTH_FLOOR, summarize_ab, write_ab_report
 from pytest_moeperf.stats import paired_accuracy, paired_ratio
 
@@ -327,7 +327,7 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
         # A failure at the rename leaves every old file whole and no temporary file behind.
         def failing_replace(src, dst):
             raise OSError("disk full")
-        monkeypatch.setattr(ab_report.os, "replace", failing_replace)
+        monkeypatch.setattr(baselines.os, "replace", failing_replace)
         r2 = synthetic(n=30, seed=9, speedups={"baseline": 1.0, "B": 1.3})
         with pytest.raises(OSError, match="disk full"):
             write_ab_report(r2, tmp_path)
