@@ -57,7 +57,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @dataclass
 class LadderRun:
     result: dict  # pytest_moeperf.ab_report's input
-    summary: dict  # ab_report.summarize_ab(result)
+    summary: dict  # ab_summary.summarize_ab(result)
     report: dict  # what write_ab_report wrote
     records: dict  # arm name -> {request id: record}
 
@@ -71,7 +71,8 @@ def ladder(moe_session, moe_model) -> LadderRun:
     from impl.data.text import tokenizer_for
     from impl.data.workloads import ContextError, load_workload
     from impl.serve import build_arms, provenance_problems, run_ladder
-    from pytest_moeperf.ab_report import summarize_ab, write_ab_report
+    from pytest_moeperf.ab_report import write_ab_report
+    from pytest_moeperf.ab_summary import summarize_ab
     opts = moe_session.options
     device = moe_model.embed_tokens.weight.device
     rows = _rows(moe_session)

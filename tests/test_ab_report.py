@@ -12,8 +12,9 @@ import re
 import numpy as np
 import pytest
 
-from pytest_moeperf import ab_report, baselines
-from pytest_moeperf.ab_report import ACCEPT_LENGTH_FLOOR, summarize_ab, write_ab_report
+from pytest_moeperf import ab_summary, baselines
+from pytest_moeperf.ab_report import write_ab_report
+from pytest_moeperf.ab_summary import ACCEPT_LENGTH_FLOOR, summarize_ab
 from pytest_moeperf.stats import paired_accuracy, paired_ratio
 
 K = 3  # drafts per verify step of the synthetic speculative arm
@@ -140,7 +141,7 @@ def test_aa_comparison_shows_no_difference():
     copy_recs = [dict(x, arm="copy") for x in r["requests"] if x["arm"] == "baseline"]
     r["requests"] = [x for x in r["requests"] if x["arm"] == "baseline"] + copy_recs
     c = summarize_ab(r)["comparisons"][0]
-    for key in ab_report.METRICS:
+    for key in ab_summary.METRICS:
         assert c["ratios"][key]["ratio"] == pytest.approx(1.0)
         assert c["ratios"][key]["ci"][0] <= 1.0 <= c["ratios"][key]["ci"][1]
     assert c["speed"] == "no detectable difference"

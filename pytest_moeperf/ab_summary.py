@@ -1,0 +1,246 @@
+"""The numbers of an A/B configuration ladder: per-arm summaries and each arm's paired
+comparison with the first arm (`summarize_ab`), for the report and for the suites to gate.
+
+Input: the serving engine's result (see `summarize_ab`): the arms in ladder order, one record per
+(arm, request), arms interleaved request by request. Every comparison is paired: it uses only the
+request ids present in both arms (a run stopped part-way leaves some arms with fewer), and for
+each figure only the pairs where both records carry it (a 1-token output has no TPOT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict
+
+from pytest_moeperf.stats import (
+    CONFIDENCE, mean_interval, paired_accuracy, paired_ratio, percentiles, wilson_interval,
+)
+
+# Per-request timing figures: (record key, label, unit shown, scale from the record's unit, better).
+METRICS = {
+    "decode_tokens_per_s": ("decode throughput", "tok/s", 1.0, "higher"),
+    "tpot_s": ("TPOT", "ms", 1e3, "lower"),
+    "ttft_s": ("TTFT", "ms", 1e3, "lower"),
+    "latency_s": ("latency", "s", 1.0, "lower"),
+}
+# Which ratio decides "faster" / "slower": decode throughput, the figure the ladder is about.
+SPEED_METRIC = "decode_tokens_per_s"
+QS = (50, 90, 99)
+ACCURACY_KEYS = ("correct", "strict_correct", "flexible_correct")
+# A speculative arm whose mean accept length is below this is flagged. A draft that is never
+# accepted commits exactly 1 token per verify step (the bonus); the draft reading the head's FP8
+# bytes as bf16 lands there. 1.5 is half a draft token accepted per step, far below what a working
+# MTP draft does on this project's model (about 3.9 at k = 3) yet above run-to-run noise around 1.
+ACCEPT_LENGTH_FLOOR = 1.5
+MARGIN = 0.01  # accuracy equivalence margin (+-1 point), paired_accuracy's default
+
+
+# --- input checks ------------------------------------------------------------------------------
+
+def _check(result) -> tuple[list[dict], dict[str, dict[object, dict]]]:
+    """The arms and {arm: {request_id: record}}, or a ValueError saying what is wrong."""
+    if not isinstance(result, dict):
+        raise ValueError(f"result must be a dict, got {type(result).__name__}")
+    arms = result.get("arms")
+    if not isinstance(arms, list) or not arms:
+        raise ValueError("result['arms'] must be a non-empty list of arms in ladder order")
+    names = []
+    for i, arm in enumerate(arms):
+        if not isinstance(arm, dict) or not isinstance(arm.get("name"), str) or not arm["name"]:
+            raise ValueError(f"result['arms'][{i}] must be a dict with a non-empty 'name'")
+        names.append(arm["name"])
+    dup = [n for n, c in Counter(names).items() if c > 1]
+    if dup:
+        raise ValueError(f"arm names must be unique; repeated: {', '.join(dup)}")
+    requests = result.get("requests")
+    if not isinstance(requests, list):
+        raise ValueError("result['requests'] must be a list of per-request records")
+    by_arm: dict[str, dict[object, dict]] = {n: {} for n in names}
+    for i, rec in enumerate(requests):
+        where = f"result['requests'][{i}]"
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where} must be a dict")
+        arm = rec.get("arm")
+        if arm not in by_arm:
+            raise ValueError(f"{where} names arm {arm!r}, which is not in result['arms'] ({', '.join(names)})")
+        rid = rec.get("request_id")
+        if rid is None:
+            raise ValueError(f"{where} (arm {arm!r}) has no request_id")
+        if rid in by_arm[arm]:
+            raise ValueError(f"arm {arm!r} has two records for request_id {rid!r}")
+        where = f"arm {arm!r} request {rid!r}"
+        for key in METRICS:
+            v = rec.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v <= 0):
+                raise ValueError(f"{where}: {key} = {v!r}; it must be a positive finite number or None")
+        for key in ACCURACY_KEYS:
+            v = rec.get(key)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{where}: {key} = {v!r}; it must be True, False or None")
+        for key in ("accept_lengths", "accepted_per_position"):
+            v = rec.get(key)
+            if v is not None and (not isinstance(v, (list, tuple))
+                                  or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
+                raise ValueError(f"{where}: {key} must be a list of non-negative integers or None")
+        if rec.get("accept_lengths") and min(rec["accept_lengths"]) < 1:
+            raise ValueError(f"{where}: an accept length below 1 (every verify step commits at least the bonus token)")
+        by_arm[arm][rid] = rec
+    return arms, by_arm
+
+
+# --- per-arm summaries -------------------------------------------------------------------------
+
+def _metric_summary(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    mean, lo, hi = mean_interval(values, CONFIDENCE)
+    return {"n": len(values), "mean": mean, "ci": [lo, hi],
+            **{f"p{q}": v for q, v in percentiles(values, QS).items()}}
+
+
+def _accuracy_summary(records, key) -> dict | None:
+    marks = [r[key] for r in records if r.get(key) is not None]
+    if not marks:
+        return None
+    k = sum(marks)
+    lo, hi = wilson_interval(k, len(marks), CONFIDENCE)
+    return {"n": len(marks), "correct": k, "accuracy": k / len(marks), "ci": [lo, hi]}
+
+
+def _accept_summary(records, drafts_per_step) -> dict | None:
+    lengths = [x for r in records for x in (r.get("accept_lengths") or ())]
+    if not lengths:
+        return None
+    per_pos, steps = None, 0
+    with_pos = [r for r in records if r.get("accepted_per_position") is not None]
+    if with_pos:
+        k = max(len(r["accepted_per_position"]) for r in with_pos)
+        counts = [0] * k
+        for r in with_pos:
+            for j, c in enumerate(r["accepted_per_position"]):
+                counts[j] += c
+            # verify_steps when given, else one verify step per accept length
+            steps += r["verify_steps"] if r.get("verify_steps") is not None else len(r.get("accept_lengths") or ())
+        per_pos = [c / steps for c in counts] if steps else None
+    hist = Counter(lengths)
+    return {"mean": sum(lengths) / len(lengths), "verify_steps": len(lengths),
+            "histogram": {str(k): hist[k] for k in sorted(hist)},
+            "acceptance_per_position": per_pos,
+            "drafts_per_step": drafts_per_step or (len(per_pos) if per_pos else max(lengths) - 1)}
+
+
+def _arm_summary(arm: dict, records: list[dict]) -> dict:
+    prov = arm.get("provenance") or {}
+    out = {
+        "name": arm["name"], "config": arm.get("config"), "speculative": bool(arm.get("speculative")),
+        "provenance": prov, "provenance_error": arm.get("provenance_error"),
+        "n_requests": len(records),
+        "output_tokens": sum(r.get("output_tokens") or 0 for r in records),
+        "metrics": {key: _metric_summary([r[key] for r in records if r.get(key) is not None]) for key in METRICS},
+        "accept_length": _accept_summary(records, prov.get("drafts_per_step")) if arm.get("speculative") else None,
+    }
+    for key in ACCURACY_KEYS:
+        out["accuracy" if key == "correct" else key.replace("_correct", "_accuracy")] = _accuracy_summary(records, key)
+    return out
+
+
+# --- comparisons against the first arm ---------------------------------------------------------
+
+def _ratio(ref: dict, arm: dict, ids, key) -> dict | None:
+    pairs = [(ref[i][key], arm[i][key]) for i in ids if ref[i].get(key) is not None and arm[i].get(key) is not None]
+    if not pairs:
+        return None
+    ratio, lo, hi = paired_ratio([p[0] for p in pairs], [p[1] for p in pairs], CONFIDENCE)
+    return {"n": len(pairs), "ratio": ratio, "ci": [lo, hi]}
+
+
+def _speed_verdict(r: dict | None, better: str) -> str:
+    if r is None:
+        return "no data"
+    lo, hi = r["ci"]
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "too few pairs"
+    up, down = ("faster", "slower") if better == "higher" else ("slower", "faster")
+    return up if lo > 1 else down if hi < 1 else "no detectable difference"
+
+
+def _compare(ref_name: str, arm_name: str, by_arm, margin: float) -> dict:
+    ref, arm = by_arm[ref_name], by_arm[arm_name]
+    ids = sorted(set(ref) & set(arm), key=lambda i: (str(type(i)), i))
+    ratios = {key: _ratio(ref, arm, ids, key) for key in METRICS}
+    speed = _speed_verdict(ratios[SPEED_METRIC], METRICS[SPEED_METRIC][3])
+    acc_ids = [i for i in ids if ref[i].get("correct") is not None and arm[i].get("correct") is not None]
+    acc = None
+    if acc_ids:
+        acc = asdict(paired_accuracy([ref[i]["correct"] for i in acc_ids], [arm[i]["correct"] for i in acc_ids],
+                                     margin=margin))
+    answers = "no accuracy data" if acc is None else {
+        "equivalent": "answers equivalent", "different": "answers differ",
+        "inconclusive": "answers inconclusive"}[acc["verdict"]]
+    return {"arm": arm_name, "reference": ref_name, "n_paired": len(ids), "ratios": ratios,
+            "speed": speed, "accuracy": acc, "verdict": f"{speed}; {answers}"}
+
+
+def _flags(s: dict, cmp: dict | None) -> list[str]:
+    flags = []
+    if s["provenance_error"]:
+        flags.append(f"provenance error: {s['provenance_error']}")
+    if s["n_requests"] == 0:
+        flags.append("no requests recorded")
+    if s["speculative"]:
+        acc = s["accept_length"]
+        prov = s["provenance"]
+        if acc is None and s["n_requests"]:
+            flags.append("speculative arm reported no accept lengths")
+        elif acc is not None and acc["mean"] < ACCEPT_LENGTH_FLOOR:
+            flags.append(f"mean accept length {acc['mean']:.2f} on a speculative arm (below {ACCEPT_LENGTH_FLOOR}): "
+                         "the drafts are almost never accepted")
+        if prov.get("draft_shares_head") is False:
+            flags.append("the draft does not share the target's head module")
+        if prov.get("drafts_per_step") == 0:
+            flags.append("speculative arm drafts 0 tokens per step")
+    if cmp is not None:
+        r = cmp["ratios"][SPEED_METRIC]
+        if cmp["speed"] == "slower":
+            flags.append(f"slower than {cmp['reference']}: decode tokens/s x{r['ratio']:.3f} "
+                         f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]")
+        a = cmp["accuracy"]
+        if a is not None and a["verdict"] == "different":
+            flags.append(f"answers differ from {cmp['reference']}: accuracy {100 * a['difference']:+.1f} points "
+                         f"(McNemar p = {a['p_value']:.3g}, {a['a_only']} lost, {a['b_only']} gained)")
+    return flags
+
+
+def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
+    """The numbers of the report: per-arm summaries and each arm's paired comparison with the first.
+
+    result: {"workload": {...}, "device": str, "arms": [{"name", "config", "provenance",
+    "provenance_error", "speculative"}, ...] (ladder order; the first is the reference),
+    "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s",
+    "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps",
+    "correct", "strict_correct", "flexible_correct", "text"}, ...], "complete": bool}.
+    Missing figures are None (TPOT of a 1-token output; accuracy of a synthetic workload).
+
+    Returns {"workload", "device", "complete", "reference", "arms": [per-arm summary],
+    "comparisons": [one per arm after the first: "ratios" (geometric mean of B_i / A_i with a 95%
+    BCa interval over requests, per figure), "speed", "accuracy" (paired_accuracy as a dict, or
+    None), "verdict"], "flagged": {arm: [reason, ...]}}. Per-arm figures are means with 95% BCa
+    intervals and p50/p90/p99, in the record's units (seconds, tokens/s).
+    """
+    arms, by_arm = _check(result)
+    ref = arms[0]["name"]
+    summaries = [_arm_summary(a, list(by_arm[a["name"]].values())) for a in arms]
+    comparisons = [_compare(ref, a["name"], by_arm, margin) for a in arms[1:]]
+    max_n = max((s["n_requests"] for s in summaries), default=0)
+    flagged = {}
+    for i, s in enumerate(summaries):
+        s["flags"] = _flags(s, comparisons[i - 1] if i else None)
+        s["partial"] = s["n_requests"] < max_n
+        if s["flags"]:
+            flagged[s["name"]] = s["flags"]
+    return {"workload": result.get("workload") or {}, "device": result.get("device"),
+            "complete": bool(result.get("complete", False)), "reference": ref,
+            "accuracy_margin": margin, "confidence": CONFIDENCE,
+            "arms": summaries, "comparisons": comparisons, "flagged": flagged}
