@@ -1,0 +1,292 @@
+"""Kimi Delta Attention (KDA), the linear-attention layer of Ling 3.0 (`bailing_hybrid`), for decode.
+
+Parameter names follow transformers' `BailingHybridDeltaAttention`, so its state_dict loads with
+`load_state_dict`: q_proj/k_proj/v_proj, one depthwise `conv1d` over the concatenated q|k|v channels,
+`forget_gate.{f_proj, A_log, dt_bias}`, `b_proj`, `g_proj`, `o_norm.weight`, `o_proj`.
+
+Per head h, with q and k L2-normalised, q scaled by 1/sqrt(head_dim), a per-channel log-decay g_t <= 0
+and a write strength beta_t in (0, 1), the state S [head_dim_k, head_dim_v] follows the gated delta rule
+
+    S  <- diag(exp(g_t)) S
+    S  <- S + k_t (beta_t (v_t - S^T k_t))^T
+    o_t = S^T q_t
+
+The state per layer is constant in size: S for every head, plus the last (kernel - 1) pre-convolution
+q|k|v inputs for the short causal convolution. Both live in `KDAState`, allocated once by
+`setup_caches` (static shapes, like the KV cache) and updated in place, in fp32 whatever the model
+dtype: the recurrence accumulates over the whole sequence, so rounding it to bf16 each step would drift.
+
+Decode (T == 1) is the recurrent step; prefill (T > 1) is the chunked form (`chunked_kda`), which gives
+the same outputs and final state as T recurrent steps up to fp32 rounding. Neither reads a value back
+to the host, and every shape depends only on T (a Python int), never on tensor contents.
+
+A recurrent state cannot be truncated like a KV cache, so speculative decoding rolls back by copying:
+`state_snapshot()` / `state_restore(snap)` (into a preallocated buffer with `out=` when the copy must
+not allocate, e.g. inside a CUDA graph), and `advance_from(snap, x)` restores a snapshot and runs the
+accepted tokens through again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
+# reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.
+L2_EPS = 1e-6
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log-decay g <= 0 from the hidden state, in fp32.
+
+    safe_gate: g = lower_bound * sigmoid(exp(A_log) * (f_proj(x) + dt_bias)), so g in (lower_bound, 0);
+    otherwise g = -exp(A_log) * softplus(f_proj(x) + dt_bias).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, safe_gate: bool, lower_bound: float) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.safe_gate, self.lower_bound = safe_gate, lower_bound
+        # A_log and dt_bias stay fp32 in the checkpoint (transformers keeps them in fp32 strictly).
+        self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(num_heads * head_dim, dtype=torch.float32))
+        self.f_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        z = (self.f_proj(x).float() + self.dt_bias.float()).view(b, t, self.num_heads, self.head_dim)
+        rate = self.A_log.float().exp().view(1, 1, self.num_heads, 1)
+        if self.safe_gate:
+            return self.lower_bound * torch.sigmoid(rate * z)
+        return -rate * F.softplus(z)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm over head_dim, then times sigmoid(gate); all in fp32, one rounding to the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return (y * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KDAState(nn.Module):
+    """One layer's recurrent state: `recurrent` [B, H, Dk, Dv] and `conv` [B, 3*H*D, kernel - 1], fp32."""
+
+    def __init__(self, batch: int, num_heads: int, head_dim: int, conv_dim: int, conv_kernel: int,
+                 device=None) -> None:
+        super().__init__()
+        f32 = torch.float32
+        self.register_buffer("recurrent", torch.zeros(batch, num_heads, head_dim, head_dim, dtype=f32,
+                                                      device=device), persistent=False)
+        self.register_buffer("conv", torch.zeros(batch, conv_dim, conv_kernel - 1, dtype=f32, device=device),
+                             persistent=False)
+
+    def copy_(self, other: "KDAState") -> "KDAState":
+        if other.recurrent.shape != self.recurrent.shape or other.conv.shape != self.conv.shape:
+            raise ValueError(f"state shapes differ: recurrent {tuple(other.recurrent.shape)} vs "
+                             f"{tuple(self.recurrent.shape)}, conv {tuple(other.conv.shape)} vs "
+                             f"{tuple(self.conv.shape)}")
+        self.recurrent.copy_(other.recurrent)
+        self.conv.copy_(other.conv)
+        return self
+
+    def zero_(self) -> "KDAState":
+        self.recurrent.zero_()
+        self.conv.zero_()
+        return self
+
+
+def recurrent_kda_step(q, k, v, g, beta, state):
+    """One token. q, k, v, g [B, H, D] fp32 (q, k normalised, q scaled), beta [B, H]; state [B, H, Dk, Dv]
+    updated in place. Returns o [B, H, Dv]."""
+    state.mul_(g.exp().unsqueeze(-1))
+    recalled = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = beta.unsqueeze(-1) * (v - recalled)
+    state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return torch.einsum("bhk,bhkv->bhv", q, state)
+
+
+def chunked_kda(q, k, v, g, beta, state, chunk_size: int = 64):
+    """T tokens in chunks. q, k, v, g [B, H, T, D] fp32 (q, k normalised, q scaled), beta [B, H, T];
+    state [B, H, Dk, Dv] updated in place to the state after the last token. Returns o [B, H, T, Dv].
+
+    Within a chunk starting from state S0, with G_t = g_1 + ... + g_t (per channel, cumulative in the
+    chunk), the per-token corrections d_t = beta_t (v_t - k_t^T S'_t), S'_t the decayed state just before
+    token t's write, satisfy a unit lower-triangular system
+
+        d_t + beta_t sum_{i<t} A_ti d_i = beta_t (v_t - (k_t * exp(G_t))^T S0),
+        A_ti = sum_c k_tc k_ic exp(G_tc - G_ic),
+
+    solved with one triangular solve per chunk instead of t sequential steps. Then
+        o_t = (q_t * exp(G_t))^T S0 + sum_{i<=t} (sum_c q_tc k_ic exp(G_tc - G_ic)) d_i,
+        S_end = diag(exp(G_C)) S0 + sum_i (k_i * exp(G_C - G_i)) d_i^T.
+    The decay ratios are formed as exp of differences (never exp(G_t) / exp(G_i), which over- or
+    underflows once G reaches a few hundred in a long chunk), masked to i <= t before the exp.
+    The last chunk is simply shorter: no padding, shapes fixed by T alone.
+    """
+    b, h, t, dk = k.shape
+    out = torch.empty(b, h, t, v.shape[-1], dtype=torch.float32, device=q.device)
+    for s in range(0, t, chunk_size):
+        e = min(s + chunk_size, t)
+        n = e - s
+        qc, kc, vc, bc = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e]
+        gc = g[:, :, s:e].cumsum(dim=2)                                   # [B, H, n, Dk]
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        diff = (gc.unsqueeze(3) - gc.unsqueeze(2))                         # [B, H, n(t), n(i), Dk]
+        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+        a_kk = torch.einsum("bhtc,bhic,bhtic->bhti", kc, kc, decay)
+        a_qk = torch.einsum("bhtc,bhic,bhtic->bhti", qc, kc, decay)        # includes i == t
+        lower = (bc.unsqueeze(-1) * a_kk).tril(-1) + torch.eye(n, device=q.device)
+        rhs = bc.unsqueeze(-1) * (vc - (kc * gc.exp()) @ state)
+        d = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        out[:, :, s:e] = (qc * gc.exp()) @ state + a_qk @ d
+        g_end = gc[:, :, -1:]                                              # [B, H, 1, Dk]
+        state.mul_(g_end.exp().transpose(-1, -2))
+        state.add_((kc * (g_end - gc).exp()).transpose(-1, -2) @ d)
+    return out
+
+
+class KDAAttention(nn.Module):
+    """KDA layer. `forward(x, cos, sin, input_pos, mask)` like `layers.Attention` (cos, sin and mask
+    are unused: KDA has no positional rotation and is causal by construction).
+
+    With a state (`setup_caches`), calls continue the state: one token takes the recurrent step, more
+    take the chunked prefill. A call whose input_pos starts at 0 begins a new sequence from a zero state
+    (applied on the device, by a multiply, without reading input_pos back). Without a state the call
+    runs the sequence from a zero state and keeps nothing.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel_size: int = 4,
+                 rms_norm_eps: float = 1e-6, safe_gate: bool = True, lower_bound: float = -5.0,
+                 chunk_size: int = 64) -> None:
+        super().__init__()
+        if conv_kernel_size < 1:
+            raise ValueError(f"conv_kernel_size must be >= 1, got {conv_kernel_size}")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.qkv_dim = num_heads * head_dim
+        self.conv_dim = 3 * self.qkv_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.chunk_size = chunk_size
+        self.q_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
+        # Depthwise, no bias, weight [3*H*D, 1, kernel] kept in fp32 as in the checkpoint; SiLU after it.
+        # Padding is never used here (the state supplies the history), it only matches the reference module.
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False,
+                                padding=conv_kernel_size - 1, dtype=torch.float32)
+        self.forget_gate = ForgetGate(hidden_size, num_heads, head_dim, safe_gate, lower_bound)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, rms_norm_eps)
+        self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False)
+        self.g_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
+        self.state: KDAState | None = None
+
+    @classmethod
+    def from_hf_config(cls, config, **kwargs) -> "KDAAttention":
+        """From a transformers `BailingHybridConfig` (its linear_* fields; silu is the only activation)."""
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only the silu short-conv activation is implemented, got {config.hidden_act!r}")
+        return cls(config.hidden_size, config.linear_num_heads, config.linear_head_dim,
+                   config.linear_conv_kernel_dim, config.rms_norm_eps, config.kda_safe_gate,
+                   config.kda_lower_bound, **kwargs)
+
+    # -- state -----------------------------------------------------------------------------------
+    def setup_caches(self, max_batch_size: int, device=None) -> None:
+        """Allocate the state once (zeros); shapes depend on the batch only, not on sequence length."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        device = self.q_proj.weight.device if device is None else device
+        self.state = KDAState(max_batch_size, self.num_heads, self.head_dim, self.conv_dim,
+                              self.conv_kernel_size, device)
+
+    def reset_state(self) -> None:
+        self._require_state().zero_()
+
+    def new_snapshot(self) -> KDAState:
+        """A spare buffer shaped like the state, for `state_snapshot(out=...)` without allocating later."""
+        s = self._require_state()
+        return KDAState(s.recurrent.shape[0], self.num_heads, self.head_dim, self.conv_dim, self.conv_kernel_size,
+                        s.recurrent.device)
+
+    def state_snapshot(self, out: KDAState | None = None) -> KDAState:
+        """A copy of the current state (into `out` when given, in place)."""
+        out = self.new_snapshot() if out is None else out
+        return out.copy_(self._require_state())
+
+    def state_restore(self, snap: KDAState) -> None:
+        """Copy a snapshot back into the live state, in place (the live buffers keep their addresses)."""
+        self._require_state().copy_(snap)
+
+    def advance_from(self, snap: KDAState, x: torch.Tensor) -> torch.Tensor:
+        """Restore `snap`, then run the accepted tokens x [B, n, hidden] through (chunked form when
+        n > 1): after a rejection in speculative decoding, the state is the one n accepted tokens leave."""
+        self.state_restore(snap)
+        return self(x)
+
+    def _require_state(self) -> KDAState:
+        if self.state is None:
+            raise RuntimeError("no KDA state: call setup_caches(max_batch_size) first")
+        return self.state
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _check(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [batch, seq, hidden={self.hidden_size}], got {tuple(x.shape)}")
+        if x.shape[1] < 1:
+            raise ValueError("x has no tokens (seq == 0)")
+        if input_pos is not None and input_pos.shape != (x.shape[1],):
+            raise ValueError(f"input_pos must be [seq={x.shape[1]}], got {tuple(input_pos.shape)}")
+        if self.state is not None and x.shape[0] > self.state.recurrent.shape[0]:
+            raise ValueError(f"batch {x.shape[0]} exceeds the KDA state's {self.state.recurrent.shape[0]}")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        self._check(x, input_pos)
+        b, t, _ = x.shape
+        h, d, kern = self.num_heads, self.head_dim, self.conv_kernel_size
+        if self.state is not None:
+            recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
+            if input_pos is not None:
+                # A sequence starting at position 0 forgets the previous one; a multiply, not a branch.
+                keep = (input_pos[:1] != 0).to(torch.float32)
+                recurrent.mul_(keep)
+                conv_state.mul_(keep)
+        else:
+            recurrent = torch.zeros(b, h, d, d, dtype=torch.float32, device=x.device)
+            conv_state = torch.zeros(b, self.conv_dim, kern - 1, dtype=torch.float32, device=x.device)
+
+        # Short causal depthwise conv over q|k|v, continuing from the stored (kernel - 1) inputs.
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).transpose(1, 2).float()
+        window = torch.cat([conv_state, mixed], dim=-1)                   # [B, C, kernel - 1 + T]
+        w = self.conv1d.weight.float()                                    # [C, 1, kernel]
+        if t == 1:
+            conv = (window * w.squeeze(1)).sum(-1, keepdim=True)
+        else:
+            conv = F.conv1d(window, w, groups=self.conv_dim)
+        if kern > 1:
+            conv_state.copy_(window[..., -(kern - 1):])
+        qkv = F.silu(conv).to(x.dtype).transpose(1, 2)                    # [B, T, C]
+        q, k, v = (y.reshape(b, t, h, d).float() for y in qkv.split(self.qkv_dim, dim=-1))
+        q = _l2norm(q) * d ** -0.5
+        k = _l2norm(k)
+
+        g = self.forget_gate(x)                                           # [B, T, H, D] fp32
+        beta = torch.sigmoid(self.b_proj(x)).float()                      # [B, T, H]
+        if t == 1:
+            o = recurrent_kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent).unsqueeze(1)
+        else:
+            tr = lambda y: y.transpose(1, 2)                              # noqa: E731  [B, H, T, ...]
+            o = tr(chunked_kda(tr(q), tr(k), tr(v), tr(g), tr(beta), recurrent, self.chunk_size))
+        o = o.to(x.dtype)
+        o = self.o_norm(o, self.g_proj(x).view(b, t, h, d)).reshape(b, t, -1)
+        return self.o_proj(o)
