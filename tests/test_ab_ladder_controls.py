@@ -10,8 +10,8 @@ on the trained checkpoint (checkpoints/tiny-gsm, CPU, one torch thread, the arit
   test finding the answers `different`.
 - `A/A`: the baseline twice: nothing fails, the answers come out `equivalent` (margin 5 points:
   at 60 requests a 1-point equivalence is out of reach, the smallest interval half-width with no
-  discordant pair being z^2 / (n + z^2) = 4.3 points) and each speed ratio's interval contains
-  1 (at 99.75% each, so that the four together miss 1 by chance in 1% of runs).
+  discordant pair being z^2 / (n + z^2) = 4.3 points), and no speed ratio is one the gate would
+  call a regression (within the CPU tolerance of 1, or its interval containing 1).
 
 No baselines are frozen for these runs (an empty folder): the gated figures skip as
 NO-BASELINE, the provenance and answer checks, which need no baseline, decide.
@@ -20,12 +20,14 @@ NO-BASELINE, the provenance and answer checks, which need no baseline, decide.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 
 from pytest_moeperf.stats import paired_ratio
+from pytest_moeperf.tolerances import tolerance_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "suites" / "test_ab_ladder.py"
@@ -113,11 +115,20 @@ def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
     assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "equivalent", comparison["accuracy"]
-    # Each speed ratio's interval contains 1, at 99.75% each: the report's 95% intervals of four
-    # figures would miss 1 in about one A/A run in five by chance alone (Bonferroni: a 1% chance
-    # that any of the four misses).
+    # No speed figure of the A/A run is one the gate would call a regression: each ratio is within
+    # the CPU tolerance of 1 or its interval contains 1. The interval is taken over blocks of two
+    # consecutive requests (one served a-first, one b-first), which cancels the order effect (the
+    # second row served in a pair ran 3-6% slower on this VM) and keeps each block's shared host
+    # load together; at 99.75% each, so that four figures miss by chance in 1% of runs. An
+    # interval alone is not enough on a loaded 2-core runner: with the other pytest-xdist worker
+    # busy one A/A run gave 0.909 (99.75% CI 0.826-0.999) over single requests.
+    tolerance = tolerance_for("ab_speed", "cpu")
     by_arm = {arm: {r["request_id"]: r for r in report["requests"] if r["arm"] == arm} for arm in ("a", "b")}
+    ids = [i for i in by_arm["a"] if i in by_arm["b"]]
     for key in ("decode_tokens_per_s", "tpot_s", "ttft_s", "latency_s"):
-        ids = [i for i in by_arm["a"] if by_arm["a"][i][key] and by_arm["b"].get(i, {}).get(key)]
-        ratio, lo, hi = paired_ratio([by_arm["a"][i][key] for i in ids], [by_arm["b"][i][key] for i in ids], 0.9975)
-        assert lo <= 1 <= hi, (key, ratio, lo, hi)
+        blocks = [(ids[j], ids[j + 1]) for j in range(0, len(ids) - 1, 2)
+                  if all(by_arm[arm][i][key] for arm in ("a", "b") for i in ids[j:j + 2])]
+        a = [math.sqrt(by_arm["a"][i][key] * by_arm["a"][k][key]) for i, k in blocks]
+        b = [math.sqrt(by_arm["b"][i][key] * by_arm["b"][k][key]) for i, k in blocks]
+        ratio, lo, hi = paired_ratio(a, b, 0.9975)
+        assert lo <= 1 <= hi or abs(math.log(ratio)) <= math.log(1 + tolerance), (key, ratio, lo, hi)
