@@ -149,6 +149,12 @@ def _paired(ladder: LadderRun, row: str, key: str) -> list[float]:
             and mine[i][key] is not None and ref[i][key] is not None and ref[i][key] > 0 and mine[i][key] > 0]
 
 
+def _chunks(ids: list) -> list[list]:
+    """`ids` in CHUNKS consecutive runs (the last may be shorter): the samples of a fraction gated."""
+    size = max(1, math.ceil(len(ids) / CHUNKS))
+    return [ids[j:j + size] for j in range(0, len(ids), size)]
+
+
 def test_row_provenance(ladder, row):
     """The row ran what its name says (impl.serve.provenance): else it fails naming the part."""
     error = _arm(ladder, row)["provenance_error"]
@@ -183,8 +189,7 @@ def test_row_answers(ladder, row, moe_gate, moe_device):
                     f"of {acc['n']}, exact McNemar p = {acc['p_value']:.3g}", pytrace=False)
     mine, ref = ladder.records[row], ladder.records[ladder.result["arms"][0]["name"]]
     ids = [i for i in mine if i in ref and mine[i].get("correct") is not None]
-    size = max(1, math.ceil(len(ids) / CHUNKS))
-    chunks = [ids[j:j + size] for j in range(0, len(ids), size)]
+    chunks = _chunks(ids)
     tol = tolerance_for("ab_accuracy", moe_device.torch_device)
     moe_gate.check("ab_answers_alike", [statistics.fmean(mine[i]["correct"] == ref[i]["correct"] for i in c)
                                      for c in chunks],
@@ -202,8 +207,7 @@ def test_reference_accuracy(ladder, moe_gate, moe_device):
     ids = [i for i, r in ladder.records[name].items() if r.get("correct") is not None]
     if not ids:
         pytest.skip(f"workload {ladder.result['workload']['name']!r} has no answers")
-    size = max(1, math.ceil(len(ids) / CHUNKS))
-    chunks = [ids[j:j + size] for j in range(0, len(ids), size)]
+    chunks = _chunks(ids)
     moe_gate.check("ab_reference_accuracy", [statistics.fmean(ladder.records[name][i]["correct"] for i in c)
                                           for c in chunks],
                    unit="fraction", direction="higher", tolerance=tolerance_for("ab_accuracy", moe_device.torch_device),
