@@ -87,3 +87,33 @@ def test_unshared_head_is_refused_on_the_device(models, prompts):
     print(f"\naccept lengths, shared head: {good.provenance.verify_steps} steps; unshared: {rec['accept_lengths']}")
     with pytest.raises(ProvenanceError, match="only its weight tensor is shared"):
         check_provenance("+mtp", bad.config, bad.provenance)
+
+
+@pytest.mark.parametrize("s", [5, 16, 20, 300])
+def test_graphed_draft_prompt_pass_writes_the_eager_cache(models, s):
+    """The draft's prompt pass replayed from a bucket's graph (positions past s padded with stale
+    rows) leaves the draft's KV cache at positions 0..s-1 as the eager pass over exactly s
+    positions does. fp32; 1e-5 relative: the padded pass may route more than 16 tokens through
+    the gather prefill where the eager one takes the decode kernels, which sum in another order
+    (fp32 rounding, about 1e-7 a term over the few hundred terms of a row)."""
+    from impl.serve.engine import prepare
+    model = models["float32"]
+    arm = build_arm(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer())
+    prepare(arm)
+    loop = arm.loop
+    assert loop.draft_prompt.graphs, "no bucket graphs captured on CUDA"
+    cache = model.mtp[0].block.self_attn.kv_cache
+    g = torch.Generator(device="cuda").manual_seed(s)
+    hidden = torch.randn(1, s, model.config.hidden_size, device="cuda", generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (1, s), device="cuda", generator=g)
+    with torch.inference_mode():
+        loop.draft_prompt._pass(hidden, ids, s)  # eager, exactly s positions
+        want_k, want_v = cache.k[:, :, :s].clone(), cache.v[:, :, :s].clone()
+        cache.k.normal_()
+        cache.v.normal_()
+        events = loop.draft_prompt(hidden, ids, s)
+        torch.cuda.synchronize()
+    assert events, "the replayed pass reported no provenance"
+    for got, want in ((cache.k[:, :, :s], want_k), (cache.v[:, :, :s], want_v)):
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= 1e-5, f"s={s}: draft cache differs from the eager pass by {rel:.2e}"

@@ -9,10 +9,13 @@ lengths differ) and replays the same graph, so no request captures anything.
 
 Speculation without an eager step: the first verify step's draft pass would span the whole prompt
 (a shape that changes per request). Instead, right after the first token is queued, the draft's
-layer runs once, eagerly, over the prompt positions before the last k+1 (writing its KV cache as
-that pass would), and the step's span is set to the last k+1 prompt positions with the chain
-continuing from the last one: the shape every later step has, so every verify step replays the
-captured graph. Prompts shorter than k+1 tokens run their first step eagerly instead.
+layer runs once over the prompt positions before the last k+1 (writing its KV cache as that pass
+would), and the step's span is set to the last k+1 prompt positions with the chain continuing
+from the last one: the shape every later step has, so every verify step replays the captured
+graph. Prompts shorter than k+1 tokens run their first step eagerly instead. That prompt pass is
+itself launch-bound on a small draft (about 2 ms of launches for the embedded model's one layer
+on the H200, 40% of its TTFT), so on CUDA it replays one graph per prompt-length bucket
+(`_DraftPrompt`).
 
 Host reads and stops. The host must look at tokens to stop (stop strings, EOS), and nowhere else:
 a step never syncs. After each step the committed tokens (plain: the new token; speculative:
@@ -166,6 +169,60 @@ class _PlainLoop:
         return values
 
 
+class _DraftPrompt:
+    """The draft layer's pass over prompt positions 0..s-1 (`_SpecLoop.after_first`).
+
+    On CUDA a prompt of s <= GRAPHED_PROMPT positions replays the graph of the smallest bucket
+    S >= s, a pass over positions 0..S-1 reading persistent buffers whose first s rows hold the
+    target's hidden states and tokens; rows past s hold whatever an earlier request left. What
+    they write into the draft's KV cache at positions s..S-1 is rewritten before any query reads
+    it: every later draft pass writes a position before a query at it or later attends to it
+    (impl.spec.decoder's module docstring). Longer prompts run eagerly: compute, not launches,
+    dominates there, and a graph per bucket up to the context would hold its activations."""
+
+    GRAPHED_PROMPT = 2048
+    SMALLEST_BUCKET = 16
+
+    def __init__(self, model, draft, device: torch.device, capacity: int) -> None:
+        self.model, self.draft = model, draft
+        self.graphs: dict[int, tuple[StepGraph, set]] = {}
+        if device.type != "cuda":
+            return
+        top = min(capacity, self.GRAPHED_PROMPT)
+        buckets, b = [], self.SMALLEST_BUCKET
+        while b < top:
+            buckets.append(b)
+            b *= 2
+        buckets.append(top)
+        w = model.embed_tokens.weight
+        self.hidden = torch.zeros(1, top, model.config.hidden_size, dtype=w.dtype, device=device)
+        self.ids = torch.zeros(1, top, dtype=torch.long, device=device)
+        self.pos = torch.arange(top, device=device)
+        for size in buckets:
+            with backends.record_provenance() as prov:
+                graph = StepGraph(lambda size=size: self._pass(self.hidden, self.ids, size), device)
+            self.graphs[size] = (graph, _events(prov))
+
+    def _pass(self, hidden: torch.Tensor, ids: torch.Tensor, s: int) -> None:
+        pos = self.pos[:s] if self.graphs else torch.arange(s, device=hidden.device)
+        cos, sin, mask = self.model.positions(s, pos)
+        self.draft.hidden(hidden[:, :s], ids[:, :s], cos, sin, pos, mask)
+
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, s: int) -> set:
+        """Run the pass over the first `s` positions of `hidden` [1, >=s, H] and `ids` [1, >=s];
+        returns the provenance events of what ran (recorded at capture for a replayed graph)."""
+        bucket = next((b for b in self.graphs if b >= s), None)
+        if bucket is None:
+            with backends.record_provenance() as prov:
+                self._pass(hidden, ids, s)
+            return _events(prov)
+        graph, events = self.graphs[bucket]
+        self.hidden[:, :s].copy_(hidden[:, :s])
+        self.ids[:, :s].copy_(ids[:, :s])
+        graph()
+        return events
+
+
 class _SpecLoop:
     """Persistent buffers and the captured speculative step (draft k, verify k+1) of one arm."""
 
@@ -191,6 +248,8 @@ class _SpecLoop:
             self.out = torch.zeros(k + 2, dtype=torch.long, device=d)  # accepted, then the k+1 committed slots
         self.draft_seen: set = set()
         self.target_seen: set = set()
+        with torch.inference_mode():
+            self.draft_prompt = _DraftPrompt(model, dec.draft, d, self.capacity)
         with torch.inference_mode(), backends.record_provenance() as prov:
             # A valid state to capture from: a prompt of k+2 tokens, room for the capture's steps.
             self.begin(torch.zeros(k + 2, dtype=torch.long), 3 * (k + 1))
@@ -230,11 +289,7 @@ class _SpecLoop:
             return
         span, s = state.span, t - k - 1
         if s:
-            with backends.record_provenance() as prov:
-                model, draft = self.model, self.decoder.draft
-                cos, sin, mask = model.positions(s, span.pos[:s])
-                draft.hidden(span.hidden[:, :s], span.ids[:, :s], cos, sin, span.pos[:s], mask)
-            self.draft_seen |= _events(prov)
+            self.draft_seen |= self.draft_prompt(span.hidden, span.ids, s)
         self.span.hidden.copy_(span.hidden[:, s:])
         self.span.ids.copy_(span.ids[:, s:])
         self.span.pos.copy_(span.pos[s:])
