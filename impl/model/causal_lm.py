@@ -1,5 +1,11 @@
-"""A compact MoE causal LM with a static KV cache (gpt-fast style: fixed shapes, positions as
-device tensors, no host syncs inside forward)."""
+"""A compact MoE causal LM with static decode state (gpt-fast style: fixed shapes, positions as
+device tensors, no host syncs inside forward).
+
+Each layer's attention is of the kind its config names (impl.model.attention): KV caches for
+softmax attention, compressed latent caches for MLA, recurrent states for KDA. Position-indexed
+caches roll back after a speculative rejection by moving the position pointer alone; recurrent
+states cannot, so `keep_verified(count)` picks, for every KDA layer, the state after the first
+`count` tokens of the last verify pass (a no-op in a model without recurrent layers)."""
 
 from __future__ import annotations
 
@@ -8,9 +14,12 @@ from torch import nn
 
 from impl import backends
 from impl.head import BF16Head, FP8Head
+from impl.model.attention import make_attention
 from impl.model.config import ModelConfig
-from impl.model.layers import DecoderLayer, KVCache, RMSNorm, rope_tables
+from impl.model.kda import KDAAttention
+from impl.model.layers import DecoderLayer, RMSNorm, rope_tables
 from impl.model.mtp import MTPLayer
+from impl.spec.sampling import MAX_K
 
 
 class MoECausalLM(nn.Module):
@@ -19,7 +28,8 @@ class MoECausalLM(nn.Module):
         self.config = config
         backend = backends.get("moe", moe_backend)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, make_attention(config, i))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # An nn.Linear that runs the "bf16" head backend (provenance); `quantize_head` swaps in FP8.
         self.lm_head = BF16Head(config.hidden_size, config.vocab_size)
@@ -34,6 +44,8 @@ class MoECausalLM(nn.Module):
         self.register_buffer("causal_mask", None, persistent=False)
         self.cache_batch_size = 0
         self.cache_seq_len = 0
+        self.cache_generation = 0  # counts allocations: what a captured step read may be gone
+        self._recurrent = [m for m in self.modules() if isinstance(m, KDAAttention)]
 
     @property
     def moe_backend(self) -> str:
@@ -88,13 +100,23 @@ class MoECausalLM(nn.Module):
                              f"(the model's max_seq_len), got {max_seq_len}")
         if self.cache_batch_size == max_batch_size and self.cache_seq_len == max_seq_len:
             return
-        c = self.config
         p = self.embed_tokens.weight
         for layer in [*self.layers, *(m.block for m in self.mtp)]:
-            layer.self_attn.kv_cache = KVCache(max_batch_size, c.num_kv_heads, max_seq_len, c.head_dim,
-                                               p.dtype, p.device)
+            attn = layer.self_attn
+            if isinstance(attn, KDAAttention):
+                # The speculative decoder's largest verify pass is MAX_K + 1 tokens.
+                attn.setup_cache(max_batch_size, max_seq_len, p.dtype, p.device, verify_tokens=MAX_K + 1)
+            else:
+                attn.setup_cache(max_batch_size, max_seq_len, p.dtype, p.device)
         self.causal_mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=p.device))
         self.cache_batch_size, self.cache_seq_len = max_batch_size, max_seq_len
+        self.cache_generation += 1
+
+    def keep_verified(self, count: torch.Tensor) -> None:
+        """After a verify pass over T tokens, keep the recurrent states after its first `count`
+        (a device tensor [1], 1..T); KV and latent caches need nothing (module docstring)."""
+        for attn in self._recurrent:
+            attn.keep_verified(count)
 
     def _check_inputs(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -135,9 +157,12 @@ class MoECausalLM(nn.Module):
 
     def forward_with_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
                             rope: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, pre-norm last hidden states): one pass feeding both the sampler and the draft."""
+        """(logits, the hidden states the MTP layers take): one pass feeding both the sampler and
+        the draft. Those are the last layer's output before the final norm, or after it where the
+        config says so (`mtp_normed_hidden`: Ling's NEXTN layer is fed the normed states)."""
         last = self.last_hidden_states(input_ids, input_pos, rope)
-        return self.lm_head(self.norm(last)), last
+        normed = self.norm(last)
+        return self.lm_head(normed), (normed if self.config.mtp_normed_hidden else last)
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, input_pos))

@@ -1,8 +1,14 @@
 """Model configuration: one dataclass and named presets as overrides over it.
 
 Presets fix the shapes the kernels and suites are specialized to. Where a preset cannot
-reproduce a real model exactly (hybrid linear attention, MLA), `approximations` says what
-differs, so that a figure measured on it is never mistaken for the real model's.
+reproduce a real model exactly, `approximations` says what differs, so that a figure measured on
+it is never mistaken for the real model's.
+
+Attention is chosen per layer (`attention_types`): "mha" (softmax GQA with a KV cache, the
+default for every layer), "kda" (Kimi Delta Attention, linear attention with a constant-size
+recurrent state) or "mla" (multi-head latent attention over a compressed cache). Ling 3.0
+(`bailing_hybrid`) puts MLA on every `layer_group_size`-th layer and KDA on the others; its NEXTN
+layer's block is MLA (`mtp_attention`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,12 @@ from typing import Literal
 
 RouterKind = Literal["softmax", "sigmoid_grouped"]
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid_grouped")
+ATTENTION_KINDS: tuple[str, ...] = ("mha", "kda", "mla")
+
+
+def hybrid_attention_types(num_layers: int, group: int) -> tuple[str, ...]:
+    """Ling 3.0's layout: the last layer of every `group` consecutive layers is MLA, the rest KDA."""
+    return tuple("mla" if (i + 1) % group == 0 else "kda" for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_seq_len: int = 4096
     num_mtp_layers: int = 0
+    # Whether NEXTN layers take the target's hidden states after its final norm (Ling, as vLLM and
+    # SGLang feed them) rather than before it (the DeepSeek-V3 paper's layout, the default here).
+    mtp_normed_hidden: bool = False
+    # Per-layer attention kind (ATTENTION_KINDS); empty means "mha" everywhere.
+    attention_types: tuple[str, ...] = ()
+    mtp_attention: str = "mha"
+    # KDA layers: heads x head dim of q, k, v; the short depthwise convolution; the forget gate.
+    linear_num_heads: int = 0
+    linear_head_dim: int = 0
+    conv_kernel_size: int = 4
+    kda_safe_gate: bool = True
+    kda_lower_bound: float = -5.0
+    # MLA layers (num_heads heads): latent rank, the query's low-rank path (None: one projection),
+    # per-head query/key dims without and with rotation, value dim.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     approximations: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -74,9 +105,50 @@ class ModelConfig:
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} outside [0, {self.num_layers})")
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        types = self.attention_types
+        if types and len(types) != self.num_layers:
+            raise ValueError(f"attention_types has {len(types)} entries for {self.num_layers} layers")
+        kinds = set(types or ("mha",)) | ({self.mtp_attention} if self.num_mtp_layers else set())
+        unknown = sorted(kinds - set(ATTENTION_KINDS))
+        if unknown:
+            raise ValueError(f"unknown attention kind(s) {unknown}; expected one of {ATTENTION_KINDS}")
+        if "mha" in kinds and "mla" in kinds:
+            # One rope table serves the model: MHA rotates head_dim * partial_rotary_factor channels,
+            # MLA qk_rope_head_dim ones.
+            raise ValueError("a model mixing mha and mla layers is not supported")
+        if "kda" in kinds:
+            for name in ("linear_num_heads", "linear_head_dim", "conv_kernel_size"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"kda layers need ModelConfig.{name} > 0, got {getattr(self, name)}")
+        if "mla" in kinds:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"mla layers need ModelConfig.{name} > 0, got {getattr(self, name)}")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError(f"mla layers need num_kv_heads == num_heads, got {self.num_kv_heads} "
+                                 f"and {self.num_heads}")
+
+    def attention_kind(self, layer: int) -> str:
+        """The attention of decoder layer `layer`; indices past num_layers are NEXTN layers."""
+        if layer >= self.num_layers:
+            return self.mtp_attention
+        return self.attention_types[layer] if self.attention_types else "mha"
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.attention_kind(0) == "mla" or "mla" in self.attention_types or (
+            self.num_mtp_layers > 0 and self.mtp_attention == "mla")
 
     @property
     def rotary_dim(self) -> int:
+        """Channels the model's rope tables rotate: MLA's rope part, or MHA's partial head."""
+        if self.uses_mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -86,21 +158,50 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
-    def num_parameters(self) -> int:
-        """Parameter count (norms and MTP layers included), without building the model."""
-        h, d, v = self.hidden_size, self.head_dim, self.vocab_size
+    def attention_parameters(self, kind: str) -> int:
+        """Parameters of one attention module of `kind`, with the layer's two norms."""
+        h = self.hidden_size
+        if kind == "kda":
+            qkv = self.linear_num_heads * self.linear_head_dim
+            # q, k, v, g, f projections, o; the conv over q|k|v; b_proj; A_log, dt_bias; o_norm.
+            return (5 * h * qkv + qkv * h + 3 * qkv * self.conv_kernel_size + h * self.linear_num_heads
+                    + self.linear_num_heads + qkv + self.linear_head_dim + 2 * h)
+        if kind == "mla":
+            nh, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            r, bias = self.kv_lora_rank, self.attention_bias
+            q = (h * nh * qk if self.q_lora_rank is None
+                 else h * self.q_lora_rank + self.q_lora_rank * bias + self.q_lora_rank
+                 + self.q_lora_rank * nh * qk)
+            kv_a = h * (r + self.qk_rope_head_dim) + (r + self.qk_rope_head_dim) * bias
+            kv_b = r * nh * (self.qk_nope_head_dim + self.v_head_dim)
+            o = nh * self.v_head_dim * h + h * bias
+            return q + kv_a + r + kv_b + o + h * nh + 2 * h
+        d = self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias + h * self.attention_out_bias
-        attn += 2 * d * self.qk_norm + 2 * h
+        return attn + 2 * d * self.qk_norm + 2 * h
+
+    def moe_parameters(self) -> int:
+        h = self.hidden_size
+        return (3 * h * self.moe_intermediate_size * self.num_experts + self.num_experts * h
+                + 3 * h * self.shared_intermediate_size)
+
+    def num_parameters(self) -> int:
+        """Parameter count (norms and MTP layers included), without building the model."""
+        h, v = self.hidden_size, self.vocab_size
         dense = 3 * h * self.intermediate_size
-        moe = (3 * h * self.moe_intermediate_size * self.num_experts + self.num_experts * h
-               + 3 * h * self.shared_intermediate_size)
-        n_dense = len(self.dense_layers)
-        layers = self.num_layers * attn + n_dense * dense + (self.num_layers - n_dense) * moe
+        layers = sum(self.attention_parameters(self.attention_kind(i))
+                     + (self.moe_parameters() if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
         # An MTP layer: enorm, hnorm, eh_proj (2H -> H), one MoE decoder layer, its own final norm;
         # it shares the embedding and the head.
-        layers += self.num_mtp_layers * (3 * h + 2 * h * h + attn + moe)
-        return layers + v * h * (1 if self.tie_word_embeddings else 2) + h
+        mtp = 3 * h + 2 * h * h + self.attention_parameters(self.mtp_attention) + self.moe_parameters()
+        return layers + self.num_mtp_layers * mtp + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+    def expert_parameters(self) -> int:
+        """Routed experts' parameters over all MoE layers (NEXTN layers included): the part a
+        build can hold in MXFP4 from the start."""
+        per_layer = 3 * self.hidden_size * self.moe_intermediate_size * self.num_experts
+        return per_layer * (self.num_layers - len(self.dense_layers) + self.num_mtp_layers)
 
     def replace(self, **overrides) -> "ModelConfig":
         return dataclasses.replace(self, **overrides)

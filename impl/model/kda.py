@@ -20,10 +20,12 @@ Decode (T == 1) is the recurrent step; prefill (T > 1) is the chunked form (`chu
 the same outputs and final state as T recurrent steps up to fp32 rounding. Neither reads a value back
 to the host, and every shape depends only on T (a Python int), never on tensor contents.
 
-A recurrent state cannot be truncated like a KV cache, so speculative decoding rolls back by copying:
-`state_snapshot()` / `state_restore(snap)` (into a preallocated buffer with `out=` when the copy must
-not allocate, e.g. inside a CUDA graph), and `advance_from(snap, x)` restores a snapshot and runs the
-accepted tokens through again.
+A recurrent state cannot be truncated like a KV cache. Speculative decoding keeps, during a verify
+pass (2 <= T <= `verify_tokens` tokens, run as T recurrent steps), the state after every token and the
+whole convolution window; `keep_verified(count)` then sets the live state to the one after the first
+`count` tokens, by a device-side index (no host read, so it can sit inside a captured step), as vLLM
+and SGLang do with per-draft-token state slots. `state_snapshot()` / `state_restore(snap)` and
+`advance_from(snap, x)` (restore, then run the accepted tokens again) are the general form.
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ class KDAState(nn.Module):
         self.recurrent.zero_()
         self.conv.zero_()
         return self
+
+
+class VerifyTrack(nn.Module):
+    """What a verify pass of up to `tokens` tokens leaves to choose from: the recurrent state after
+    each token [tokens, B, H, Dk, Dv] and the convolution window [B, C, kernel - 1 + tokens], fp32."""
+
+    def __init__(self, tokens: int, batch: int, num_heads: int, head_dim: int, conv_dim: int, conv_kernel: int,
+                 device=None) -> None:
+        super().__init__()
+        f32 = torch.float32
+        self.tokens = tokens
+        self.register_buffer("states", torch.zeros(tokens, batch, num_heads, head_dim, head_dim, dtype=f32,
+                                                   device=device), persistent=False)
+        self.register_buffer("window", torch.zeros(batch, conv_dim, conv_kernel - 1 + tokens, dtype=f32,
+                                                   device=device), persistent=False)
+        self.register_buffer("offsets", torch.arange(conv_kernel - 1, device=device), persistent=False)
+        # The last tracked pass's tokens and batch (Python ints: fixed per captured step).
+        self.length = self.batch_in_use = 0
 
 
 def recurrent_kda_step(q, k, v, g, beta, state):
@@ -190,6 +210,7 @@ class KDAAttention(nn.Module):
         self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False)
         self.g_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
         self.state: KDAState | None = None
+        self.track: VerifyTrack | None = None
 
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "KDAAttention":
@@ -208,6 +229,30 @@ class KDAAttention(nn.Module):
         device = self.q_proj.weight.device if device is None else device
         self.state = KDAState(max_batch_size, self.num_heads, self.head_dim, self.conv_dim,
                               self.conv_kernel_size, device)
+
+    def setup_cache(self, batch: int, max_seq_len: int = 0, dtype=None, device=None,
+                    verify_tokens: int = 0) -> KDAState:
+        """The uniform cache set-up of impl.model.attention: the state (max_seq_len and dtype do not
+        change it: the state is fp32 and constant in size), plus a `VerifyTrack` for verify passes
+        of up to `verify_tokens` tokens when that is >= 2."""
+        self.setup_caches(batch, device)
+        self.track = None
+        if verify_tokens >= 2:
+            self.track = VerifyTrack(verify_tokens, batch, self.num_heads, self.head_dim, self.conv_dim,
+                                     self.conv_kernel_size, self.state.recurrent.device)
+        return self.state
+
+    def keep_verified(self, count: torch.Tensor) -> None:
+        """After a tracked pass of T tokens, make the live state the one after its first `count`
+        tokens (count [1] int, 1..T, on the device)."""
+        track, state = self.track, self._require_state()
+        if track is None or not track.length:
+            raise RuntimeError("keep_verified needs a tracked verify pass first (setup_cache with verify_tokens "
+                               ">= 2, then a call of 2..verify_tokens tokens)")
+        b = track.batch_in_use
+        state.recurrent[:b].copy_(track.states[:, :b].index_select(0, count - 1)[0])
+        if self.conv_kernel_size > 1:
+            state.conv[:b].copy_(track.window[:b].index_select(-1, count + track.offsets))
 
     def reset_state(self) -> None:
         self._require_state().zero_()
@@ -282,7 +327,17 @@ class KDAAttention(nn.Module):
 
         g = self.forget_gate(x)                                           # [B, T, H, D] fp32
         beta = torch.sigmoid(self.b_proj(x)).float()                      # [B, T, H]
-        if t == 1:
+        track = self.track if self.state is not None and self.track is not None else None
+        if track is not None and 2 <= t <= track.tokens:
+            # A verify pass: token by token, keeping each state and the window for keep_verified.
+            track.window[:b, :, :kern - 1 + t].copy_(window)
+            outs = []
+            for j in range(t):
+                outs.append(recurrent_kda_step(q[:, j], k[:, j], v[:, j], g[:, j], beta[:, j], recurrent))
+                track.states[j, :b].copy_(recurrent)
+            o = torch.stack(outs, dim=1)
+            track.length, track.batch_in_use = t, b
+        elif t == 1:
             o = recurrent_kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent).unsqueeze(1)
         else:
             tr = lambda y: y.transpose(1, 2)                              # noqa: E731  [B, H, T, ...]

@@ -79,6 +79,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.kv_cache: KVCache | None = None
 
+    def setup_cache(self, batch: int, max_seq_len: int, dtype=None, device=None) -> KVCache:
+        """A zeroed static KV cache in the weights' dtype and device unless told otherwise."""
+        w = self.o_proj.weight
+        self.kv_cache = KVCache(batch, self.num_kv_heads, max_seq_len, self.head_dim, dtype or w.dtype,
+                                device or w.device)
+        return self.kv_cache
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -182,10 +189,14 @@ class MoEBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, moe_backend: backends.Backend) -> None:
+    """Pre-norm residual layer: attention (`self_attn`, of the kind the config gives the layer:
+    impl.model.attention), then a dense SwiGLU or a MoE block."""
+
+    def __init__(self, config: ModelConfig, layer: int, moe_backend: backends.Backend,
+                 attention: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = (MoEBlock(config, moe_backend) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size))

@@ -1,7 +1,7 @@
 """The NEXTN (multi-token prediction) layer in the DeepSeek-V3 layout, used as a speculative draft.
 
-At position i it combines the target's last hidden state h_i (before the final norm) with the
-embedding of token i+1 and predicts token i+2:
+At position i it combines the target's last hidden state h_i (before the final norm, or after it
+with `config.mtp_normed_hidden`) with the embedding of token i+1 and predicts token i+2:
 
     x = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)))      # 2H -> H
     h' = block(x)                                            # one decoder layer, own KV cache
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from impl import backends
+from impl.model.attention import make_attention
 from impl.model.config import ModelConfig
 from impl.model.layers import DecoderLayer, RMSNorm
 
@@ -32,8 +33,9 @@ class MTPLayer(nn.Module):
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        # The checkpoint's layer index decides dense vs MoE; past num_layers it is MoE.
-        self.block = DecoderLayer(config, layer_index, moe_backend)
+        # The checkpoint's layer index decides dense vs MoE (past num_layers: MoE) and the
+        # attention kind (past num_layers: config.mtp_attention).
+        self.block = DecoderLayer(config, layer_index, moe_backend, make_attention(config, layer_index))
         self.final_norm = RMSNorm(h, config.rms_norm_eps)
         self.share(embed_tokens, head)
 

@@ -116,10 +116,9 @@ class _Reader:
 
 
 def _cache_key(model) -> tuple:
-    """What the captured graphs read besides the arm's own buffers: the model's caches."""
-    layer = model.layers[0].self_attn.kv_cache
-    return (model.cache_batch_size, model.cache_seq_len, None if layer is None else layer.k.data_ptr(),
-            None if model.causal_mask is None else model.causal_mask.data_ptr())
+    """What the captured graphs read besides the arm's own buffers: the model's caches, which
+    every allocation replaces."""
+    return (model.cache_batch_size, model.cache_seq_len, model.cache_generation)
 
 
 class _PlainLoop:

@@ -12,7 +12,9 @@ last hidden state at j):
     position pointer: entries written past it are overwritten before any query can attend to
     them, because every write at position j precedes every read with a query at j or later.
     The next draft step 1 spans the k+1 verified positions (static shape) and reads its output
-    at index m, so the draft's cache is rebuilt from the target's hidden states.
+    at index m, so the draft's cache is rebuilt from the target's hidden states. A target with
+    recurrent layers (KDA) cannot roll back by position: `target.keep_verified(m + 1)` sets each
+    such layer's state to the one after the first m+1 verified tokens, kept by the verify pass.
 
 `SpeculativeDecoder.step` (draft, verify, accept, commit) keeps every position and count on the
 device, so it can be replayed from a CUDA graph (`impl.spec.graphed`). `generate` reads one number
@@ -294,6 +296,8 @@ class SpeculativeDecoder:
             accepted, nxt = rejection_verify(draft, torch.stack(qs, dim=1),
                                              filtered_probs(v_logits, self.sampling), generator)
             committed = commit(state, pos, draft, accepted, nxt)
+        # Recurrent layers keep the state after the accepted drafts and the token before them.
+        self.target.keep_verified(state.accepted + 1)
         # The next draft step 1 spans the verified positions with the committed tokens after them.
         state.span = Span(v_hidden, committed, pos, state.accepted)
 
