@@ -9,7 +9,8 @@ import torch
 
 from impl.model.causal_lm import MoECausalLM
 from impl.model.config import PRESETS, ModelConfig, get_config
-from impl.model.layers import Router
+from impl.model.kda import KDAAttention
+from impl.model.layers import EXPERT_FORMATS, Router
 
 HEADS = ("bf16", "fp8")
 # Trained checkpoints committed with the repository, by name (scripts/train_tiny.py made tiny-gsm).
@@ -39,17 +40,43 @@ def resolve_device(spec: str | torch.device) -> torch.device:
     return device
 
 
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, experts: str = "dense") -> int:
+    """Bytes of the model's weights: routed experts in MXFP4 (4 bits an element, one 8-bit scale
+    per 32) or in `dtype`, everything else in `dtype`."""
+    per = torch.finfo(dtype).bits / 8
+    expert = config.expert_parameters()
+    return int((config.num_parameters() - expert) * per + expert * (17 / 32 if experts == "mxfp4" else per))
+
+
+def _restore_fp32(model: MoECausalLM) -> None:
+    """Parameters the reference keeps in fp32 whatever the model dtype: the router (top-k choices
+    are sensitive to rounding) and KDA's convolution and forget-gate constants."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()
+        elif isinstance(module, KDAAttention):
+            module.conv1d.float()
+            module.forget_gate.A_log.data = module.forget_gate.A_log.data.float()
+            module.forget_gate.dt_bias.data = module.forget_gate.dt_bias.data.float()
+
+
 def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, moe_backend: str = "gather",
                 seed: int = 0, head: str = "bf16", head_backend: str | None = None,
-                head_granularity: str = "row") -> MoECausalLM:
+                head_granularity: str = "row", experts: str = "dense") -> MoECausalLM:
     """`spec` is a preset name (random weights from `seed`), a ModelConfig, the name of an embedded
     checkpoint (`EMBEDDED`), or a folder holding a transformers-format checkpoint (config.json +
     safetensors).
 
+    `experts="mxfp4"` holds the routed experts in MXFP4 from the start: random ones are drawn and
+    quantized a few experts at a time on the device, a checkpoint's are quantized as they are read
+    (or copied, when it stores MXFP4), so no more than one layer's unquantized experts ever exist.
+
     `head="fp8"` quantizes the LM head to e4m3 once the weights are in (`MoECausalLM.quantize_head`:
     scales per row, or per tensor with `head_granularity="tensor"`), run by the FP8 head backend
     `head_backend` (default "triton"); `head="bf16"` keeps the unquantized head."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"unknown expert format {experts!r}; expected one of {EXPERT_FORMATS}")
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
     if head == "bf16" and head_backend not in (None, "bf16"):
@@ -75,19 +102,20 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
     else:
         raise ValueError(f"model spec {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded checkpoint "
                          f"({sorted(EMBEDDED)}) nor a checkpoint folder")
-    need = config.num_parameters() * torch.finfo(dtype).bits // 8
+    need = weight_bytes(config, dtype, experts)
     free = _free_bytes(device)
     if need > free:
-        raise MemoryError(f"model {config.name!r} needs {need / 2**30:.1f} GiB of weights in {dtype}, "
-                          f"{device} has {free / 2**30:.1f} GiB free; use a smaller preset")
+        what = f"{dtype}" + (" with MXFP4 experts" if experts == "mxfp4" else "")
+        hint = "" if experts == "mxfp4" else " or experts='mxfp4'"
+        raise MemoryError(f"model {config.name!r} needs {need / 2**30:.1f} GiB of weights in {what}, "
+                          f"{device} has {free / 2**30:.1f} GiB free; use a smaller preset{hint}")
     with torch.device(device):
-        model = MoECausalLM(config, moe_backend=moe_backend)
+        model = MoECausalLM(config, moe_backend=moe_backend, expert_format=experts)
     model.to(dtype)
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.float()
+    _restore_fp32(model)
     if folder is None:
-        model.init_weights(torch.Generator().manual_seed(seed))
+        model.init_weights(torch.Generator().manual_seed(seed),
+                           expert_generator=torch.Generator(device).manual_seed(seed))
     else:
         from impl.model.loading import load_weights
         load_weights(model, folder)

@@ -17,18 +17,18 @@ from impl.head import BF16Head, FP8Head
 from impl.model.attention import make_attention
 from impl.model.config import ModelConfig
 from impl.model.kda import KDAAttention
-from impl.model.layers import DecoderLayer, RMSNorm, rope_tables
+from impl.model.layers import DecoderLayer, Experts, RMSNorm, rope_tables
 from impl.model.mtp import MTPLayer
 from impl.spec.sampling import MAX_K
 
 
 class MoECausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, moe_backend: str = "gather") -> None:
+    def __init__(self, config: ModelConfig, moe_backend: str = "gather", expert_format: str = "dense") -> None:
         super().__init__()
         self.config = config
         backend = backends.get("moe", moe_backend)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, make_attention(config, i))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, make_attention(config, i), expert_format)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # An nn.Linear that runs the "bf16" head backend (provenance); `quantize_head` swaps in FP8.
@@ -36,8 +36,8 @@ class MoECausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # NEXTN layers (the speculative draft), stored after the decoder layers in checkpoints.
-        self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j, backend, self.embed_tokens, self.lm_head)
-                                 for j in range(config.num_mtp_layers))
+        self.mtp = nn.ModuleList(MTPLayer(config, config.num_layers + j, backend, self.embed_tokens, self.lm_head,
+                                          expert_format) for j in range(config.num_mtp_layers))
         cos, sin = rope_tables(config, config.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -83,8 +83,11 @@ class MoECausalLM(nn.Module):
         return head
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> "MoECausalLM":
-        """Random weights for shape-faithful benchmarking; norms at 1, biases at 0."""
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02,
+                     expert_generator: torch.Generator | None = None) -> "MoECausalLM":
+        """Random weights for shape-faithful benchmarking; norms at 1, biases at 0. MXFP4 experts
+        are drawn from `expert_generator` (on the device, a chunk at a time: a full model's experts
+        would not fit unquantized), the rest from `generator` (on the host)."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.fill_(1.0)
@@ -92,6 +95,9 @@ class MoECausalLM(nn.Module):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
+        for module in self.modules():
+            if isinstance(module, Experts) and module.format == "mxfp4":
+                module.init_random(expert_generator, std, self.embed_tokens.weight.dtype)
         return self
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:

@@ -225,17 +225,29 @@ PRESETS: dict[str, dict] = {
         partial_rotary_factor=0.5, qk_norm=True, num_mtp_layers=1,
         approximations=("dense intermediate size 9216 taken from the public config, not verified",),
     ),
-    # MoE and head shapes from transformers' bailing_hybrid defaults (Ling-3.0-flash).
+    # Ling-3.0-flash as transformers' bailing_hybrid defaults give it: 42 layers, MLA on every 6th
+    # (7) and KDA on the others (35), the first 2 dense; its NEXTN layer is MLA + MoE and takes the
+    # normed hidden states. max_seq_len covers the reference shape (32k in, 2k out) with room.
     "ling-3.0-flash": dict(
         vocab_size=157184, hidden_size=2560, num_layers=42, num_heads=32, num_kv_heads=32,
         head_dim=128, intermediate_size=6144, dense_layers=(0, 1), num_experts=512, top_k=8,
         moe_intermediate_size=768, num_shared_experts=1, router="sigmoid_grouped", n_group=8,
         topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, rope_theta=6000000.0,
-        num_mtp_layers=1,
-        approximations=(
-            "attention: every layer is softmax MHA (32 heads x 128) instead of 35 KDA linear-"
-            "attention and 7 MLA layers; projection bytes match the KDA q/k/v/o, state does not",
-        ),
+        num_mtp_layers=1, mtp_normed_hidden=True, max_seq_len=36864,
+        attention_types=hybrid_attention_types(42, 6), mtp_attention="mla",
+        linear_num_heads=32, linear_head_dim=128, conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ),
+    # The same architecture at CPU-test size (6 layers: 4 KDA, 2 MLA, the first dense); every
+    # dimension a multiple of 32 (16 for the rope part) so Triton blocks tile it.
+    "ling-3.0-tiny": dict(
+        vocab_size=128, hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=4, head_dim=32,
+        intermediate_size=256, dense_layers=(0,), num_experts=8, top_k=2, moe_intermediate_size=64,
+        num_shared_experts=1, router="sigmoid_grouped", n_group=2, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_theta=6000000.0, num_mtp_layers=1, mtp_normed_hidden=True,
+        max_seq_len=384, attention_types=hybrid_attention_types(6, 3), mtp_attention="mla",
+        linear_num_heads=4, linear_head_dim=32, conv_kernel_size=4, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32,
     ),
 }
 

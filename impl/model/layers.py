@@ -15,7 +15,7 @@ from torch import nn
 from impl import backends
 from impl.model.config import ModelConfig
 from impl.moe.shared import SharedExpert
-from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
+from impl.quant.mxfp4 import BLOCK_SIZE, MXFP4Tensor, quantize_mxfp4
 from impl.routing import sigmoid_grouped_topk, softmax_topk
 
 
@@ -136,15 +136,85 @@ class Router(nn.Module):
                                     c.routed_scaling_factor, c.norm_topk_prob)
 
 
-class Experts(nn.Module):
-    """Routed experts' weights, in the model dtype or, after `quantize("mxfp4")`, as MXFP4."""
+EXPERT_FORMATS = ("dense", "mxfp4")
+# Elements quantized at a time: the reference quantizer's temporaries take about 30 bytes an
+# element (fp32 blocks, int64 codes), so one [512, 1536, 2560] layer at once needed over 115 GiB.
+QUANT_CHUNK_ELEMENTS = 2 ** 26
 
-    def __init__(self, config: ModelConfig) -> None:
+
+class Experts(nn.Module):
+    """Routed experts' weights: dense parameters in the model dtype, or MXFP4 buffers (packed E2M1
+    pairs and E8M0 scales) held from construction (`fmt="mxfp4"`) or after `quantize("mxfp4")`.
+    Writes go through `set_experts`, a few experts at a time, so a build or a checkpoint load
+    never holds more than one layer's unquantized experts."""
+
+    def __init__(self, config: ModelConfig, fmt: str = "dense") -> None:
         super().__init__()
+        if fmt not in EXPERT_FORMATS:
+            raise ValueError(f"unknown expert weight format {fmt!r}; expected one of {EXPERT_FORMATS}")
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.shapes = {"gate_up": (e, 2 * i, h), "down": (e, h, i)}
         self.format = "dense"
+        if fmt == "dense":
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+            self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        else:
+            self._mxfp4_buffers()
+
+    def _mxfp4_buffers(self) -> None:
+        for name, (e, n, k) in self.shapes.items():
+            if k % BLOCK_SIZE:
+                raise ValueError(f"MXFP4 experts need {name}'s input dim ({k}) to be a multiple of {BLOCK_SIZE}")
+            self.register_buffer(f"{name}_packed", torch.zeros(e, n, k // 2, dtype=torch.uint8))
+            self.register_buffer(f"{name}_scales", torch.zeros(e, n, k // BLOCK_SIZE, dtype=torch.uint8))
+        self.format = "mxfp4"
+
+    def experts_per_chunk(self) -> int:
+        e, n, k = self.shapes["gate_up"]
+        return max(1, QUANT_CHUNK_ELEMENTS // (n * k))
+
+    @torch.no_grad()
+    def set_experts(self, name: str, start: int, w: torch.Tensor) -> None:
+        """Write float weights w [n, ...] of experts start..start+n-1 into `name` ("gate_up" or
+        "down"), quantizing them in chunks when the experts are MXFP4."""
+        shape = self.shapes[name]
+        if w.dim() != 3 or tuple(w.shape[1:]) != shape[1:] or not 0 <= start <= shape[0] - w.shape[0]:
+            raise ValueError(f"experts {name}: got {tuple(w.shape)} at expert {start}, the layer holds {shape}")
+        if self.format == "dense":
+            getattr(self, f"{name}_proj")[start:start + w.shape[0]].copy_(w)
+            return
+        packed, scales = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales")
+        step = self.experts_per_chunk()
+        for i in range(0, w.shape[0], step):
+            q = quantize_mxfp4(w[i:i + step].to(packed.device))
+            packed[start + i:start + i + q.packed.shape[0]].copy_(q.packed)
+            scales[start + i:start + i + q.scales.shape[0]].copy_(q.scales)
+
+    @torch.no_grad()
+    def set_mxfp4(self, name: str, start: int, q: MXFP4Tensor) -> None:
+        """Copy already-quantized experts (a checkpoint's MXFP4) in as they are."""
+        if self.format != "mxfp4":
+            raise ValueError(f"experts {name}: MXFP4 weights given to dense experts; build with experts='mxfp4' "
+                             "or dequantize them first")
+        packed, scales = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales")
+        n = q.packed.shape[0]
+        if q.packed.shape[1:] != packed.shape[1:] or q.scales.shape[1:] != scales.shape[1:] or start + n > packed.shape[0]:
+            raise ValueError(f"experts {name}: MXFP4 packed {tuple(q.packed.shape)} / scales {tuple(q.scales.shape)} "
+                             f"at expert {start} do not fit {tuple(packed.shape)} / {tuple(scales.shape)}")
+        packed[start:start + n].copy_(q.packed)
+        scales[start:start + n].copy_(q.scales)
+
+    @torch.no_grad()
+    def init_random(self, generator: torch.Generator | None, std: float, dtype: torch.dtype) -> None:
+        """N(0, std) weights drawn a chunk of experts at a time on the generator's device, rounded
+        to `dtype`, then stored (quantized when MXFP4)."""
+        device = generator.device if generator is not None else torch.device("cpu")
+        step = self.experts_per_chunk()
+        for name, (e, n, k) in self.shapes.items():
+            for start in range(0, e, step):
+                m = min(step, e - start)
+                w = torch.randn(m, n, k, generator=generator, device=device).mul_(std).to(dtype)
+                self.set_experts(name, start, w)
 
     @torch.no_grad()
     def quantize(self, fmt: str) -> None:
@@ -152,12 +222,12 @@ class Experts(nn.Module):
             raise ValueError(f"unknown expert weight format {fmt!r}; supported: 'mxfp4'")
         if self.format == "mxfp4":
             return
-        gate_up, down = quantize_mxfp4(self.gate_up_proj), quantize_mxfp4(self.down_proj)
+        dense = {"gate_up": self.gate_up_proj.data, "down": self.down_proj.data}
         del self.gate_up_proj, self.down_proj
-        for name, q in (("gate_up", gate_up), ("down", down)):
-            self.register_buffer(f"{name}_packed", q.packed)
-            self.register_buffer(f"{name}_scales", q.scales)
-        self.format = "mxfp4"
+        with torch.device(dense["down"].device):
+            self._mxfp4_buffers()
+        for name, w in dense.items():
+            self.set_experts(name, 0, w)
 
     def weights(self):
         """(gate_up, down) as the MoE backends take them: tensors or MXFP4Tensor."""
@@ -168,10 +238,10 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: ModelConfig, backend: backends.Backend) -> None:
+    def __init__(self, config: ModelConfig, backend: backends.Backend, expert_format: str = "dense") -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, expert_format)
         self.shared_experts = (MLP(config.hidden_size, config.shared_intermediate_size)
                                if config.num_shared_experts else None)
         self.backend = backend
@@ -193,12 +263,12 @@ class DecoderLayer(nn.Module):
     impl.model.attention), then a dense SwiGLU or a MoE block."""
 
     def __init__(self, config: ModelConfig, layer: int, moe_backend: backends.Backend,
-                 attention: nn.Module | None = None) -> None:
+                 attention: nn.Module | None = None, expert_format: str = "dense") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MoEBlock(config, moe_backend) if config.is_moe_layer(layer)
+        self.mlp = (MoEBlock(config, moe_backend, expert_format) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size))
 
     def forward(self, x, cos, sin, input_pos, mask):

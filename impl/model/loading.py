@@ -1,12 +1,20 @@
 """Read transformers-format checkpoints (config.json + safetensors) of supported MoE families.
 
-Supported: Qwen3-MoE (`qwen3_moe`) and GLM-4.5-MoE (`glm4_moe`). Experts may be stored one
-tensor per expert (as transformers' `save_pretrained` and the hub checkpoints do) or fused as
+Supported: Qwen3-MoE (`qwen3_moe`), GLM-4.5-MoE (`glm4_moe`) and Ling 3.0 (`bailing_hybrid`, in the
+names its checkpoints and transformers' save_pretrained write: `word_embeddings`, `attention.*`
+with `dense` for the output projection and separate `q/k/v_conv1d`, `mlp.gate.expert_bias`).
+Experts may be stored one tensor per expert (as the hub checkpoints do) or fused as
 [E, 2I, H] / [E, H, I]; both land in the model's fused layout. MTP (NEXTN) layers, stored as
-extra decoder layers `num_hidden_layers + j` (DeepSeek-V3 / GLM-4.5 layout: `enorm`, `hnorm`,
-`eh_proj`, `shared_head.norm`, a decoder block, and copies of the shared embedding and head),
-load into `model.mtp[j]`; a layer past num_hidden_layers without `eh_proj` is not an MTP layer
-and is skipped, and a model whose checkpoint holds no MTP layer drops its (untrained) ones.
+extra decoder layers `num_hidden_layers + j` (`enorm`, `hnorm`, `eh_proj`, a decoder block, the
+final norm as `shared_head.norm` (DeepSeek-V3 / GLM-4.5) or `final_layernorm` (Ling), perhaps
+copies of the shared embedding and head), load into `model.mtp[j]`; a layer past
+num_hidden_layers without `eh_proj` is not an MTP layer and is skipped, and a model whose
+checkpoint holds no MTP layer drops its (untrained) ones.
+
+Loading streams: tensors are read one at a time from their file, experts a few at a time
+(quantized to MXFP4 on the way when the model holds MXFP4 experts, or copied when the checkpoint
+stores MXFP4), so no more than one layer's unquantized experts are ever in memory. Quantized
+weights: impl.model.weight_formats.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import torch
 from safetensors import safe_open
 
 from impl.model.config import ModelConfig
+from impl.model.weight_formats import (CheckpointError, Quantization, Stored, as_mxfp4, deinterleave_rows,
+                                       dequantize, group_keys, is_mxfp4, parse_quantization)
 
-SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe")
+SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe", "bailing_hybrid")
 # transformers' defaults for keys a config.json may omit, where they differ between the families
 # or from the fallbacks below (Qwen3MoeConfig / Glm4MoeConfig).
 _FAMILY_DEFAULTS = {
@@ -31,8 +41,6 @@ _FAMILY_DEFAULTS = {
 DEFAULT_MAX_SEQ_LEN = 8192  # caps the rope tables and the largest KV cache a loaded model allows
 
 
-class CheckpointError(ValueError):
-    pass
 
 
 def _rope(raw: dict, folder: Path) -> tuple[float, float]:
@@ -44,8 +52,7 @@ def _rope(raw: dict, folder: Path) -> tuple[float, float]:
     return float(theta), float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
 
 
-def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConfig:
-    folder = Path(folder)
+def _raw_config(folder: Path) -> tuple[Path, dict]:
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json; expected a transformers-format checkpoint folder")
@@ -57,6 +64,58 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConf
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not supported; supported: "
                               f"{list(SUPPORTED_ARCHITECTURES)}")
+    parse_quantization(raw, path)
+    return path, raw
+
+
+def _bailing_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -> ModelConfig:
+    """A `bailing_hybrid` config.json read by transformers' own BailingHybridConfig (its defaults
+    and key aliases), then mapped onto ModelConfig."""
+    try:
+        from transformers import BailingHybridConfig
+    except ImportError:
+        raise CheckpointError(f"{path}: reading a bailing_hybrid config needs transformers >= 5.24 "
+                              "(BailingHybridConfig)") from None
+    fields = {k: v for k, v in raw.items() if k not in ("quantization_config", "architectures", "model_type")}
+    try:
+        c = BailingHybridConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a valid bailing_hybrid config: {e}") from None
+    rope = dict(c.rope_parameters or {})
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{path}: rope type {rope['rope_type']!r} is not supported (only 'default')")
+    if c.hidden_act != "silu":
+        raise CheckpointError(f"{path}: activation {c.hidden_act!r} is not supported (only silu)")
+    kinds = {"linear_attention": "kda", "full_attention": "mla"}
+    unknown = sorted(set(c.layer_types) - set(kinds))
+    if unknown:
+        raise CheckpointError(f"{path}: layer types {unknown} are not supported; known: {sorted(kinds)}")
+    layers = c.num_hidden_layers
+    return ModelConfig(
+        name=name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.linear_head_dim,
+        intermediate_size=c.intermediate_size, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size, num_shared_experts=c.n_shared_experts,
+        dense_layers=tuple(i for i, t in enumerate(c.mlp_layer_types) if t == "dense"),
+        router="sigmoid_grouped", n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor, rope_theta=float(rope.get("rope_theta", c.rope_theta)),
+        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+        max_seq_len=min(c.max_position_embeddings, max_seq_len or DEFAULT_MAX_SEQ_LEN),
+        num_mtp_layers=c.num_mtp_layers, mtp_normed_hidden=True, mtp_attention="mla",
+        attention_types=tuple(kinds[t] for t in c.layer_types), linear_num_heads=c.linear_num_heads,
+        linear_head_dim=c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim,
+        kda_safe_gate=c.kda_safe_gate, kda_lower_bound=c.kda_lower_bound, kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+    )
+
+
+def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConfig:
+    folder = Path(folder)
+    path, raw = _raw_config(folder)
+    arch = raw["model_type"]
+    if arch == "bailing_hybrid":
+        return _bailing_config(raw, path, folder.name, max_seq_len)
     raw = {**_FAMILY_DEFAULTS[arch], **raw}
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
@@ -93,101 +152,232 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConf
     )
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} holds no .safetensors files")
-    tensors = {}
-    for name in files:
-        with safe_open(folder / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    return tensors
+class _Store:
+    """A checkpoint folder's safetensors, read lazily: which file holds each key, one tensor at a time."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            absent = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+            if absent:
+                raise CheckpointError(f"{index} names files that are not in {folder}: {absent[:4]}")
+            self.file_of = dict(weight_map)
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{folder} holds no .safetensors files")
+            self.file_of = {}
+            for name in files:
+                with safe_open(folder / name, framework="pt") as f:
+                    self.file_of.update(dict.fromkeys(f.keys(), name))
+        self._open: dict[str, object] = {}
+
+    def where(self, key: str) -> str:
+        return f"{self.folder / self.file_of[key]}: {key}"
+
+    def get(self, key: str) -> torch.Tensor:
+        name = self.file_of[key]
+        handle = self._open.get(name)
+        if handle is None:
+            handle = self._open[name] = safe_open(self.folder / name, framework="pt")
+        try:
+            return handle.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for a key the index lies about
+            raise CheckpointError(f"{self.where(key)}: cannot be read ({e})") from None
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(?:\.weight)?$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 # NEXTN tensors that are copies of the target's own modules: the model shares those instead.
-_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
-_MTP_OWN = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "final_norm."}
+_MTP_SHARED = ("embed_tokens.weight", "word_embeddings.weight", "shared_head.head.weight", "lm_head.weight")
+_MTP_OWN = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "final_norm.",
+            "final_layernorm.": "final_norm."}
+# Ling's checkpoint names -> the model's (transformers' bailing_hybrid conversion does the same).
+_BAILING_RENAMES = ((re.compile(r"^word_embeddings\."), "embed_tokens."), (re.compile(r"\.attention\."), ".self_attn."),
+                    (re.compile(r"self_attn\.(f_proj\.|dt_bias|A_log)"), r"self_attn.forget_gate.\1"),
+                    (re.compile(r"\.self_attn\.dense\."), ".self_attn.o_proj."),
+                    (re.compile(r"\.mlp\.gate\.expert_bias$"), ".mlp.gate.e_score_correction_bias"))
+_CONV = re.compile(r"^(.*\.self_attn)\.([qkv])_conv1d\.weight$")
 
 
-def mtp_layers_in(tensors: dict[str, torch.Tensor], config: ModelConfig) -> int:
+def mtp_layers_in(keys, config: ModelConfig) -> int:
     """How many consecutive NEXTN layers (with an `eh_proj`) follow the decoder layers."""
+    keys = set(keys)
     n = 0
-    while f"model.layers.{config.num_layers + n}.eh_proj.weight" in tensors:
+    while f"model.layers.{config.num_layers + n}.eh_proj.weight" in keys:
         n += 1
     return n
 
 
-def _mtp_name(index: int, rest: str) -> str | None:
-    """Our name for tensor `rest` of NEXTN layer `index`, or None for a shared copy."""
-    if rest in _MTP_SHARED:
-        return None
-    for theirs, ours in _MTP_OWN.items():
-        if rest.startswith(theirs):
-            return f"mtp.{index}.{ours}{rest.removeprefix(theirs)}"
-    return f"mtp.{index}.block.{rest}"
+def _model_name(key: str, config: ModelConfig, num_mtp: int, bailing: bool) -> str | None:
+    """The model's name for checkpoint weight `key` (grouped: quantization suffixes stripped), or
+    None for what the model does not hold (shared copies, NEXTN layers it has no slot for)."""
+    name = key.removeprefix("model.")
+    if bailing:
+        for pattern, repl in _BAILING_RENAMES:
+            name = pattern.sub(repl, name)
+    layer = _LAYER.match(name)
+    if layer and int(layer.group(1)) >= config.num_layers:
+        j, rest = int(layer.group(1)) - config.num_layers, layer.group(2)
+        if j >= num_mtp or rest in _MTP_SHARED:
+            return None
+        for theirs, ours in _MTP_OWN.items():
+            if rest.startswith(theirs):
+                return f"mtp.{j}.{ours}{rest.removeprefix(theirs)}"
+        return f"mtp.{j}.block.{rest}"
+    return name
 
 
-def _to_model_names(tensors: dict[str, torch.Tensor], config: ModelConfig,
-                    num_mtp: int = 0) -> dict[str, torch.Tensor]:
-    """Rename to the model's parameter names and fuse per-expert tensors; the first `num_mtp`
-    layers past the decoder layers go to `mtp.{j}`, any others are skipped."""
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for key, t in tensors.items():
-        name = key.removeprefix("model.")
-        layer = _LAYER.match(name)
-        if layer and int(layer.group(1)) >= config.num_layers:
-            j = int(layer.group(1)) - config.num_layers
-            if j >= num_mtp:
-                continue  # not an MTP layer the model holds
-            name = _mtp_name(j, layer.group(2))
+class _Plan:
+    """Which stored weights make each model tensor: plain ones, KDA convolutions (q|k|v), experts."""
+
+    def __init__(self, groups: dict[str, Stored], config: ModelConfig, num_mtp: int, bailing: bool) -> None:
+        self.plain: dict[str, Stored] = {}
+        self.conv: dict[str, dict[str, Stored]] = {}
+        self.per_expert: dict[str, dict[str, dict[int, Stored]]] = {}
+        self.fused: dict[str, dict[str, Stored]] = {}
+        for key, stored in groups.items():
+            name = _model_name(key, config, num_mtp, bailing)
             if name is None:
                 continue
-        m = _EXPERT.match(name)
-        if m:
-            per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
-        else:
-            out[name] = t
-    for prefix, parts in per_expert.items():
+            if stored.data is None:
+                raise CheckpointError(f"{stored.scale}: a scale tensor without the weight {key} it scales")
+            if m := _CONV.match(name):
+                self.conv.setdefault(f"{m.group(1)}.conv1d.weight", {})[m.group(2)] = stored
+            elif m := _EXPERT.match(name):
+                self.per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = stored
+            elif m := _FUSED_EXPERTS.match(name):
+                self.fused.setdefault(m.group(1), {})[m.group(2)] = stored
+            else:
+                self.plain[name] = stored
+        for name, parts in self.conv.items():
+            if sorted(parts) != ["k", "q", "v"]:
+                raise CheckpointError(f"{name}: expected q_conv1d, k_conv1d and v_conv1d, found {sorted(parts)}")
+
+    def names(self) -> set[str]:
+        experts = {f"{p}.{w}" for p in (*self.per_expert, *self.fused) for w in ("gate_up_proj", "down_proj")}
+        return set(self.plain) | set(self.conv) | experts
+
+
+class _Loader:
+    def __init__(self, model: torch.nn.Module, store: _Store, quant: Quantization) -> None:
+        self.model, self.store, self.quant = model, store, quant
+
+    def read(self, stored: Stored) -> tuple[torch.Tensor, torch.Tensor | None]:
+        data = self.store.get(stored.data)
+        return data, None if stored.scale is None else self.store.get(stored.scale)
+
+    def floats(self, stored: Stored) -> torch.Tensor:
+        return dequantize(*self.read(stored), self.quant, self.store.where(stored.data))
+
+    def copy(self, name: str, target: torch.Tensor, value: torch.Tensor, where: str) -> None:
+        if value.shape != target.shape:
+            raise CheckpointError(f"{where}: {name} has shape {tuple(value.shape)}, the config implies "
+                                  f"{tuple(target.shape)}")
+        target.copy_(value)
+
+    def experts(self, prefix: str, plan: _Plan) -> None:
+        module = self.model.get_submodule(prefix)
+        e = module.shapes["gate_up"][0]
+        if prefix in plan.fused:
+            self._fused_experts(prefix, module, plan.fused[prefix])
+            return
+        parts = plan.per_expert[prefix]
         ids = sorted(parts.get("gate", {}))
-        if ids != list(range(config.num_experts)) or any(sorted(parts.get(p, {})) != ids for p in ("up", "down")):
-            raise CheckpointError(f"{prefix}: expected gate/up/down for experts 0..{config.num_experts - 1}, "
-                                  f"found {ids}")
-        gate, up, down = (torch.stack([parts[p][i] for i in ids]) for p in ("gate", "up", "down"))
-        out[f"{prefix}.gate_up_proj"] = torch.cat((gate, up), dim=1)
-        out[f"{prefix}.down_proj"] = down
-    if config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out
+        if ids != list(range(e)) or any(sorted(parts.get(p, {})) != ids for p in ("up", "down")):
+            raise CheckpointError(f"{prefix}: expected gate/up/down for experts 0..{e - 1}, found {ids}")
+        step = module.experts_per_chunk()
+        for start in range(0, e, step):
+            chunk = range(start, min(start + step, e))
+            for name, pieces in (("gate_up", ("gate", "up")), ("down", ("down",))):
+                stored = [[parts[p][i] for i in chunk] for p in pieces]
+                self._set(module, prefix, name, start, stored)
+
+    def _set(self, module, prefix: str, name: str, start: int, stored: list[list[Stored]]) -> None:
+        """Experts start.. of `name` from per-expert weights (gate and up rows concatenated)."""
+        raw = [[self.read(s) for s in row] for row in stored]
+        where = self.store.where(stored[0][0].data)
+        if module.format == "mxfp4" and all(is_mxfp4(d, s) for row in raw for d, s in row):
+            q = [[as_mxfp4(d, s, where) for d, s in row] for row in raw]
+            packed = torch.cat([torch.stack([x.packed for x in row]) for row in q], dim=1)
+            scales = torch.cat([torch.stack([x.scales for x in row]) for row in q], dim=1)
+            self._fits(module, prefix, name, packed, scales, where)
+            module.set_mxfp4(name, start, type(q[0][0])(packed, scales))
+            return
+        w = torch.cat([torch.stack([dequantize(d, s, self.quant, where) for d, s in row]) for row in raw], dim=1)
+        self._fits(module, prefix, name, w, None, where)
+        module.set_experts(name, start, w.to(self.model.embed_tokens.weight.dtype))
+
+    def _fits(self, module, prefix, name, values, scales, where) -> None:
+        e, n, k = module.shapes[name]
+        got = (values.shape[1], values.shape[2] * (2 if scales is not None else 1))
+        if got != (n, k):
+            raise CheckpointError(f"{where}: {prefix}.{name}_proj experts have rows x columns {got}, the config "
+                                  f"implies {(n, k)}")
+
+    def _fused_experts(self, prefix: str, module, parts: dict[str, Stored]) -> None:
+        if sorted(parts) != ["down", "gate_up"]:
+            raise CheckpointError(f"{prefix}: expected fused gate_up_proj and down_proj, found {sorted(parts)}")
+        for name, stored in parts.items():
+            data, scale = self.read(stored)
+            where = self.store.where(stored.data)
+            if is_mxfp4(data, scale):
+                q = as_mxfp4(data, scale, where)
+                packed, scales = q.packed, q.scales
+                if name == "gate_up" and self.quant.gpt_oss_experts:
+                    packed, scales = deinterleave_rows(packed), deinterleave_rows(scales)
+                if module.format == "mxfp4":
+                    self._fits(module, prefix, name, packed, scales, where)
+                    module.set_mxfp4(name, 0, type(q)(packed.contiguous(), scales.contiguous()))
+                    continue
+                w = type(q)(packed.contiguous(), scales.contiguous()).dequantize(torch.float32)
+            else:
+                w = dequantize(data, scale, self.quant, where)
+                if name == "gate_up" and self.quant.gpt_oss_experts:
+                    w = deinterleave_rows(w)
+            self._fits(module, prefix, name, w, None, where)
+            module.set_experts(name, 0, w.to(self.model.embed_tokens.weight.dtype))
 
 
 def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
-    """Copy a checkpoint's tensors into `model` (strict: every parameter, no leftovers)."""
+    """Copy a checkpoint's tensors into `model` (strict: every parameter, no leftovers), one
+    tensor at a time and experts a few at a time."""
     folder = Path(folder)
-    tensors = _read_tensors(folder)
-    stored = mtp_layers_in(tensors, model.config)
-    if stored < len(model.mtp):
+    path, raw = _raw_config(folder)
+    quant = parse_quantization(raw, path)
+    store = _Store(folder)
+    stored_mtp = mtp_layers_in(store.file_of, model.config)
+    if stored_mtp < len(model.mtp):
         # Untrained NEXTN layers would draft noise; without them speculation refuses clearly.
-        model.mtp = model.mtp[:stored]
-        model.config = model.config.replace(num_mtp_layers=stored)
-    state = _to_model_names(tensors, model.config, len(model.mtp))
+        model.mtp = model.mtp[:stored_mtp]
+        model.config = model.config.replace(num_mtp_layers=stored_mtp)
+    plan = _Plan(group_keys(store.file_of), model.config, len(model.mtp), raw["model_type"] == "bailing_hybrid")
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        plan.plain.pop("lm_head.weight", None)
+    expert_prefixes = {n.rsplit(".", 1)[0] for n in expected if re.search(r"\.experts\.(gate_up|down)_", n)}
+    wanted = {n for n in expected if n.rsplit(".", 1)[0] not in expert_prefixes}
+    wanted |= {f"{p}.{w}" for p in expert_prefixes for w in ("gate_up_proj", "down_proj")}
+    have = plan.names()
+    missing, unexpected = sorted(wanted - have), sorted(have - wanted)
     if missing or unexpected:
+        where = {n: store.file_of[s.data] for n, s in plan.plain.items()}
+        shown = [f"{n} ({where[n]})" if n in where else n for n in unexpected[:8]]
         raise CheckpointError(f"{folder}: tensors do not match the model; missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
+                              f"unexpected {[n for n in unexpected[:8]]}" + (f" in {shown}" if shown else ""))
+    loader = _Loader(model, store, quant)
     with torch.no_grad():
-        for name, t in state.items():
-            if t.shape != expected[name].shape:
-                raise CheckpointError(f"{folder}: {name} has shape {tuple(t.shape)}, the config implies "
-                                      f"{tuple(expected[name].shape)}")
-            expected[name].copy_(t)
+        for name, stored in plan.plain.items():
+            loader.copy(name, expected[name], loader.floats(stored), loader.store.where(stored.data))
+        for name, parts in plan.conv.items():
+            value = torch.cat([loader.floats(parts[p]) for p in "qkv"])
+            loader.copy(name, expected[name], value, loader.store.where(parts["q"].data))
+        for prefix in sorted(expert_prefixes):
+            loader.experts(prefix, plan)

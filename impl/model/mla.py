@@ -246,14 +246,25 @@ class MLAAttention(nn.Module):
         return self.o_proj(y.reshape(b, t, nh * c.v_head_dim))
 
     def _absorbed(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
+        """The heads share one key/value head (the cache rows), so they are folded into the query
+        length: [B, 1, H*T, r + dr] queries against [B, 1, S, r + dr] keys read the cache once. SDPA
+        with enable_gqa instead repeats the key head H times when no fused kernel takes a 576-wide
+        head (its math path: 32 copies of the cache, about 1.2 GB at 32k tokens)."""
         c = self.config
+        b, nh, t, _ = q_nope.shape
         w_uk, w_uv = self._up_weights()
         q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk.to(q_nope.dtype))
-        query = torch.cat((q_lat, q_rope), dim=-1)           # [B, H, T, r + dr]
-        key = rows.unsqueeze(1).to(query.dtype)              # [B, 1, S, r + dr], shared by the heads
+        query = torch.cat((q_lat, q_rope), dim=-1).reshape(b, 1, nh * t, -1)
+        key = rows.unsqueeze(1).to(query.dtype)              # [B, 1, S, r + dr]
         value = key[..., :c.kv_lora_rank]                    # the latents themselves
-        o_lat = F.scaled_dot_product_attention(query, key, value, scale=c.scaling, enable_gqa=True, **attn)
-        return torch.einsum("bhtr,hvr->bhtv", o_lat, w_uv.to(o_lat.dtype))
+        mask = attn.get("attn_mask")
+        if mask is None:  # causal within x, per head
+            mask = torch.ones(t, t, dtype=torch.bool, device=query.device).tril() if attn.get("is_causal") else None
+        if mask is not None:
+            lead, s = mask.shape[:-2], mask.shape[-1]
+            mask = mask.reshape(*lead, 1, t, s).expand(*lead, nh, t, s).reshape(*lead, nh * t, s)
+        o_lat = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=c.scaling)
+        return torch.einsum("bhtr,hvr->bhtv", o_lat.view(b, nh, t, -1), w_uv.to(o_lat.dtype))
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config

@@ -27,7 +27,7 @@ from impl.model.layers import DecoderLayer, RMSNorm
 
 class MTPLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, moe_backend: backends.Backend,
-                 embed_tokens: nn.Embedding, head: nn.Module) -> None:
+                 embed_tokens: nn.Embedding, head: nn.Module, expert_format: str = "dense") -> None:
         super().__init__()
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
@@ -35,7 +35,8 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         # The checkpoint's layer index decides dense vs MoE (past num_layers: MoE) and the
         # attention kind (past num_layers: config.mtp_attention).
-        self.block = DecoderLayer(config, layer_index, moe_backend, make_attention(config, layer_index))
+        self.block = DecoderLayer(config, layer_index, moe_backend, make_attention(config, layer_index),
+                                  expert_format)
         self.final_norm = RMSNorm(h, config.rms_norm_eps)
         self.share(embed_tokens, head)
 

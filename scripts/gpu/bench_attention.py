@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""One batch-1 decode step (one token) of each Ling 3.0 attention layer kind at Ling-3.0-flash
+shapes, timed on a CUDA GPU against its byte floor, at contexts L (default 1k, 8k, 32k).
+
+Random weights (normal * 0.02 in bf16, norm weights 1; KDA's A_log, dt_bias, conv1d weight fp32):
+  kda step      KDAAttention(2560, 32 heads of 128, conv kernel 4): the recurrent step on a random fp32
+                state, input_pos [L] (0 would reset it). Independent of L; still run at every L.
+  kda proj      its q/k/v/g/f_proj/b_proj/o_proj linears alone on the same x (projections vs state update).
+  mla absorbed  MLAAttention (r 512, rope 64, nope 128, v 128), the default one-token form, on a cache
+                of S = L + 16 rows (rows 0..L-1 random), mask True for positions 0..L.
+  mla expanded  the same call with absorb=False (every cached latent up-projected).
+Each call is captured alone in a CUDA graph and timed as the median replay under
+`triton.testing.do_bench` (which flushes L2 first, so weights come from HBM as in decode).
+
+Byte floor: every parameter once (bf16 2 B, fp32 4 B); KDA adds the recurrent [32,128,128] and conv
+[12288,3] fp32 states, each read and written; MLA adds the S cache rows of 576 bf16 read (SDPA reads
+the whole cache, masked) and one row written (`bytes_attended`: the L + 1 attended rows instead).
+floor_us = bytes / bandwidth, at the H200 nominal 4.8 TB/s and at the bandwidth measured here (the
+better of a 2 GiB bf16 sum and a 4 GiB device copy); fraction = floor_us / measured_us.
+
+Run from the repository root on the GPU machine with the repository root on PYTHONPATH:
+    python3 scripts/gpu/bench_attention.py --out $OUT            # under a minute on an H200
+    python3 scripts/gpu/bench_attention.py --kinds mla --contexts 1024,131072
+Prints a table last; writes DIR/attention_bench.json with --out DIR (default $OUT). Exit status 0;
+1 when a case failed (the others still run); 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from impl.gpu_timing import copy_bandwidth, graph_us
+from impl.model.kda import KDAAttention
+from impl.model.mla import MLAAttention, MLAConfig, mla_rope_tables
+
+NOMINAL_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
+FLASH_KDA = dict(hidden_size=2560, num_heads=32, head_dim=128, conv_kernel_size=4)
+FLASH_MLA = MLAConfig(hidden_size=2560, num_heads=32, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128)
+KDA_FP32_PARAMS = ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")
+KDA_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "forget_gate.f_proj", "b_proj", "o_proj")
+MLA_CACHE_SLACK = 16  # S = L + 16
+DEVICE = torch.device("cuda", 0)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- modules and byte floors (CPU / meta friendly) ---------------------------------------------
+def build_kda(device="meta", dtype=torch.bfloat16) -> KDAAttention:
+    """KDA at Ling-3.0-flash shapes, in `dtype` except the parameters the checkpoint keeps in fp32."""
+    with torch.device(device):
+        m = KDAAttention(**FLASH_KDA).to(dtype)
+    for name, p in m.named_parameters():
+        if name in KDA_FP32_PARAMS:
+            p.data = p.data.to(torch.float32)
+    return m.requires_grad_(False)
+
+
+def build_mla(device="meta", dtype=torch.bfloat16) -> MLAAttention:
+    with torch.device(device):
+        return MLAAttention(FLASH_MLA).to(dtype).requires_grad_(False)
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def kda_proj_bytes(m: KDAAttention) -> int:
+    return sum(param_bytes(m.get_submodule(n)) for n in KDA_PROJ)
+
+
+def kda_state_bytes(m: KDAAttention, batch: int = 1) -> int:
+    """Recurrent state and conv state (fp32), each read once and written once by a step."""
+    recurrent = batch * m.num_heads * m.head_dim * m.head_dim * 4
+    conv = batch * m.conv_dim * (m.conv_kernel_size - 1) * 4
+    return 2 * (recurrent + conv)
+
+
+def mla_cache_bytes(cfg: MLAConfig, rows_read: int, elem_bytes: int = 2) -> int:
+    """`rows_read` cache rows read plus the new token's row written."""
+    return (rows_read + 1) * cfg.cache_dim * elem_bytes
+
+
+def floor_us(nbytes: int, bytes_per_s: float) -> float:
+    return nbytes / bytes_per_s * 1e6
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+# -- GPU measurement ---------------------------------------------------------------------------
+def log(*a, **kw) -> None:
+    print(*a, **kw, flush=True)
+
+
+def randomize_(module: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+
+
+def read_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second read by a bf16 `.sum()` of `nbytes` (median)."""
+    import triton.testing
+    t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    ms = triton.testing.do_bench(lambda: t.sum(dtype=torch.float32), warmup=50, rep=300, return_mode="median")
+    del t
+    torch.cuda.empty_cache()
+    return nbytes / (ms * 1e-3)
+
+
+def step_us(fn, rep_ms: int) -> float:
+    """Median us of one call of `fn`, captured alone in a CUDA graph."""
+    with torch.inference_mode():
+        return graph_us([fn], warmup=25, rep=rep_ms)
+
+
+def kda_cases(ctx: int, dtype, gen, dev):
+    m = build_kda(dev, dtype)
+    randomize_(m, gen)
+    state = m.setup_cache(1, device=dev)
+    state.recurrent.normal_(0.0, 0.01, generator=gen)
+    state.conv.normal_(0.0, 1.0, generator=gen)
+    x = torch.randn(1, 1, m.hidden_size, device=dev, generator=gen).to(dtype)
+    o_in = torch.randn(1, 1, m.qkv_dim, device=dev, generator=gen).to(dtype)
+    pos = torch.tensor([ctx], device=dev)
+    projs = [m.get_submodule(n) for n in KDA_PROJ[:-1]]
+
+    def proj_only():
+        for lin in projs:
+            lin(x)
+        m.o_proj(o_in)
+
+    with torch.inference_mode():
+        ok = bool(torch.isfinite(m(x, None, None, pos, None)).all())
+    weights, state_bytes = param_bytes(m), kda_state_bytes(m)
+    yield dict(form="step", S=None, weight_bytes=weights, state_bytes=state_bytes, bytes=weights + state_bytes,
+               finite=ok), lambda: m(x, None, None, pos, None)
+    pb = kda_proj_bytes(m)
+    yield dict(form="proj", S=None, weight_bytes=pb, state_bytes=0, bytes=pb), proj_only
+
+
+def mla_cases(ctx: int, dtype, gen, dev):
+    m = build_mla(dev, dtype)
+    randomize_(m, gen)
+    s = ctx + MLA_CACHE_SLACK
+    cache = m.setup_cache(1, s, dtype, dev)
+    cache.kv[:, :ctx].normal_(generator=gen)
+    cos, sin = (t[ctx:ctx + 1] for t in mla_rope_tables(FLASH_MLA, s, device=dev))
+    mask = torch.zeros(1, s, dtype=torch.bool, device=dev)
+    mask[0, :ctx + 1] = True  # the L cached rows and the new token's (row L, written by the call)
+    x = torch.randn(1, 1, FLASH_MLA.hidden_size, device=dev, generator=gen).to(dtype)
+    pos = torch.tensor([ctx], device=dev)
+    with torch.inference_mode():
+        a, e = m(x, cos, sin, pos, mask), m(x, cos, sin, pos, mask, absorb=False)
+        rel = ((a.double() - e.double()).norm() / e.double().norm()).item()
+    weights, elem = param_bytes(m), cache.kv.element_size()
+    base = dict(S=s, weight_bytes=weights, cache_bytes=mla_cache_bytes(FLASH_MLA, s, elem),
+                bytes_attended=weights + mla_cache_bytes(FLASH_MLA, ctx + 1, elem), absorbed_vs_expanded_rel=rel)
+    base["bytes"] = weights + base["cache_bytes"]
+    for form, absorb in (("absorbed", None), ("expanded", False)):
+        fn = lambda absorb=absorb: m(x, cos, sin, pos, mask, absorb=absorb)  # noqa: E731
+        yield dict(base, form=form, fused_sdpa=fused_sdpa_ok(fn)), fn
+
+
+def fused_sdpa_ok(fn) -> bool:
+    """Whether `fn` runs with SDPA's math backend disallowed (False: it falls back to math, which for
+    the absorbed form's single shared key head repeats the cache for every head)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with torch.inference_mode(), warnings.catch_warnings(), sdpa_kernel(fused):
+            warnings.simplefilter("ignore")
+            fn()
+        return True
+    except RuntimeError:
+        return False
+
+
+def timed_row(row: dict, fn, measured_bps: float, rep_ms: int, errors: list) -> dict:
+    """`row` with the measured time and the floors and fractions at both bandwidths (or the error)."""
+    try:
+        us = step_us(fn, rep_ms)
+    except Exception as ex:  # noqa: BLE001
+        row["error"] = repr(ex)
+        errors.append(f"{row['kind']} {row['form']} L={row['L']}: {ex!r}")
+        traceback.print_exc(limit=3)
+        return row
+    nom_us, meas_us = floor_us(row["bytes"], NOMINAL_BYTES_PER_S), floor_us(row["bytes"], measured_bps)
+    row.update(measured_us=us, floor_us_nominal=nom_us, floor_us_measured=meas_us,
+               fraction_nominal=nom_us / us, fraction_measured=meas_us / us)
+    log(f"  {row['kind']} {row['form']:9s} L={row['L']:6d} {us:8.1f} us  {100 * nom_us / us:5.1f}% of nominal floor")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,8192,32768", help="context lengths L, comma-separated")
+    ap.add_argument("--kinds", default="kda,mla", help="comma-separated, of kda, mla")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for attention_bench.json ($OUT)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep per timed call, ms")
+    args = ap.parse_args(argv)
+    contexts = [int(v) for v in args.contexts.split(",")]
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    if bad := set(kinds) - {"kda", "mla"}:
+        ap.error(f"unknown kinds {sorted(bad)}")
+    if not torch.cuda.is_available():
+        print("bench_attention.py needs a CUDA device (none is available)", file=sys.stderr)
+        sys.exit(2)
+
+    import triton
+    dev, dtype = DEVICE, DTYPES[args.dtype]
+    info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "dtype": args.dtype}
+    log("device:", json.dumps(info))
+    read_bps, copy_bps = read_bandwidth(), copy_bandwidth()
+    measured_bps = max(read_bps, copy_bps)
+    log(f"read (bf16 sum) {read_bps / 1e12:.3f} TB/s, copy {copy_bps / 1e12:.3f} TB/s (read + written); "
+        f"floor at {measured_bps / 1e12:.3f} TB/s and at nominal {NOMINAL_BYTES_PER_S / 1e12:.1f} TB/s")
+
+    rows, errors = [], []
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    for kind in kinds:
+        for ctx in contexts:
+            try:
+                for row, fn in (kda_cases if kind == "kda" else mla_cases)(ctx, dtype, gen, dev):
+                    rows.append(timed_row(dict(kind=kind, L=ctx, **row), fn, measured_bps, args.rep_ms, errors))
+            except Exception as ex:  # noqa: BLE001  (building the case failed)
+                errors.append(f"{kind} L={ctx}: {ex!r}")
+                traceback.print_exc(limit=3)
+            torch.cuda.empty_cache()
+
+    result = dict(info=info, nominal_bytes_per_s=NOMINAL_BYTES_PER_S, read_bytes_per_s=read_bps,
+                  copy_bytes_per_s=copy_bps, measured_bytes_per_s=measured_bps, rows=rows, errors=errors)
+    if args.out:
+        write_json_atomic(Path(args.out) / "attention_bench.json", result)
+
+    log(f"\n== one decode step, batch 1 ({info['device']}; floor at nominal {NOMINAL_BYTES_PER_S / 1e12:.1f} "
+        f"and measured {measured_bps / 1e12:.2f} TB/s)")
+    log(f"{'kind':4s} {'form':9s} {'L':>6s} {'S':>6s} {'MB':>7s} {'us':>8s} {'floor us':>8s} {'nom%':>6s} "
+        f"{'meas%':>6s}")
+    for r in rows:
+        s = f"{r['S']:6d}" if r["S"] else "     -"
+        head = f"{r['kind']:4s} {r['form']:9s} {r['L']:6d} {s} {r['bytes'] / 1e6:7.2f}"
+        if "measured_us" in r:
+            log(f"{head} {r['measured_us']:8.1f} {r['floor_us_nominal']:8.1f} {100 * r['fraction_nominal']:5.1f}% "
+                f"{100 * r['fraction_measured']:5.1f}%")
+        else:
+            log(f"{head}   FAILED {r['error'][:80]}")
+    for r in rows:
+        if r["kind"] == "mla" and r["form"] == "absorbed":
+            log(f"mla L={r['L']}: absorbed vs expanded output rel err {r['absorbed_vs_expanded_rel']:.2e}")
+        if r["kind"] == "mla" and not r.get("fused_sdpa", True):
+            log(f"mla {r['form']} L={r['L']}: SDPA falls back to its math backend")
+    if errors:
+        log("errors:", *errors, sep="\n  ")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

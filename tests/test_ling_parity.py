@@ -1,0 +1,219 @@
+"""Ling 3.0 (`bailing_hybrid`) end to end against transformers' BailingHybridForCausalLM, fp32 on CPU:
+a tiny random checkpoint written by transformers' save_pretrained (the names Ling's checkpoints use)
+loads through impl.model.build, its logits match at prefill and at every decode step, the NEXTN
+layer's logits match a reference assembled from transformers' own modules, recurrent decode equals
+the chunked prefill, and speculative decoding with rejections (KDA state rolled back) equals greedy.
+
+The tiny config: 6 layers (KDA, KDA, MLA, KDA, KDA, MLA; the first dense), 8 experts top-2 in 2
+groups, hidden 32, KDA 2 heads x 16 in 4-token prefill chunks (so a prompt spans several), MLA rank
+16 with 8 rope dims, one NEXTN layer (MLA + MoE). Weights N(0, 0.2); the KDA forget gates are set so
+the state remembers tens of tokens (with checkpoint-style init they forget within a few, and a
+mistake in carrying state would hide); the routers' correction biases are non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.bailing_hybrid")
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import BailingHybridConfig, BailingHybridForCausalLM, BailingHybridModel  # noqa: E402
+
+from impl.generate import generate  # noqa: E402
+from impl.model.build import build_model  # noqa: E402
+from impl.model.kda import KDAAttention  # noqa: E402
+from impl.model.loading import read_config  # noqa: E402
+from impl.spec import SpeculativeDecoder  # noqa: E402
+
+LAYERS, T, PROMPT = 6, 40, 8
+# Per position ||ours - reference|| / ||reference|| of the logits: the issue's bar. Both sides
+# compute in fp32 (eps 6e-8) through 6 layers with different association (KDA chunked with a
+# triangular solve against transformers' chunk inverse, or stepped, MLA absorbed decode against
+# expanded heads, the MoE gathered against per-expert loops), and the random network amplifies
+# rounding: our own chunked prefill and stepped decode part by up to 5.3e-6. Measured worst
+# against transformers over 4 token seeds and chunk sizes 4/8/16: 6.8e-6 (a 1.5x margin), while
+# a real fault lands orders above it (a state not kept after a verify pass: test_keep_verified_is_needed).
+REL_TOL = 1e-5
+
+
+def hf_config(layers: int = LAYERS, **overrides) -> BailingHybridConfig:
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+              num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1,
+              num_experts_per_tok=2, num_local_experts=8, first_k_dense_replace=1, layer_group_size=3,
+              pad_token_id=None, eos_token_id=None, num_mtp_layers=1, rope_theta=10000.0)
+    kw.update(overrides)
+    cfg = BailingHybridConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0, generator=g)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-6.0, -3.0, generator=g)
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(folder, transformers model of the main layers, transformers 1-layer model holding the
+    NEXTN layer's block with its final norm as `norm`, the NEXTN extras {enorm, hnorm, eh_proj}).
+
+    transformers has no NEXTN module; the checkpoint's layer LAYERS is written by saving a model of
+    LAYERS + 1 layers whose last is MLA + MoE, then config.json is cut back to LAYERS layers and
+    the layer's enorm, hnorm, eh_proj and final_layernorm are added in Ling's names."""
+    folder = tmp_path_factory.mktemp("ling-tiny")
+    types = ["linear_attention" if (i + 1) % 3 else "full_attention" for i in range(LAYERS)] + ["full_attention"]
+    big = BailingHybridForCausalLM(hf_config(LAYERS + 1, layer_types=types,
+                                             mlp_layer_types=["dense"] + ["sparse"] * LAYERS)).eval()
+    randomize(big, seed=0)
+    big.save_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(num_hidden_layers=LAYERS, layer_types=types[:LAYERS], mlp_layer_types=raw["mlp_layer_types"][:LAYERS])
+    (folder / "config.json").write_text(json.dumps(raw))
+    g = torch.Generator().manual_seed(1)
+    h = 32
+    extras = {"enorm": 1 + 0.1 * torch.randn(h, generator=g), "hnorm": 1 + 0.1 * torch.randn(h, generator=g),
+              "eh_proj": 0.2 * torch.randn(h, 2 * h, generator=g),
+              "final_layernorm": 1 + 0.1 * torch.randn(h, generator=g)}
+    tensors = load_file(folder / "model.safetensors")
+    for name, t in extras.items():
+        tensors[f"model.layers.{LAYERS}.{name}.weight"] = t
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    ref = BailingHybridForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    nextn = BailingHybridModel(hf_config(1, layer_types=["full_attention"], mlp_layer_types=["sparse"])).eval()
+    with torch.no_grad():
+        nextn.layers[0].load_state_dict(big.model.layers[LAYERS].state_dict())
+        nextn.norm.weight.copy_(extras["final_layernorm"])
+    return folder, ref, nextn, extras
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    model = build_model(str(checkpoint[0]))
+    for m in model.modules():
+        if isinstance(m, KDAAttention):
+            m.chunk_size = 4
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(5))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per position ||a - b|| / ||b|| over the vocabulary (or hidden) dimension."""
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+
+
+def cached_logits(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Prefill `prompt` tokens, then one decode step per remaining token (teacher forced)."""
+    model.setup_caches(1, 64)
+    with torch.inference_mode():
+        out = [model(tokens[:, :prompt], torch.arange(prompt))]
+        out += [model(tokens[:, t:t + 1], torch.tensor([t])) for t in range(prompt, tokens.shape[1])]
+    return torch.cat(out, dim=1)
+
+
+def test_config_reads_the_hybrid_layout(checkpoint):
+    c = read_config(checkpoint[0])
+    assert c.attention_types == ("kda", "kda", "mla", "kda", "kda", "mla")
+    assert (c.dense_layers, c.num_experts, c.top_k, c.n_group, c.topk_group, c.num_mtp_layers) == ((0,), 8, 2, 2, 1, 1)
+    assert (c.kv_lora_rank, c.qk_rope_head_dim, c.linear_num_heads, c.linear_head_dim) == (16, 8, 2, 16)
+    assert c.mtp_attention == "mla" and c.mtp_normed_hidden and c.rotary_dim == 8
+
+
+def test_prefill_then_decode_logits_match_transformers(checkpoint, ours, tokens):
+    ref = checkpoint[1]
+    with torch.no_grad():
+        want = ref(tokens).logits
+    got = cached_logits(ours, tokens, PROMPT)
+    err = rel(got, want)
+    assert err.shape == (T,) and T - PROMPT >= 32
+    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+
+
+def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
+    _, ref, nextn, extras = checkpoint
+    with torch.no_grad():
+        # Ling's NEXTN layer takes the target's final-normed hidden state at i and token i+1.
+        h = ref.model(tokens).last_hidden_state[:, :-1]
+        e = ref.model.embed_tokens(tokens[:, 1:])
+
+        def norm(x, w):
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        x = torch.cat((norm(e, extras["enorm"]), norm(h, extras["hnorm"])), dim=-1) @ extras["eh_proj"].T
+        want = ref.lm_head(nextn(inputs_embeds=x).last_hidden_state)
+    mtp = ours.mtp[0]
+    ours.setup_caches(1, 64)
+    with torch.inference_mode():
+        logits, hidden = ours.forward_with_hidden(tokens, torch.arange(T))
+        cos, sin, mask = ours.positions(T - 1, torch.arange(T - 1))
+        got = mtp.logits(mtp.hidden(hidden[:, :-1], tokens[:, 1:], cos, sin, torch.arange(T - 1), mask))
+    err = rel(got, want)
+    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+
+
+def test_recurrent_decode_equals_chunked_prefill(ours, tokens):
+    whole = cached_logits(ours, tokens, T)          # one prefill: KDA in 4-token chunks
+    stepped = cached_logits(ours, tokens, 1)        # one token at a time: the recurrent step
+    err = rel(stepped, whole)
+    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4])
+def test_keep_verified_leaves_the_state_of_the_kept_tokens(ours, tokens, keep):
+    """A 4-token verify pass, then keep_verified(keep): the next step's logits equal those of a
+    run that only ever saw the first `keep` of the 4 tokens."""
+    n = 12
+    ours.setup_caches(1, 64)
+    with torch.inference_mode():
+        ours(tokens[:, :n], torch.arange(n))
+        ours(tokens[:, n:n + 4], torch.arange(n, n + 4))
+        ours.keep_verified(torch.tensor([keep]))
+        nxt = n + keep
+        got = ours(tokens[:, 30:31], torch.tensor([nxt]))
+        ours(tokens[:, :nxt], torch.arange(nxt))
+        want = ours(tokens[:, 30:31], torch.tensor([nxt]))
+    assert rel(got, want).max() <= REL_TOL
+
+
+def test_keep_verified_is_needed(ours, tokens):
+    """Negative control: without it the state after all 4 tokens goes on, and the next logits part
+    from the kept-token run far beyond the tolerance."""
+    n, keep = 12, 1
+    ours.setup_caches(1, 64)
+    with torch.inference_mode():
+        ours(tokens[:, :n], torch.arange(n))
+        ours(tokens[:, n:n + 4], torch.arange(n, n + 4))
+        got = ours(tokens[:, 30:31], torch.tensor([n + keep]))
+        ours(tokens[:, :n + keep], torch.arange(n + keep))
+        want = ours(tokens[:, 30:31], torch.tensor([n + keep]))
+    assert rel(got, want).max() > 100 * REL_TOL
+
+
+def test_speculative_with_rejections_equals_greedy(ours, tokens):
+    """Random weights: the NEXTN draft is mostly rejected, so nearly every verify step rolls the KDA
+    states back; the tokens must still be plain greedy decoding's."""
+    prompt = tokens[0, :PROMPT]
+    plain = generate(ours, prompt, 32).new_tokens[0]
+    result = SpeculativeDecoder(ours, k=3).generate(prompt, 32)
+    assert torch.equal(result.new_tokens[0, :32], plain)
+    stats = result.stats
+    assert stats.accepted < stats.drafted, "no draft was rejected: the rollback went untested"
