@@ -151,3 +151,25 @@ def test_speculative_with_rejections_equals_greedy(ours, tokens):
     assert torch.equal(result.new_tokens[0, :32], plain)
     stats = result.stats
     assert stats.accepted < stats.drafted, "no draft was rejected: the rollback went untested"
+
+
+def test_the_ladder_runs_on_the_hybrid_model_unchanged():
+    """One mechanism: the serving rows (FP8 head, MTP with the head shared) on ling-3.0-tiny
+    (random weights, fp32, CPU); provenance holds for every row and greedy +mtp serves exactly
+    what +fp8-head serves, its KDA states rolled back after every rejected draft."""
+    from impl.serve.arm import build_arms
+    from impl.serve.configs import parse_ladder
+    from impl.serve.provenance import check_provenance
+    from impl.serve.runner import run_ladder
+    from tests.test_serve_engine import ByteTokenizer, request
+    model = build_model("ling-3.0-tiny")
+    arms = build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
+    prompts = ["Q: 12 + 30 =", "The hybrid model has"]
+    records = run_ladder(arms, [request(p, 24, ignore_eos=True) for p in prompts])
+    for arm in arms:
+        check_provenance(arm.name, arm.config, arm.provenance)
+    by = {(r["arm"], r["request_id"]): r for r in records}
+    for p in prompts:
+        rid = request(p).request_id
+        assert by["+mtp", rid]["text"] == by["+fp8-head", rid]["text"]
+        assert by["+mtp", rid]["output_tokens"] == 24 and by["+mtp", rid]["verify_steps"] > 0

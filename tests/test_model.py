@@ -111,11 +111,24 @@ def test_ling_presets_have_the_real_moe_and_head_shapes(name, experts, top_k, hi
     assert config.router == "sigmoid_grouped" and config.num_experts % config.n_group == 0
 
 
-def test_presets_with_approximated_attention_say_so():
-    # Ling-3.0-flash has KDA linear attention and MLA; the preset uses softmax MHA everywhere.
-    notes = get_config("ling-3.0-flash").approximations
-    assert any("attention" in note for note in notes), notes
-    # Every approximation is a readable sentence, not a placeholder.
+def test_ling_3_flash_preset_is_the_hybrid_architecture():
+    """35 KDA and 7 MLA layers (every 6th), 576 cached values a token per MLA layer, no
+    approximation left to declare; the model built from it (on meta) has those modules."""
+    from impl.model.kda import KDAAttention
+    from impl.model.mla import MLAAttention
+    config = get_config("ling-3.0-flash")
+    assert config.approximations == ()
+    assert [i for i, k in enumerate(config.attention_types) if k == "mla"] == [5, 11, 17, 23, 29, 35, 41]
+    assert config.kv_lora_rank + config.qk_rope_head_dim == 576
+    with torch.device("meta"):
+        model = MoECausalLM(config, expert_format="mxfp4")
+    kinds = [type(layer.self_attn) for layer in model.layers]
+    assert kinds.count(KDAAttention) == 35 and kinds.count(MLAAttention) == 7
+    assert isinstance(model.mtp[0].block.self_attn, MLAAttention) and config.mtp_normed_hidden
+    assert model.layers[2].mlp.experts.gate_up_packed.shape == (512, 1536, 1280)
+    assert sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() * 2 for n, b in model.named_buffers() if n.endswith("_packed")) == config.num_parameters()
+    # Every approximation a preset declares is a readable sentence, not a placeholder.
     for name in PRESETS:
         assert all(isinstance(n, str) and len(n) > 20 for n in get_config(name).approximations)
 
@@ -418,3 +431,14 @@ def test_user_backend_cleanup_leaves_registry_as_before():
     assert "mine" not in before
     with pytest.raises(ValueError, match="unknown moe backend 'mine'"):
         build_model("tiny", moe_backend="mine")
+
+
+def test_ling_3_flash_with_mxfp4_experts_is_sized_to_fit_one_gpu(monkeypatch):
+    """In bf16 it needs about 237 GiB; with MXFP4 experts about 68 GiB (what the H200's 139 GiB
+    holds); refused up front when less is free, naming the format."""
+    config = get_config("ling-3.0-flash")
+    dense, mx = (build_mod.weight_bytes(config, torch.bfloat16, e) / 2**30 for e in ("dense", "mxfp4"))
+    assert dense > 200 and 60 < mx < 80, (dense, mx)
+    monkeypatch.setattr(build_mod, "_free_bytes", lambda device: 16 * 2**30)
+    with pytest.raises(MemoryError, match=rf"needs {mx:.1f} GiB of weights in torch.bfloat16 with MXFP4 experts"):
+        build_model("ling-3.0-flash", dtype=torch.bfloat16, experts="mxfp4")
