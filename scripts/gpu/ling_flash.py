@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""The full-depth Ling-3.0-flash on one GPU: build it with random weights in the checkpoint formats
+(routed experts MXFP4, drawn and quantized a few experts at a time; the rest bf16; FP8 head),
+time the build and its peak memory, prefill a prompt, then capture one greedy decode step (all 42
+layers and the head) in one CUDA graph and time its replay (median, triton.testing.do_bench) at
+each context. Prints a short table; writes DIR/ling_flash.json with --out DIR.
+
+    python3 scripts/gpu/ling_flash.py --out $OUT [--contexts 1024,8192,32768] [--prompt 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from impl.generate import greedy_step_at
+from impl.gpu_timing import copy_bandwidth, graph_us
+from impl.model.build import build_model, weight_bytes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--prompt", type=int, default=1024, help="tokens prefilled before the timed steps")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = build_model("ling-3.0-flash", dev, torch.bfloat16, moe_backend="triton", experts="mxfp4", head="fp8")
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    c = model.config
+    row = dict(build_s=round(build_s, 1), weights_gib=round(weight_bytes(c, torch.bfloat16, "mxfp4") / 2**30, 2),
+               peak_build_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+               attention=f"{c.attention_types.count('kda')} kda + {c.attention_types.count('mla')} mla")
+    print(f"built in {build_s:.1f} s, peak {row['peak_build_gib']} GiB, {row['attention']}", flush=True)
+    model.setup_caches(1, c.max_seq_len)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    prompt = torch.randint(0, c.vocab_size, (1, args.prompt), device=dev, generator=gen)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        logits = model(prompt, torch.arange(args.prompt, device=dev))
+        torch.cuda.synchronize()
+        row["prefill_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
+        row["prefill_finite"] = bool(torch.isfinite(logits).all())
+    print(f"prefill of {args.prompt} tokens: {row['prefill_ms']} ms (eager, first call includes compiles)", flush=True)
+    bw = copy_bandwidth(dev)
+    row["copy_bandwidth_tb_s"] = round(bw / 1e12, 3)
+    steps = []
+    for ctx in (int(x) for x in args.contexts.split(",")):
+        token = prompt[:, -1:].clone()
+        pos = torch.tensor([ctx], device=dev)
+        with torch.inference_mode():
+            us = graph_us([lambda: greedy_step_at(model, token, pos)])
+        steps.append(dict(context=ctx, step_us=round(us, 1)))
+        print(f"decode step at context {ctx}: {us:.1f} us (one CUDA graph)", flush=True)
+    row["decode"] = steps
+    row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if args.out:
+        path = Path(args.out) / "ling_flash.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(row, indent=2) + "\n")
+        os.replace(tmp, path)
+    print("\n| build s | peak GiB | weights GiB | prefill ms | " + " | ".join(f"step us @{s['context']}" for s in steps) + " |")
+    print(f"| {row['build_s']} | {row['peak_gib']} | {row['weights_gib']} | {row['prefill_ms']} | "
+          + " | ".join(str(s["step_us"]) for s in steps) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
