@@ -119,6 +119,9 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
     else:
         from impl.model.loading import load_weights
         load_weights(model, folder)
+    for module in model.modules():
+        if isinstance(module, KDAAttention):
+            module.fuse_projections()
     if head == "fp8":
         model.quantize_head(granularity=head_granularity, backend=head_backend or "triton")
     return model.eval()

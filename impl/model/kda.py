@@ -60,8 +60,12 @@ class ForgetGate(nn.Module):
         self.f_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        z = (self.f_proj(x).float() + self.dt_bias.float()).view(b, t, self.num_heads, self.head_dim)
+        return self.from_projection(self.f_proj(x))
+
+    def from_projection(self, f: torch.Tensor) -> torch.Tensor:
+        """g from f_proj's output f [B, T, H*D]."""
+        b, t, _ = f.shape
+        z = (f.float() + self.dt_bias.float()).view(b, t, self.num_heads, self.head_dim)
         rate = self.A_log.float().exp().view(1, 1, self.num_heads, 1)
         if self.safe_gate:
             return self.lower_bound * torch.sigmoid(rate * z)
@@ -211,6 +215,44 @@ class KDAAttention(nn.Module):
         self.g_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
         self.state: KDAState | None = None
         self.track: VerifyTrack | None = None
+        self.in_proj: torch.Tensor | None = None  # q|k|v|f|g|b weights in one tensor (fuse_projections)
+        self.decode_kernel = True  # one-token calls on CUDA through impl.model.kda_decode
+
+    _IN_PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_proj", "g_proj", "b_proj")
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Put the six input projections' weights in one tensor, each Linear's weight a view of its
+        rows (names and state_dict unchanged), so a decode token reads them with one GEMV."""
+        weights = [self.get_submodule(n).weight for n in self._IN_PROJ]
+        fused = torch.cat([w.data for w in weights])
+        start = 0
+        for name, w in zip(self._IN_PROJ, weights):
+            self.get_submodule(name).weight = nn.Parameter(fused[start:start + w.shape[0]], requires_grad=w.requires_grad)
+            start += w.shape[0]
+        self.in_proj = fused
+
+    def _projections(self, x: torch.Tensor) -> torch.Tensor:
+        """q|k|v|f|g|b of x [..., hidden]: one GEMV while the fused weights are still the modules'
+        (a later .to() or load replaces the parameters and the fused tensor goes stale)."""
+        if self.in_proj is not None and self.q_proj.weight.data_ptr() == self.in_proj.data_ptr() \
+                and self.b_proj.weight.data_ptr() == self.in_proj[-self.num_heads:].data_ptr():
+            return F.linear(x, self.in_proj)
+        return torch.cat([self.get_submodule(n)(x) for n in self._IN_PROJ], dim=-1)
+
+    def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
+        from impl.model.kda_decode import kda_decode
+        b, hd = x.shape[0], self.qkv_dim
+        proj = self._projections(x[:, 0])
+        keep = (torch.ones(1, device=x.device) if input_pos is None
+                else (input_pos[:1] != 0).to(torch.float32))
+        recurrent = self.state.recurrent[:b]
+        o = kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
+                       self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
+                       self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
+                       keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
+                       self.o_norm.eps)
+        return self.o_proj(o).unsqueeze(1)
 
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "KDAAttention":
@@ -299,6 +341,8 @@ class KDAAttention(nn.Module):
         self._check(x, input_pos)
         b, t, _ = x.shape
         h, d, kern = self.num_heads, self.head_dim, self.conv_kernel_size
+        if t == 1 and self.state is not None and x.is_cuda and self.decode_kernel:
+            return self._decode_kernel(x, input_pos)
         if self.state is not None:
             recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
             if input_pos is not None:
@@ -311,7 +355,9 @@ class KDAAttention(nn.Module):
             conv_state = torch.zeros(b, self.conv_dim, kern - 1, dtype=torch.float32, device=x.device)
 
         # Short causal depthwise conv over q|k|v, continuing from the stored (kernel - 1) inputs.
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).transpose(1, 2).float()
+        proj = self._projections(x)
+        hd = self.qkv_dim
+        mixed = proj[..., :3 * hd].transpose(1, 2).float()
         window = torch.cat([conv_state, mixed], dim=-1)                   # [B, C, kernel - 1 + T]
         w = self.conv1d.weight.float()                                    # [C, 1, kernel]
         if t == 1:
@@ -325,8 +371,8 @@ class KDAAttention(nn.Module):
         q = _l2norm(q) * d ** -0.5
         k = _l2norm(k)
 
-        g = self.forget_gate(x)                                           # [B, T, H, D] fp32
-        beta = torch.sigmoid(self.b_proj(x)).float()                      # [B, T, H]
+        g = self.forget_gate.from_projection(proj[..., 3 * hd:4 * hd])    # [B, T, H, D] fp32
+        beta = torch.sigmoid(proj[..., 5 * hd:]).float()                  # [B, T, H]
         track = self.track if self.state is not None and self.track is not None else None
         if track is not None and 2 <= t <= track.tokens:
             # A verify pass: token by token, keeping each state and the window for keep_verified.
@@ -343,5 +389,5 @@ class KDAAttention(nn.Module):
             tr = lambda y: y.transpose(1, 2)                              # noqa: E731  [B, H, T, ...]
             o = tr(chunked_kda(tr(q), tr(k), tr(v), tr(g), tr(beta), recurrent, self.chunk_size))
         o = o.to(x.dtype)
-        o = self.o_norm(o, self.g_proj(x).view(b, t, h, d)).reshape(b, t, -1)
+        o = self.o_norm(o, proj[..., 4 * hd:5 * hd].reshape(b, t, h, d)).reshape(b, t, -1)
         return self.o_proj(o)

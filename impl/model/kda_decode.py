@@ -1,0 +1,119 @@
+"""One KDA decode token as one Triton kernel: everything between the input projections and o_proj.
+
+Per (batch row, head) program, with the head's q, k, v, forget-gate and output-gate channels:
+the short causal convolution over q|k|v continuing from the stored (kernel - 1) inputs (and
+shifting them), SiLU, L2 norms of q and k (q scaled by head_dim^-0.5), the forget gate g from
+f_proj's output, beta = sigmoid(b), the gated delta rule on the [Dk, Dv] fp32 state
+
+    S <- diag(exp(g)) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+and the gated RMS norm of o. The torch form of the same step (impl.model.kda: `recurrent_kda_step`
+and the module around it) is its reference, and rounds where this kernel rounds: the convolution's
+SiLU output and o to the activation dtype, as the module does.
+
+The state is read once and written once (`state_in` may be `state_out`: decode updates in place);
+`keep` (1.0, or 0.0 at position 0) multiplies the stored state and convolution inputs, so a new
+sequence starts from zeros without a host branch. In eager torch this step is about 55 small
+kernels a layer, several passes over the 2 MB state: launch-bound next to the layer's 126 MB of
+projections, even replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from impl.triton_env import tl, triton
+
+L2_EPS = 1e-6  # impl.model.kda.L2_EPS: inside the square root
+
+
+@triton.jit
+def _conv_silu(mixed_row_ptr, conv_state_ptr, conv_w_ptr, ch, keep, out_dtype: tl.constexpr, KERN: tl.constexpr):
+    """Channels `ch` of one token: the causal convolution over the stored (KERN - 1) inputs and this
+    token's, the stored inputs shifted by one, SiLU, rounded to the activation dtype."""
+    new = tl.load(mixed_row_ptr + ch).to(tl.float32)
+    state_row = conv_state_ptr + ch * (KERN - 1)
+    acc = new * tl.load(conv_w_ptr + ch * KERN + (KERN - 1))
+    for j in tl.static_range(KERN - 1):
+        prev = tl.load(state_row + j) * keep
+        acc += prev * tl.load(conv_w_ptr + ch * KERN + j)
+        if j > 0:
+            tl.store(state_row + j - 1, prev)
+    if KERN > 1:
+        tl.store(state_row + KERN - 2, new)
+    act = acc / (1.0 + tl.exp(-acc))
+    return act.to(out_dtype).to(tl.float32)
+
+
+@triton.jit
+def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, gate_ptr, conv_state_ptr, conv_w_ptr, dt_bias_ptr, a_log_ptr,
+                      norm_w_ptr, state_in_ptr, state_out_ptr, keep_ptr, out_ptr,
+                      stride_mixed, stride_f, stride_b, stride_gate, stride_out,
+                      H, lower_bound, norm_eps,
+                      D: tl.constexpr, KERN: tl.constexpr, SAFE_GATE: tl.constexpr):
+    pid = tl.program_id(0)
+    row, h = pid // H, pid % H
+    offs_d = tl.arange(0, D)
+    keep = tl.load(keep_ptr)
+    hd = H * D
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    mixed_row = mixed_ptr + row * stride_mixed
+    conv_state_row = conv_state_ptr + row * 3 * hd * (KERN - 1)
+    q = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, h * D + offs_d, keep, out_dtype, KERN)
+    k = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, hd + h * D + offs_d, keep, out_dtype, KERN)
+    v = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, 2 * hd + h * D + offs_d, keep, out_dtype, KERN)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * (D ** -0.5)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
+
+    # Forget gate (per channel of the key dim) and write strength.
+    z = tl.load(f_ptr + row * stride_f + h * D + offs_d).to(tl.float32) + tl.load(dt_bias_ptr + h * D + offs_d)
+    rate = tl.exp(tl.load(a_log_ptr + h))
+    if SAFE_GATE:
+        g = lower_bound / (1.0 + tl.exp(-rate * z))
+    else:
+        g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * stride_b + h).to(tl.float32)))
+
+    # Gated delta rule on S [Dk, Dv].
+    offs_s = (row * H + h) * D * D + offs_d[:, None] * D + offs_d[None, :]
+    s = tl.load(state_in_ptr + offs_s) * keep
+    s = s * tl.exp(g)[:, None]
+    recalled = tl.sum(k[:, None] * s, axis=0)
+    s = s + k[:, None] * (beta * (v - recalled))[None, :]
+    tl.store(state_out_ptr + offs_s, s)
+    o = tl.sum(q[:, None] * s, axis=0).to(out_dtype).to(tl.float32)
+
+    # Gated RMS norm over Dv, then sigmoid of the output gate.
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * tl.load(norm_w_ptr + offs_d).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate + h * D + offs_d).to(tl.float32)
+    o = o / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * stride_out + h * D + offs_d, o.to(out_dtype))
+
+
+def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_state: torch.Tensor,
+               conv_w: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, norm_w: torch.Tensor,
+               state_in: torch.Tensor, state_out: torch.Tensor, keep: torch.Tensor, num_heads: int,
+               safe_gate: bool, lower_bound: float, norm_eps: float) -> torch.Tensor:
+    """One token of B rows: mixed [B, 3*H*D] (q|k|v projections before the convolution), f and gate
+    [B, H*D], b [B, H] (rows may be strided views, the last dim contiguous); conv_state
+    [B, 3*H*D, kernel-1] and the states [B, H, D, D] fp32, updated; conv_w [3*H*D, kernel] fp32.
+    Returns o [B, H*D] in mixed's dtype, ready for o_proj."""
+    bsz, hd = f.shape
+    d = hd // num_heads
+    kern = conv_w.shape[-1]
+    for name, t in (("mixed", mixed), ("f", f), ("b", b), ("gate", gate)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"kda_decode: {name} must be contiguous in its last dim, got strides {t.stride()}")
+    if mixed.shape != (bsz, 3 * hd) or b.shape != (bsz, num_heads) or gate.shape != (bsz, hd):
+        raise ValueError(f"kda_decode: shapes mixed {tuple(mixed.shape)}, f {tuple(f.shape)}, b {tuple(b.shape)}, "
+                         f"gate {tuple(gate.shape)} do not fit {num_heads} heads of {d}")
+    for name, t in (("conv_state", conv_state), ("state_in", state_in), ("state_out", state_out)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"kda_decode: {name} must be contiguous fp32, got {t.dtype}")
+    out = torch.empty(bsz, hd, dtype=mixed.dtype, device=mixed.device)
+    kda_decode_kernel[(bsz * num_heads,)](
+        mixed, f, b, gate, conv_state, conv_w, dt_bias, a_log, norm_w, state_in, state_out, keep, out,
+        mixed.stride(0), f.stride(0), b.stride(0), gate.stride(0), out.stride(0),
+        num_heads, float(lower_bound), float(norm_eps), D=d, KERN=kern, SAFE_GATE=safe_gate,
+        num_warps=8 if d >= 128 else 4)
+    return out
