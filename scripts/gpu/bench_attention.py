@@ -5,7 +5,10 @@ shapes, timed on a CUDA GPU against its byte floor, at contexts L (default 1k, 8
 Random weights (normal * 0.02 in bf16, norm weights 1; KDA's A_log, dt_bias, conv1d weight fp32):
   kda step      KDAAttention(2560, 32 heads of 128, conv kernel 4): the recurrent step on a random fp32
                 state, input_pos [L] (0 would reset it). Independent of L; still run at every L.
-  kda proj      its q/k/v/g/f_proj/b_proj/o_proj linears alone on the same x (projections vs state update).
+                With the projections fused (as build_model leaves it), the token goes through
+                impl.model.kda_decode's one kernel.
+  kda step-torch  the same step through the torch ops (the kernel's peer, same process).
+  kda proj      its fused q|k|v|f|g|b GEMV and o_proj alone on the same x (projections vs state update).
   mla absorbed  MLAAttention (r 512, rope 64, nope 128, v 128), the default one-token form, on a cache
                 of S = L + 16 rows (rows 0..L-1 random), mask True for positions 0..L.
   mla expanded  the same call with absorb=False (every cached latent up-projected).
@@ -131,24 +134,32 @@ def step_us(fn, rep_ms: int) -> float:
 def kda_cases(ctx: int, dtype, gen, dev):
     m = build_kda(dev, dtype)
     randomize_(m, gen)
+    m.fuse_projections()  # as build_model leaves it: q|k|v|f|g|b in one GEMV
     state = m.setup_cache(1, device=dev)
     state.recurrent.normal_(0.0, 0.01, generator=gen)
     state.conv.normal_(0.0, 1.0, generator=gen)
     x = torch.randn(1, 1, m.hidden_size, device=dev, generator=gen).to(dtype)
     o_in = torch.randn(1, 1, m.qkv_dim, device=dev, generator=gen).to(dtype)
     pos = torch.tensor([ctx], device=dev)
-    projs = [m.get_submodule(n) for n in KDA_PROJ[:-1]]
 
     def proj_only():
-        for lin in projs:
-            lin(x)
+        m._projections(x[:, 0])
         m.o_proj(o_in)
+
+    def torch_step():
+        m.decode_kernel = False
+        try:
+            return m(x, None, None, pos, None)
+        finally:
+            m.decode_kernel = True
 
     with torch.inference_mode():
         ok = bool(torch.isfinite(m(x, None, None, pos, None)).all())
     weights, state_bytes = param_bytes(m), kda_state_bytes(m)
     yield dict(form="step", S=None, weight_bytes=weights, state_bytes=state_bytes, bytes=weights + state_bytes,
                finite=ok), lambda: m(x, None, None, pos, None)
+    yield dict(form="step-torch", S=None, weight_bytes=weights, state_bytes=state_bytes,
+               bytes=weights + state_bytes), torch_step
     pb = kda_proj_bytes(m)
     yield dict(form="proj", S=None, weight_bytes=pb, state_bytes=0, bytes=pb), proj_only
 
