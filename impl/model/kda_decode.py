@@ -24,7 +24,7 @@ import torch
 
 from impl.triton_env import tl, triton
 
-L2_EPS = 1e-6  # impl.model.kda.L2_EPS: inside the square root
+L2_EPS = tl.constexpr(1e-6)  # impl.model.kda.L2_EPS: inside the square root
 
 
 @triton.jit

@@ -185,6 +185,15 @@ def mla_cases(ctx: int, dtype, gen, dev):
     for form, absorb in (("absorbed", None), ("expanded", False)):
         fn = lambda absorb=absorb: m(x, cos, sin, pos, mask, absorb=absorb)  # noqa: E731
         yield dict(base, form=form, fused_sdpa=fused_sdpa_ok(fn)), fn
+    o_in = torch.randn(1, 1, FLASH_MLA.num_heads * FLASH_MLA.v_head_dim, device=dev, generator=gen).to(dtype)
+
+    def proj_only():  # the layer's GEMVs alone: what is left is attention and glue
+        m.q_proj(x)
+        m.kv_a_proj_with_mqa(x)
+        m.g_proj(x)
+        m.o_proj(o_in)
+    pb = sum(param_bytes(getattr(m, n)) for n in ("q_proj", "kv_a_proj_with_mqa", "g_proj", "o_proj"))
+    yield dict(base, form="proj", weight_bytes=pb, cache_bytes=0, bytes=pb), proj_only
 
 
 def fused_sdpa_ok(fn) -> bool:
