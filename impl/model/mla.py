@@ -166,6 +166,7 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=c.attention_bias)
         self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
+        self.decode_kernel = True  # one cached token on CUDA: impl.model.mla_decode
 
     @classmethod
     def from_hf_config(cls, hf_config, **kwargs) -> "MLAAttention":
@@ -236,8 +237,11 @@ class MLAAttention(nn.Module):
             attn = dict(attn_mask=mask)
         else:
             attn = dict(is_causal=t > 1)
-        y = (self._absorbed(q_nope, q_rope, rows, attn) if absorb
-             else self._expanded(q_nope, q_rope, rows, attn))  # [B, H, T, dv]
+        if absorb and t == 1 and self.kv_cache is not None and x.is_cuda and self.decode_kernel:
+            y = self._absorbed_kernel(q_nope, q_rope, rows, input_pos)
+        else:
+            y = (self._absorbed(q_nope, q_rope, rows, attn) if absorb
+                 else self._expanded(q_nope, q_rope, rows, attn))  # [B, H, T, dv]
 
         # The head-wise output gate: sigmoid in fp32 of g_proj(x), cast back to the activation
         # dtype, scaling each head's attention output before o_proj.
@@ -265,6 +269,17 @@ class MLAAttention(nn.Module):
             mask = mask.reshape(*lead, 1, t, s).expand(*lead, nh, t, s).reshape(*lead, nh * t, s)
         o_lat = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=c.scaling)
         return torch.einsum("bhtr,hvr->bhtv", o_lat.view(b, nh, t, -1), w_uv.to(o_lat.dtype))
+
+    def _absorbed_kernel(self, q_nope, q_rope, rows, input_pos) -> torch.Tensor:
+        """The absorbed form of one token with the attention in one split-K kernel that reads the
+        cache rows up to the token's position once, for all heads (impl.model.mla_decode)."""
+        from impl.model.mla_decode import mla_decode_attention
+        c = self.config
+        w_uk, w_uv = self._up_weights()
+        q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:, :, 0], w_uk.to(q_nope.dtype))
+        query = torch.cat((q_lat, q_rope[:, :, 0]), dim=-1)          # [B, H, r + dr]
+        o_lat = mla_decode_attention(query, rows, input_pos[:1] + 1, c.kv_lora_rank, c.scaling)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv.to(o_lat.dtype)).unsqueeze(2)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config
