@@ -11,7 +11,10 @@ Random weights (normal * 0.02 in bf16, norm weights 1; KDA's A_log, dt_bias, con
   kda proj      its fused q|k|v|f|g|b GEMV and o_proj alone on the same x (projections vs state update).
   mla absorbed  MLAAttention (r 512, rope 64, nope 128, v 128), the default one-token form, on a cache
                 of S = L + 16 rows (rows 0..L-1 random), mask True for positions 0..L.
+                On CUDA its attention is impl.model.mla_decode's split-K kernel over rows 0..L.
+  mla absorbed-torch  the same call through SDPA over the masked cache (the kernel's peer).
   mla expanded  the same call with absorb=False (every cached latent up-projected).
+  mla proj      its q_proj, kv_a_proj, g_proj and o_proj GEMVs alone.
 Each call is captured alone in a CUDA graph and timed as the median replay under
 `triton.testing.do_bench` (which flushes L2 first, so weights come from HBM as in decode).
 
@@ -185,6 +188,14 @@ def mla_cases(ctx: int, dtype, gen, dev):
     for form, absorb in (("absorbed", None), ("expanded", False)):
         fn = lambda absorb=absorb: m(x, cos, sin, pos, mask, absorb=absorb)  # noqa: E731
         yield dict(base, form=form, fused_sdpa=fused_sdpa_ok(fn)), fn
+
+    def absorbed_torch():  # the kernel's peer: the absorbed form through SDPA over the masked cache
+        m.decode_kernel = False
+        try:
+            return m(x, cos, sin, pos, mask)
+        finally:
+            m.decode_kernel = True
+    yield dict(base, form="absorbed-torch"), absorbed_torch
     o_in = torch.randn(1, 1, FLASH_MLA.num_heads * FLASH_MLA.v_head_dim, device=dev, generator=gen).to(dtype)
 
     def proj_only():  # the layer's GEMVs alone: what is left is attention and glue
