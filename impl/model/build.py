@@ -11,6 +11,7 @@ from impl.model.causal_lm import MoECausalLM
 from impl.model.config import PRESETS, ModelConfig, get_config
 from impl.model.kda import KDAAttention
 from impl.model.layers import EXPERT_FORMATS, Router
+from impl.model.mla import MLAAttention
 
 HEADS = ("bf16", "fp8")
 # Trained checkpoints committed with the repository, by name (scripts/train_tiny.py made tiny-gsm).
@@ -120,7 +121,7 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
         from impl.model.loading import load_weights
         load_weights(model, folder)
     for module in model.modules():
-        if isinstance(module, KDAAttention):
+        if isinstance(module, (KDAAttention, MLAAttention)):
             module.fuse_projections()
     if head == "fp8":
         model.quantize_head(granularity=head_granularity, backend=head_backend or "triton")

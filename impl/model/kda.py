@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl.model.fused import fuse_linears, fused_linear
+
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
 # reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.
 L2_EPS = 1e-6
@@ -220,25 +222,13 @@ class KDAAttention(nn.Module):
 
     _IN_PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_proj", "g_proj", "b_proj")
 
-    @torch.no_grad()
     def fuse_projections(self) -> None:
-        """Put the six input projections' weights in one tensor, each Linear's weight a view of its
-        rows (names and state_dict unchanged), so a decode token reads them with one GEMV."""
-        weights = [self.get_submodule(n).weight for n in self._IN_PROJ]
-        fused = torch.cat([w.data for w in weights])
-        start = 0
-        for name, w in zip(self._IN_PROJ, weights):
-            self.get_submodule(name).weight = nn.Parameter(fused[start:start + w.shape[0]], requires_grad=w.requires_grad)
-            start += w.shape[0]
-        self.in_proj = fused
+        """The six input projections as one GEMV for a decode token (impl.model.fused)."""
+        self.in_proj = fuse_linears(self, self._IN_PROJ)
 
     def _projections(self, x: torch.Tensor) -> torch.Tensor:
-        """q|k|v|f|g|b of x [..., hidden]: one GEMV while the fused weights are still the modules'
-        (a later .to() or load replaces the parameters and the fused tensor goes stale)."""
-        if self.in_proj is not None and self.q_proj.weight.data_ptr() == self.in_proj.data_ptr() \
-                and self.b_proj.weight.data_ptr() == self.in_proj[-self.num_heads:].data_ptr():
-            return F.linear(x, self.in_proj)
-        return torch.cat([self.get_submodule(n)(x) for n in self._IN_PROJ], dim=-1)
+        """q|k|v|f|g|b of x [..., hidden]."""
+        return fused_linear(self, self._IN_PROJ, self.in_proj, x)
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         from impl.model.kda_decode import kda_decode

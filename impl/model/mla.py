@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl.model.fused import fuse_linears, fused_linear
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
 # transformers builds kv_a_layernorm and q_a_layernorm with the RMSNorm's default eps (1e-6),
@@ -166,7 +167,25 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=c.attention_bias)
         self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
+        self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
         self.decode_kernel = True  # one cached token on CUDA: impl.model.mla_decode
+
+    def _in_names(self) -> tuple[str, ...]:
+        first = "q_proj" if self.config.q_lora_rank is None else "q_a_proj"
+        return (first, "kv_a_proj_with_mqa", "g_proj")
+
+    def fuse_projections(self) -> None:
+        """The input projections (q or q_a, kv_a, g) as one GEMV for a decode token (impl.model.fused)."""
+        self.in_proj = fuse_linears(self, self._in_names())
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (after q_b_proj with a q LoRA), kv_a and the gate's pre-activation g of x [..., hidden]."""
+        names = self._in_names()
+        sizes = [self.get_submodule(n).out_features for n in names]
+        q, kv_a, g = fused_linear(self, names, self.in_proj, x).split(sizes, dim=-1)
+        if self.config.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv_a, g
 
     @classmethod
     def from_hf_config(cls, hf_config, **kwargs) -> "MLAAttention":
@@ -223,11 +242,10 @@ class MLAAttention(nn.Module):
         if absorb is None:
             absorb = t <= self.absorb_max_tokens
 
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a, g = self._projections(x)
         q = q.view(b, t, nh, c.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = q[..., :dn], apply_interleaved_rope(q[..., dn:], cos, sin)
 
-        kv_a = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv_a[..., :c.kv_lora_rank])
         k_rope = apply_interleaved_rope(kv_a[..., c.kv_lora_rank:].unsqueeze(1), cos, sin).squeeze(1)
         rows = torch.cat((latent, k_rope), dim=-1)  # [B, T, r + dr], one cache row a token
@@ -245,7 +263,7 @@ class MLAAttention(nn.Module):
 
         # The head-wise output gate: sigmoid in fp32 of g_proj(x), cast back to the activation
         # dtype, scaling each head's attention output before o_proj.
-        gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)
+        gate = torch.sigmoid(g.float()).to(x.dtype)
         y = y.transpose(1, 2) * gate.unsqueeze(-1)
         return self.o_proj(y.reshape(b, t, nh * c.v_head_dim))
 
