@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from impl.model.mla_decode import CHUNK_ROWS, mla_decode_attention
+from impl.model.mla_decode import MLADecodeConfig, mla_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -21,16 +21,32 @@ def reference(query, kv, n, r, scale):
     return F.scaled_dot_product_attention(query[:, None].float(), key, key[..., :r], scale=scale)[:, 0]
 
 
-@pytest.mark.parametrize("heads,n,cache", [(4, 1, 40), (4, 37, 40), (20, CHUNK_ROWS + 3, 2 * CHUNK_ROWS + 40)])
-def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache):
+SMALL = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1, combine_block_r=16)
+
+
+# n rows valid of a cache of `cache` rows: one row; fewer rows than one chunk; several chunks of the
+# minimum size (fewer used than the splits); every split used with chunks above the minimum (with
+# SMALL: 32-row chunks; with the device's table on a GPU: 160-row chunks over 57 of 64 programs).
+@pytest.mark.parametrize("config", [None, SMALL], ids=["launch-config", "small"])
+@pytest.mark.parametrize("heads,n,cache", [(4, 1, 40), (4, 11, 40), (4, 37, 40), (20, 100, 200), (20, 9000, 9100)])
+def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
+    if DEVICE == "cpu" and n > 1000:
+        pytest.skip("thousands of rows: minutes under the interpreter; the GPU runs it")
     r, dr = (32, 16) if DEVICE == "cpu" else (512, 64)
     g = torch.Generator(DEVICE).manual_seed(n)
     query = torch.randn(2, heads, r + dr, device=DEVICE, generator=g)
     kv = torch.randn(2, cache, r + dr, device=DEVICE, generator=g)
     kv[:, n:] = 1e4  # never attended: reading one would swamp the result
-    got = mla_decode_attention(query, kv, torch.tensor([n], device=DEVICE), r, 0.1)
+    got = mla_decode_attention(query, kv, torch.tensor([n], device=DEVICE), r, 0.1, config=config)
     want = reference(query, kv, n, r, 0.1)
     assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_config_rejects_a_tile_tl_dot_cannot_take():
+    with pytest.raises(ValueError, match="block_rows must be >= 16"):
+        MLADecodeConfig(block_rows=8)
+    with pytest.raises(ValueError, match="splits must be a power of two"):
+        MLADecodeConfig(splits=48)
 
 
 @pytest.mark.gpu
