@@ -28,19 +28,25 @@ L2_EPS = tl.constexpr(1e-6)  # impl.model.kda.L2_EPS: inside the square root
 
 
 @triton.jit
-def _conv_silu(mixed_row_ptr, conv_state_ptr, conv_w_ptr, ch, keep, out_dtype: tl.constexpr, KERN: tl.constexpr):
+def _conv_silu(mixed_row_ptr, conv_state_ptr, conv_w_ptr, ch, keep, out_dtype: tl.constexpr, KERN: tl.constexpr,
+               KP: tl.constexpr):
     """Channels `ch` of one token: the causal convolution over the stored (KERN - 1) inputs and this
-    token's, the stored inputs shifted by one, SiLU, rounded to the activation dtype."""
+    token's, the stored inputs shifted by one, SiLU, rounded to the activation dtype. The stored
+    window is read whole before a barrier and only then shifted in place: a vector of D channels
+    is held by several warps at once, and a warp storing its shift while another still reads the
+    window gave wrong states at D = 128 (KP: KERN - 1 rounded up to a power of two)."""
     new = tl.load(mixed_row_ptr + ch).to(tl.float32)
-    state_row = conv_state_ptr + ch * (KERN - 1)
     acc = new * tl.load(conv_w_ptr + ch * KERN + (KERN - 1))
-    for j in tl.static_range(KERN - 1):
-        prev = tl.load(state_row + j) * keep
-        acc += prev * tl.load(conv_w_ptr + ch * KERN + j)
-        if j > 0:
-            tl.store(state_row + j - 1, prev)
     if KERN > 1:
-        tl.store(state_row + KERN - 2, new)
+        offs_j = tl.arange(0, KP)
+        j_ok = (offs_j < KERN - 1)[None, :]
+        window = conv_state_ptr + ch[:, None] * (KERN - 1) + offs_j[None, :]
+        prev = tl.load(window, mask=j_ok, other=0.0) * keep
+        w = tl.load(conv_w_ptr + ch[:, None] * KERN + offs_j[None, :], mask=j_ok, other=0.0)
+        acc += tl.sum(prev * w, axis=1)
+        tl.debug_barrier()
+        tl.store(window - 1, prev, mask=j_ok & (offs_j > 0)[None, :])
+        tl.store(conv_state_ptr + ch * (KERN - 1) + (KERN - 2), new)
     act = acc / (1.0 + tl.exp(-acc))
     return act.to(out_dtype).to(tl.float32)
 
@@ -50,7 +56,7 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, gate_ptr, conv_state_ptr, conv_w_
                       norm_w_ptr, state_in_ptr, state_out_ptr, keep_ptr, out_ptr,
                       stride_mixed, stride_f, stride_b, stride_gate, stride_out,
                       H, lower_bound, norm_eps,
-                      D: tl.constexpr, KERN: tl.constexpr, SAFE_GATE: tl.constexpr):
+                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr):
     pid = tl.program_id(0)
     row, h = pid // H, pid % H
     offs_d = tl.arange(0, D)
@@ -59,9 +65,9 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, gate_ptr, conv_state_ptr, conv_w_
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     mixed_row = mixed_ptr + row * stride_mixed
     conv_state_row = conv_state_ptr + row * 3 * hd * (KERN - 1)
-    q = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, h * D + offs_d, keep, out_dtype, KERN)
-    k = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, hd + h * D + offs_d, keep, out_dtype, KERN)
-    v = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, 2 * hd + h * D + offs_d, keep, out_dtype, KERN)
+    q = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, h * D + offs_d, keep, out_dtype, KERN, KP)
+    k = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, hd + h * D + offs_d, keep, out_dtype, KERN, KP)
+    v = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, 2 * hd + h * D + offs_d, keep, out_dtype, KERN, KP)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * (D ** -0.5)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
 
@@ -114,6 +120,7 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
     kda_decode_kernel[(bsz * num_heads,)](
         mixed, f, b, gate, conv_state, conv_w, dt_bias, a_log, norm_w, state_in, state_out, keep, out,
         mixed.stride(0), f.stride(0), b.stride(0), gate.stride(0), out.stride(0),
-        num_heads, float(lower_bound), float(norm_eps), D=d, KERN=kern, SAFE_GATE=safe_gate,
+        num_heads, float(lower_bound), float(norm_eps), D=d, KERN=kern, KP=triton.next_power_of_2(max(kern - 1, 1)),
+        SAFE_GATE=safe_gate,
         num_warps=8 if d >= 128 else 4)
     return out
