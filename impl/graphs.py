@@ -3,6 +3,7 @@ and replaying them from one graph removes the host's launch gaps between them.""
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -19,10 +20,19 @@ def capture_graph(calls: list[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
         for fn in calls:
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
+    # Python's collector must not run inside the capture: freeing an earlier, unreachable graph
+    # (a cycle through its step's closure) there invalidates the capture under way. Collect now.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in calls:
+                fn()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize()
     return graph
 
