@@ -15,6 +15,12 @@ Random weights (normal * 0.02 in bf16, norm weights 1; KDA's A_log, dt_bias, con
   mla absorbed-torch  the same call through SDPA over the masked cache (the kernel's peer).
   mla expanded  the same call with absorb=False (every cached latent up-projected).
   mla proj      its q_proj, kv_a_proj, g_proj and o_proj GEMVs alone.
+  parts (--parts): the pieces of each step alone, to say where a step's time goes: every
+                GEMV through cuBLAS (bf16) and through impl.head.fp8_gemv on its e4m3 per-row
+                weights (what an FP8 checkpoint's projections would read: half the bytes);
+                impl.model.kda_decode's kernel alone; impl.model.mla_decode's attention alone over
+                the L + 1 valid rows, at each launch config of MLA_CONFIGS (the first is the
+                committed default).
 Each call is captured alone in a CUDA graph and timed as the median replay under
 `triton.testing.do_bench` (which flushes L2 first, so weights come from HBM as in decode).
 
@@ -47,6 +53,7 @@ import torch
 from impl.gpu_timing import copy_bandwidth, graph_us
 from impl.model.kda import KDAAttention
 from impl.model.mla import MLAAttention, MLAConfig, mla_rope_tables
+from impl.model.mla_decode import DEFAULT_CONFIG, MLADecodeConfig, mla_decode_attention
 
 NOMINAL_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
 FLASH_KDA = dict(hidden_size=2560, num_heads=32, head_dim=128, conv_kernel_size=4)
@@ -56,6 +63,10 @@ KDA_FP32_PARAMS = ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")
 KDA_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "forget_gate.f_proj", "b_proj", "o_proj")
 MLA_CACHE_SLACK = 16  # S = L + 16
 DEVICE = torch.device("cuda", 0)
+# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages).
+MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
+    (64, 128, 32, 8, 3), (64, 128, 16, 4, 2), (64, 128, 64, 8, 2), (64, 128, 32, 4, 2), (64, 64, 32, 8, 2),
+    (128, 64, 32, 8, 2), (128, 128, 32, 8, 2), (128, 64, 16, 4, 3), (32, 256, 32, 8, 2))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -170,6 +181,7 @@ def kda_cases(ctx: int, dtype, gen, dev):
 def mla_cases(ctx: int, dtype, gen, dev):
     m = build_mla(dev, dtype)
     randomize_(m, gen)
+    m.fuse_projections()  # as build_model leaves it: q|kv_a|g in one GEMV
     s = ctx + MLA_CACHE_SLACK
     cache = m.setup_cache(1, s, dtype, dev)
     cache.kv[:, :ctx].normal_(generator=gen)
@@ -199,12 +211,62 @@ def mla_cases(ctx: int, dtype, gen, dev):
     o_in = torch.randn(1, 1, FLASH_MLA.num_heads * FLASH_MLA.v_head_dim, device=dev, generator=gen).to(dtype)
 
     def proj_only():  # the layer's GEMVs alone: what is left is attention and glue
-        m.q_proj(x)
-        m.kv_a_proj_with_mqa(x)
-        m.g_proj(x)
+        m._projections(x)
         m.o_proj(o_in)
     pb = sum(param_bytes(getattr(m, n)) for n in ("q_proj", "kv_a_proj_with_mqa", "g_proj", "o_proj"))
     yield dict(base, form="proj", weight_bytes=pb, cache_bytes=0, bytes=pb), proj_only
+
+
+def gemv_rows(kind: str, gemvs: dict[str, torch.Tensor], x_for, gen, dev):
+    """Each weight [N, K] of `gemvs` as a batch-1 GEMV: cuBLAS bf16, then fp8_gemv on its e4m3 rows."""
+    import torch.nn.functional as F
+    from impl.head.fp8_gemv import fp8_gemv
+    from impl.quant.fp8 import quantize_fp8
+    for name, w in gemvs.items():
+        x = x_for(w.shape[1])
+        nbytes = w.numel() * w.element_size()
+        yield dict(kind=kind, form=f"{name} bf16", S=None, weight_bytes=nbytes, bytes=nbytes), \
+            (lambda w=w, x=x: F.linear(x, w))
+        q = quantize_fp8(w, "row")
+        nbytes = q.data.numel() + q.scale.numel() * 4
+        yield dict(kind=kind, form=f"{name} fp8", S=None, weight_bytes=nbytes, bytes=nbytes), \
+            (lambda q=q, x=x: fp8_gemv(x, q.data, q.scale))
+
+
+def part_cases(ctx: int, dtype, gen, dev):
+    from impl.model.kda_decode import kda_decode
+    x_for = lambda k: torch.randn(1, k, device=dev, generator=gen).to(dtype)  # noqa: E731
+    kda = build_kda(dev, dtype)
+    randomize_(kda, gen)
+    kda.fuse_projections()
+    if ctx == 1024:  # the GEMVs and the KDA kernel do not depend on the context
+        yield from gemv_rows("kda", {"in_proj": kda.in_proj, "o_proj": kda.o_proj.weight}, x_for, gen, dev)
+        state = kda.setup_cache(1, device=dev)
+        state.recurrent.normal_(0.0, 0.01, generator=gen)
+        hd = kda.qkv_dim
+        proj = torch.randn(1, kda.in_proj.shape[0], device=dev, generator=gen).to(dtype)
+        keep = torch.ones(1, device=dev)
+
+        def kernel():
+            kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd], state.conv,
+                       kda.conv1d.weight.view(kda.conv_dim, kda.conv_kernel_size), kda.forget_gate.dt_bias,
+                       kda.forget_gate.A_log, kda.o_norm.weight, state.recurrent, state.recurrent, keep,
+                       kda.num_heads, kda.forget_gate.safe_gate, kda.forget_gate.lower_bound, kda.o_norm.eps)
+        sb = kda_state_bytes(kda)
+        yield dict(kind="kda", form="kernel", S=None, weight_bytes=0, state_bytes=sb, bytes=sb), kernel
+        mla = build_mla(dev, dtype)
+        randomize_(mla, gen)
+        mla.fuse_projections()
+        yield from gemv_rows("mla", {"in_proj": mla.in_proj, "o_proj": mla.o_proj.weight}, x_for, gen, dev)
+    c = FLASH_MLA
+    kv = torch.randn(1, ctx + MLA_CACHE_SLACK, c.cache_dim, device=dev, generator=gen).to(dtype)
+    query = torch.randn(1, c.num_heads, c.cache_dim, device=dev, generator=gen).to(dtype)
+    length = torch.tensor([ctx + 1], device=dev)
+    nbytes = mla_cache_bytes(c, ctx, kv.element_size())  # the L + 1 valid rows, read only
+    for cfg in MLA_CONFIGS:
+        tag = f"attn {cfg.splits}/{cfg.min_chunk_rows}/{cfg.block_rows}/{cfg.num_warps}w/{cfg.num_stages}s"
+        yield dict(kind="mla", form=tag, S=ctx + MLA_CACHE_SLACK, weight_bytes=0, bytes=nbytes, config=cfg.__dict__), \
+            (lambda cfg=cfg: mla_decode_attention(query, kv, length, c.kv_lora_rank, c.scaling, config=cfg))
 
 
 def fused_sdpa_ok(fn) -> bool:
@@ -233,21 +295,24 @@ def timed_row(row: dict, fn, measured_bps: float, rep_ms: int, errors: list) -> 
     nom_us, meas_us = floor_us(row["bytes"], NOMINAL_BYTES_PER_S), floor_us(row["bytes"], measured_bps)
     row.update(measured_us=us, floor_us_nominal=nom_us, floor_us_measured=meas_us,
                fraction_nominal=nom_us / us, fraction_measured=meas_us / us)
-    log(f"  {row['kind']} {row['form']:9s} L={row['L']:6d} {us:8.1f} us  {100 * nom_us / us:5.1f}% of nominal floor")
+    log(f"  {row['kind']} {row['form']:26s} L={row['L']:6d} {us:8.1f} us  {100 * nom_us / us:5.1f}% of nominal floor")
     return row
+
+
+CASES = {"kda": kda_cases, "mla": mla_cases, "parts": part_cases}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,8192,32768", help="context lengths L, comma-separated")
-    ap.add_argument("--kinds", default="kda,mla", help="comma-separated, of kda, mla")
+    ap.add_argument("--kinds", default="kda,mla,parts", help="comma-separated, of kda, mla, parts")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for attention_bench.json ($OUT)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep per timed call, ms")
     args = ap.parse_args(argv)
     contexts = [int(v) for v in args.contexts.split(",")]
     kinds = [k.strip() for k in args.kinds.split(",")]
-    if bad := set(kinds) - {"kda", "mla"}:
+    if bad := set(kinds) - set(CASES):
         ap.error(f"unknown kinds {sorted(bad)}")
     if not torch.cuda.is_available():
         print("bench_attention.py needs a CUDA device (none is available)", file=sys.stderr)
@@ -268,8 +333,8 @@ def main(argv=None) -> int:
     for kind in kinds:
         for ctx in contexts:
             try:
-                for row, fn in (kda_cases if kind == "kda" else mla_cases)(ctx, dtype, gen, dev):
-                    rows.append(timed_row(dict(kind=kind, L=ctx, **row), fn, measured_bps, args.rep_ms, errors))
+                for row, fn in CASES[kind](ctx, dtype, gen, dev):
+                    rows.append(timed_row(dict(dict(kind=kind, L=ctx), **row), fn, measured_bps, args.rep_ms, errors))
             except Exception as ex:  # noqa: BLE001  (building the case failed)
                 errors.append(f"{kind} L={ctx}: {ex!r}")
                 traceback.print_exc(limit=3)
@@ -282,11 +347,11 @@ def main(argv=None) -> int:
 
     log(f"\n== one decode step, batch 1 ({info['device']}; floor at nominal {NOMINAL_BYTES_PER_S / 1e12:.1f} "
         f"and measured {measured_bps / 1e12:.2f} TB/s)")
-    log(f"{'kind':4s} {'form':9s} {'L':>6s} {'S':>6s} {'MB':>7s} {'us':>8s} {'floor us':>8s} {'nom%':>6s} "
+    log(f"{'kind':4s} {'form':26s} {'L':>6s} {'S':>6s} {'MB':>7s} {'us':>8s} {'floor us':>8s} {'nom%':>6s} "
         f"{'meas%':>6s}")
     for r in rows:
         s = f"{r['S']:6d}" if r["S"] else "     -"
-        head = f"{r['kind']:4s} {r['form']:9s} {r['L']:6d} {s} {r['bytes'] / 1e6:7.2f}"
+        head = f"{r['kind']:4s} {r['form']:26s} {r['L']:6d} {s} {r['bytes'] / 1e6:7.2f}"
         if "measured_us" in r:
             log(f"{head} {r['measured_us']:8.1f} {r['floor_us_nominal']:8.1f} {100 * r['fraction_nominal']:5.1f}% "
                 f"{100 * r['fraction_measured']:5.1f}%")
