@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError  # noqa: E402
 from impl.quant.mxfp4 import quantize_mxfp4  # noqa: E402
-from tests.ling_checkpoint import write_tiny_ling  # noqa: E402
+from tests.ling_checkpoint import LAYERS, write_tiny_ling  # noqa: E402
 
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 # Projections a Ling FP8 checkpoint quantizes: 2-D weights of attention, dense and shared MLPs
@@ -213,6 +213,28 @@ def test_wrong_shape_names_tensor_and_file(source, tmp_path):
     bad = derive(source, tmp_path / "bad", widen)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.0\.attention\.dense\.weight: "
                                               r"layers\.0\.self_attn\.o_proj\.weight has shape \(32, 48\).*\(32, 32\)"):
+        build_model(str(bad))
+
+
+def test_unexpected_tensor_names_its_file(source, tmp_path):
+    bad = derive(source, tmp_path / "bad", lambda t: {**t, "model.layers.0.attention.bogus.weight": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"unexpected \['layers\.0\.self_attn\.bogus\.weight'\] "
+                                              r"\(layers\.0\.self_attn\.bogus\.weight from model\.safetensors\)"):
+        build_model(str(bad))
+
+
+# Scales without their weight: in a decoder layer, in the NEXTN layer for a shared copy the model
+# skips, and in a layer past the NEXTN one (skipped too).
+@pytest.mark.parametrize("key", ["model.layers.0.attention.q_proj.weight_scale_inv",
+                                 f"model.layers.{LAYERS}.word_embeddings.weight_scale",
+                                 f"model.layers.{LAYERS + 1}.attention.q_proj.weight_scale",
+                                 "model.layers.1.mlp.experts.down_proj_scales"])
+def test_scale_without_its_weight_names_tensor_and_file(source, tmp_path, key):
+    def orphan(t):
+        t.pop(key.rsplit(".weight_scale", 1)[0] + ".weight", None)
+        return {**t, key: torch.ones(4, dtype=torch.uint8)}
+    bad = derive(source, tmp_path / "bad", orphan, QUANT["ling"])
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: {re.escape(key)}: a scale tensor without the weight"):
         build_model(str(bad))
 
 

@@ -141,8 +141,7 @@ class ModelConfig:
 
     @property
     def uses_mla(self) -> bool:
-        return self.attention_kind(0) == "mla" or "mla" in self.attention_types or (
-            self.num_mtp_layers > 0 and self.mtp_attention == "mla")
+        return "mla" in self.attention_types or (self.num_mtp_layers > 0 and self.mtp_attention == "mla")
 
     @property
     def rotary_dim(self) -> int:

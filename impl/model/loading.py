@@ -29,6 +29,7 @@ from safetensors import safe_open
 from impl.model.config import ModelConfig
 from impl.model.weight_formats import (CheckpointError, Quantization, Stored, as_mxfp4, deinterleave_rows,
                                        dequantize, group_keys, is_mxfp4, parse_quantization)
+from impl.quant.mxfp4 import MXFP4Tensor
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe", "bailing_hybrid")
 # transformers' defaults for keys a config.json may omit, where they differ between the families
@@ -237,17 +238,20 @@ def _model_name(key: str, config: ModelConfig, num_mtp: int, bailing: bool) -> s
 class _Plan:
     """Which stored weights make each model tensor: plain ones, KDA convolutions (q|k|v), experts."""
 
-    def __init__(self, groups: dict[str, Stored], config: ModelConfig, num_mtp: int, bailing: bool) -> None:
+    def __init__(self, store: _Store, config: ModelConfig, num_mtp: int, bailing: bool) -> None:
+        self.store = store
         self.plain: dict[str, Stored] = {}
         self.conv: dict[str, dict[str, Stored]] = {}
         self.per_expert: dict[str, dict[str, dict[int, Stored]]] = {}
         self.fused: dict[str, dict[str, Stored]] = {}
-        for key, stored in groups.items():
+        for key, stored in group_keys(store.file_of).items():
+            # Checked before skipping what the model does not hold, so no scale is dropped unread.
+            if stored.data is None:
+                raise CheckpointError(f"{store.where(stored.scale)}: a scale tensor without the weight {key} "
+                                      "it scales")
             name = _model_name(key, config, num_mtp, bailing)
             if name is None:
                 continue
-            if stored.data is None:
-                raise CheckpointError(f"{stored.scale}: a scale tensor without the weight {key} it scales")
             if m := _CONV.match(name):
                 self.conv.setdefault(f"{m.group(1)}.conv1d.weight", {})[m.group(2)] = stored
             elif m := _EXPERT.match(name):
@@ -263,6 +267,18 @@ class _Plan:
     def names(self) -> set[str]:
         experts = {f"{p}.{w}" for p in (*self.per_expert, *self.fused) for w in ("gate_up_proj", "down_proj")}
         return set(self.plain) | set(self.conv) | experts
+
+    def file_of(self, name: str) -> str:
+        """The checkpoint file holding (the first stored part of) model tensor `name` of names()."""
+        if name in self.plain:
+            stored = self.plain[name]
+        elif name in self.conv:
+            stored = next(iter(self.conv[name].values()))
+        else:
+            prefix = name.rsplit(".", 1)[0]
+            parts = self.fused.get(prefix) or {p: next(iter(e.values())) for p, e in self.per_expert[prefix].items()}
+            stored = next(iter(parts.values()))
+        return self.store.file_of[stored.data]
 
 
 class _Loader:
@@ -301,18 +317,28 @@ class _Loader:
 
     def _set(self, module, prefix: str, name: str, start: int, stored: list[list[Stored]]) -> None:
         """Experts start.. of `name` from per-expert weights (gate and up rows concatenated)."""
-        raw = [[self.read(s) for s in row] for row in stored]
+        q = [[self._expert(module, s) for s in row] for row in stored]
         where = self.store.where(stored[0][0].data)
-        if module.format == "mxfp4" and all(is_mxfp4(d, s) for row in raw for d, s in row):
-            q = [[as_mxfp4(d, s, where) for d, s in row] for row in raw]
+        if all(isinstance(x, MXFP4Tensor) for row in q for x in row):
             packed = torch.cat([torch.stack([x.packed for x in row]) for row in q], dim=1)
             scales = torch.cat([torch.stack([x.scales for x in row]) for row in q], dim=1)
             self._fits(module, prefix, name, packed, scales, where)
-            module.set_mxfp4(name, start, type(q[0][0])(packed, scales))
+            module.set_mxfp4(name, start, MXFP4Tensor(packed, scales))
             return
-        w = torch.cat([torch.stack([dequantize(d, s, self.quant, where) for d, s in row]) for row in raw], dim=1)
+        dtype = self.model.embed_tokens.weight.dtype
+        w = torch.cat([torch.stack([x.dequantize(torch.float32).to(dtype) if isinstance(x, MXFP4Tensor) else x
+                                    for x in row]) for row in q], dim=1)
         self._fits(module, prefix, name, w, None, where)
-        module.set_experts(name, start, w.to(self.model.embed_tokens.weight.dtype))
+        module.set_experts(name, start, w)
+
+    def _expert(self, module, stored: Stored) -> MXFP4Tensor | torch.Tensor:
+        """One expert weight as soon as its data and scale are read: MXFP4 bytes kept when the
+        experts are MXFP4 and so is the checkpoint, else floats in the model's dtype."""
+        data, scale = self.read(stored)
+        where = self.store.where(stored.data)
+        if module.format == "mxfp4" and is_mxfp4(data, scale):
+            return as_mxfp4(data, scale, where)
+        return dequantize(data, scale, self.quant, where).to(self.model.embed_tokens.weight.dtype)
 
     def _fits(self, module, prefix, name, values, scales, where) -> None:
         e, n, k = module.shapes[name]
@@ -357,7 +383,7 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
         # Untrained NEXTN layers would draft noise; without them speculation refuses clearly.
         model.mtp = model.mtp[:stored_mtp]
         model.config = model.config.replace(num_mtp_layers=stored_mtp)
-    plan = _Plan(group_keys(store.file_of), model.config, len(model.mtp), raw["model_type"] == "bailing_hybrid")
+    plan = _Plan(store, model.config, len(model.mtp), raw["model_type"] == "bailing_hybrid")
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -368,10 +394,10 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
     have = plan.names()
     missing, unexpected = sorted(wanted - have), sorted(have - wanted)
     if missing or unexpected:
-        where = {n: store.file_of[s.data] for n, s in plan.plain.items()}
-        shown = [f"{n} ({where[n]})" if n in where else n for n in unexpected[:8]]
+        shown = unexpected[:8]
+        files = "; ".join(f"{n} from {plan.file_of(n)}" for n in shown)
         raise CheckpointError(f"{folder}: tensors do not match the model; missing {missing[:8]}, "
-                              f"unexpected {[n for n in unexpected[:8]]}" + (f" in {shown}" if shown else ""))
+                              f"unexpected {shown}" + (f" ({files})" if files else ""))
     loader = _Loader(model, store, quant)
     with torch.no_grad():
         for name, stored in plan.plain.items():
