@@ -160,6 +160,7 @@ class DeviceInfo:
     """The resolved torch device plus the facts a measurement depends on."""
 
     spec: str
+    simulated_gpu: str | None = None  # a worker of a simulated multi-GPU run (pytest_moeperf.workers)
 
     @cached_property
     def torch_device(self):
@@ -175,7 +176,8 @@ class DeviceInfo:
 
     @cached_property
     def fingerprint(self) -> dict:
-        return cuda_fingerprint(self.torch_device) if self.is_cuda else cpu_fingerprint()
+        fp = cuda_fingerprint(self.torch_device) if self.is_cuda else cpu_fingerprint()
+        return fp if self.simulated_gpu is None else {**fp, "simulated_gpu": self.simulated_gpu}
 
     @property
     def key(self) -> str:

@@ -48,7 +48,7 @@ def moe_checked_backend(moe_backend_name):
 @pytest.fixture
 def moe_gate(moe_session, request) -> Gate:
     """Gate figures of this test against the frozen baseline: `moe_gate.check(metric, samples, ...)`."""
-    return Gate(moe_session, request.node.nodeid)
+    return Gate(moe_session, request.node.nodeid, request.node.user_properties)
 
 
 @pytest.fixture

@@ -54,14 +54,27 @@ class GateResult:
     baseline: str | None = None  # short key of the fingerprint it was frozen on
     config: dict = field(default_factory=dict)
     evaluations: list[dict] = field(default_factory=list)  # every verdict this run reached (--moe-trust)
+    gpu: str | None = None  # the GPU of the pytest-xdist worker that measured it (pytest_moeperf.workers)
 
 
 class Gate:
     """Bound to one test; every gated figure of that test goes through `check`."""
 
-    def __init__(self, session, nodeid: str) -> None:
+    def __init__(self, session, nodeid: str, properties: list | None = None) -> None:
         self.session = session
         self.nodeid = nodeid
+        # The test's user_properties: each verdict is published there, so JUnit XML (and
+        # pytest-xdist, which carries them to the controller) has the metrics as properties.
+        self.properties = properties
+
+    def _publish(self, result: GateResult) -> None:
+        if self.properties is None:
+            return
+        name = f"moeperf:{result.metric}"
+        self.properties += [(name, f"{result.current:.6g}"), (f"{name}:unit", result.unit),
+                            (f"{name}:verdict", result.verdict)]
+        if result.ratio is not None:
+            self.properties.append((f"{name}:ratio", f"{result.ratio:.4f}"))
 
     def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: float,
               config: dict | None = None, remeasure: Callable[[], list[float]] | None = None,
@@ -84,11 +97,13 @@ class Gate:
                 result.current, samples, unit, direction, tolerance, config,
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
             result.verdict, result.message = "frozen", f"frozen into {self.session.store.path}"
+            self._publish(result)
             return result
         found = self.session.store.lookup(result.metric_id, config, portable)
         if found.match is None:
             result.verdict = "no-baseline"
             result.message = f"{metric}: {found.reason}; run with --moe-bench --moe-freeze to record one"
+            self._publish(result)
             if self.session.options.strict:
                 pytest.fail(f"--moe-strict: {result.message}", pytrace=False)
             pytest.skip(result.message)
@@ -107,7 +122,9 @@ class Gate:
             first = result.evaluations[0]  # the table shows the first evaluation; the rest are counted
             result.verdict, result.ratio, result.ci_low, result.ci_high = (
                 first["verdict"], first["ratio"], first["ci_low"], first["ci_high"])
+            self._publish(result)
             return result
+        self._publish(result)
         if result.verdict == "regression":
             pytest.fail(result.message, pytrace=False)
         if result.verdict == "refreeze":

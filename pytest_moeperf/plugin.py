@@ -12,6 +12,7 @@ from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by
     moe_backend, moe_checked_backend, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
 from pytest_moeperf.session import SESSION_KEY, MoePerfSession, Options
 from pytest_moeperf.timing import parse_samples
+from pytest_moeperf import workers
 
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
             "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": "",
@@ -198,16 +199,62 @@ def parse_options(config: pytest.Config) -> Options:
         if given and options.freeze:
             raise ValueError(f"{flag} and --moe-freeze exclude each other: freeze first, then evaluate the gate "
                              "against what was frozen")
-    if options.bench and _xdist_workers(config):
-        raise ValueError("--moe-bench runs in one process: drop -n/--numprocesses (pytest-xdist workers would time "
-                         "their kernels against each other on the same device)")
+    if _is_worker(config):
+        gpu = config.workerinput.get(workers.WORKER_GPU_KEY)
+        if gpu is not None and workers.simulated_gpus():
+            options = dataclasses.replace(options, simulated_gpu=workers.simulated_name(gpu))
+    elif options.bench and _xdist_workers(config):
+        sim = workers.simulated_gpus()
+        gpus = workers.parse_worker_gpus(int(config.option.numprocesses), options.device,
+                                         workers.visible_gpus(), simulated=bool(sim))
+        options = dataclasses.replace(options, worker_gpus=tuple(gpus))
     return options
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def _xdist_workers(config: pytest.Config) -> bool:
     """Whether pytest-xdist was asked for worker processes (`-n N` or `-n auto`; 0 runs in process)."""
     n = getattr(config.option, "numprocesses", None)
     return n not in (None, 0, "0") and getattr(config.option, "dist", "no") != "no"
+
+
+# -- pytest-xdist (optional hooks: absent without the plugin) -----------------------------------
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto` with --moe-bench: one worker per visible GPU (None: xdist's own rule)."""
+    if not _option(config, "moe_bench"):
+        return None
+    return len(workers.visible_gpus()) or None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Controller: give a starting worker a GPU no live worker holds (a restarted worker gets the
+    one its predecessor freed)."""
+    state = node.config.stash.get(SESSION_KEY, None)
+    if state is None or not state.options.worker_gpus:
+        return
+    held = set(state.gpu_of_worker.values())
+    gpu = next(g for g in state.options.worker_gpus if g not in held)
+    state.gpu_of_worker[node.gateway.id] = gpu
+    node.workerinput[workers.WORKER_GPU_KEY] = gpu
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """Controller: merge what a finished worker measured; a crashed one is an infrastructure error."""
+    state = node.config.stash.get(SESSION_KEY, None)
+    if state is None or not state.options.bench:
+        return
+    gpu = state.gpu_of_worker.pop(node.gateway.id, "?")
+    payload = getattr(node, "workeroutput", {}).get(workers.OUTPUT_KEY)
+    if payload is not None:
+        workers.merge_payload(state, payload)
+    if error:
+        state.worker_errors.append(f"pytest-xdist worker {node.gateway.id} (GPU {gpu}) went down: {error}")
 
 
 class _BenchmarkHooks:
@@ -224,6 +271,9 @@ class _BenchmarkHooks:
 def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
+    gpu = config.workerinput.get(workers.WORKER_GPU_KEY) if _is_worker(config) else None
+    if gpu is not None:
+        workers.pin_worker_gpu(gpu)  # before anything below can initialize CUDA in this worker
     try:
         options = parse_options(config)
     except ValueError as e:
@@ -299,6 +349,11 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     session = config.stash.get(SESSION_KEY, None)
     if session is None or not session.options.bench:
         return None
+    if session.options.worker_gpus:  # the controller of an xdist run times nothing itself
+        gpus = session.options.worker_gpus
+        return [f"moeperf: {len(gpus)} pytest-xdist worker(s), one GPU each ({', '.join(gpus)}); "
+                f"model {session.options.model}, baselines {session.options.baselines}"
+                + (" (freezing)" if session.freeze else "")]
     h = session.header()
     lines = [f"moeperf: {h['device']} [fingerprint {h['fingerprint']}]",
              f"moeperf: model {h['model']}, baselines {h['baselines']}" + (" (freezing)" if session.freeze else "")]
@@ -310,10 +365,19 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     state = session.config.stash.get(SESSION_KEY, None)
-    if state is not None:
-        state.finish_lines = state.finish()
-        if state.strict_failures() and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if state is None:
+        return
+    if _is_worker(session.config) and state.options.bench:
+        # The controller merges every worker's figures, freezes and reports once.
+        gpu = session.config.workerinput.get(workers.WORKER_GPU_KEY, "")
+        session.config.workeroutput[workers.OUTPUT_KEY] = workers.worker_payload(state, gpu)
+        return
+    state.finish_lines = state.finish()
+    if state.worker_errors:
+        # Exit 3, not 1: a lost worker says nothing about the code under test.
+        session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+    elif state.strict_failures() and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from pytest_moeperf import report
 from pytest_moeperf.baselines import BaselineStore
-from pytest_moeperf.device import DeviceInfo
+from pytest_moeperf.device import DeviceInfo, short_key
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class Options:
     shots: int | None = None
     margin: float = 0.01
     ab_report: Path | None = None
+    # pytest-xdist (pytest_moeperf.workers): on the controller, the GPU of each worker; on a worker
+    # of a simulated run, the name of the GPU it stands for (put in its fingerprint).
+    worker_gpus: tuple[str, ...] = ()
+    simulated_gpu: str | None = None
 
 
 class MoePerfSession:
@@ -48,6 +52,11 @@ class MoePerfSession:
         self.results: list = []
         self.to_freeze: dict = {}
         self.finish_lines: list[str] = []  # what finish() wrote, for the terminal summary
+        # On the controller of an xdist run: each finished worker's GPU, device and figures to
+        # freeze (workers.merge_payload), the GPU each live worker holds, and workers that crashed.
+        self.workers: list[dict] = []
+        self.gpu_of_worker: dict[str, str] = {}
+        self.worker_errors: list[str] = []
 
     @property
     def freeze(self) -> bool:
@@ -55,7 +64,7 @@ class MoePerfSession:
 
     @cached_property
     def device(self) -> DeviceInfo:
-        return DeviceInfo(self.options.device)
+        return DeviceInfo(self.options.device, self.options.simulated_gpu)
 
     @cached_property
     def store(self) -> BaselineStore:
@@ -92,22 +101,41 @@ class MoePerfSession:
         return config
 
     def header(self) -> dict:
-        h = {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
-             "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
+        if self.workers:  # the controller of an xdist run: the workers' devices
+            h = {"device": "; ".join(f"GPU {w['gpu']}: {w['device']}" for w in self.workers),
+                 "fingerprint": ", ".join(sorted({short_key(w["fingerprint"]) for w in self.workers})),
+                 "model": self.options.model, "moe_backend": self.moe_backend,
+                 "baselines": ", ".join(sorted({str(s.path) for s, _ in self._stores()}))}
+        else:
+            h = {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
+                 "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
         if self.options.plants:
             h["planted"] = ", ".join(map(str, self.options.plants))
         if self.options.trust:
             h["trust_evaluations"] = self.options.trust
         return h
 
+    def _stores(self) -> list[tuple[BaselineStore, dict]]:
+        """Each device of the run with the figures it froze: this process's, or on the controller
+        of an xdist run one per distinct worker fingerprint (identical GPUs share one)."""
+        if not self.workers:
+            return [(self.store, self.to_freeze)]
+        by_key: dict[str, tuple[BaselineStore, dict]] = {}
+        for w in self.workers:
+            key = short_key(w["fingerprint"])
+            if key not in by_key:
+                by_key[key] = (BaselineStore(self.options.baselines, w["fingerprint"], w["slug"]), {})
+            by_key[key][1].update(w["to_freeze"])
+        return list(by_key.values())
+
     def unmeasured(self) -> list[str]:
-        """Figures frozen for this exact device under this run's model, dtype and MoE backend that
-        no test measured (a renamed or deleted test leaves its figure so)."""
+        """Figures frozen for this run's device(s) under this run's model, dtype and MoE backend
+        that no test measured (a renamed or deleted test leaves its figure so)."""
         measured = {r.metric_id for r in self.results}
         keys = ("model", "dtype", "moe_backend")
         run = self.run_config
-        return sorted(mid for mid, m in self.store.metrics.items()
-                      if mid not in measured and all(m.config.get(k) == run[k] for k in keys))
+        return sorted({mid for store, _ in self._stores() for mid, m in store.metrics.items()
+                       if mid not in measured and all(m.config.get(k) == run[k] for k in keys)})
 
     def strict_failures(self) -> list[str]:
         """Why --moe-strict fails this run (empty: it does not). A figure with no baseline has
@@ -134,9 +162,15 @@ class MoePerfSession:
     def finish(self) -> list[str]:
         """Write frozen figures and the report; returns lines for the terminal."""
         lines = [self.counts()] if self.options.bench else []
-        if self.to_freeze:
-            path = self.store.freeze(self.to_freeze)
-            lines.append(f"froze {len(self.to_freeze)} metric(s) for {self.device.key} into {path}")
+        if self.workers:
+            lines.append(f"merged {len(self.results)} figure(s) from {len(self.workers)} pytest-xdist worker(s) on "
+                         f"GPU(s) {', '.join(w['gpu'] for w in self.workers)}")
+        for store, metrics in self._stores():
+            if metrics:
+                path = store.freeze(metrics)
+                lines.append(f"froze {len(metrics)} metric(s) for {short_key(store.fingerprint)} into {path}")
+        for error in self.worker_errors:
+            lines.append(f"infrastructure error: {error}")
         missing = self.unmeasured() if self.options.bench and not self.freeze else []
         if missing:
             lines.append(f"{len(missing)} figure(s) frozen for this device and configuration were not measured: "

@@ -215,12 +215,12 @@ def test_bad_options_are_usage_errors(run, args, message):
     result.stderr.fnmatch_lines([f"*{message}*"])
 
 
-def test_bench_under_xdist_workers_is_a_usage_error(run):
-    """Timings from several worker processes on one device would measure each other."""
+def test_bench_under_xdist_workers_on_the_cpu_is_a_usage_error(run):
+    """Timings from several worker processes on one CPU would measure each other."""
     pytest.importorskip("xdist")
-    result = run("--moe-bench", "-n", "2")
+    result = run("--moe-bench", "--moe-device", "cpu", "-n", "2")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--moe-bench runs in one process: drop -n/--numprocesses*"])
+    result.stderr.fnmatch_lines(["*--moe-bench with -n needs --moe-device cuda: CPU workers would time against*"])
     run("-n", "2").assert_outcomes(skipped=1)  # without --moe-bench the suites may spread over workers
 
 

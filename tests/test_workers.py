@@ -1,0 +1,137 @@
+"""--moe-bench over pytest-xdist workers, one GPU each (pytest_moeperf.workers): the GPU plan,
+then whole runs of a synthetic timed suite on simulated GPUs (MOEPERF_SIMULATED_GPUS: workers
+run on the CPU, each with its simulated GPU's name in its fingerprint) -- merge, freeze, gate,
+a regression on one worker's GPU, a crashed worker, JUnit properties."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from pytest_moeperf.baselines import load_file
+from pytest_moeperf.workers import parse_worker_gpus, visible_gpus, worker_index
+
+pytest.importorskip("xdist")
+
+# Four timed figures with deterministic samples (1% spread); the one measured on GPU "1" is
+# slowed by SLOW_GPU1 (a planted slowdown on that worker's GPU). Each test records the GPU it saw.
+SUITE = """
+import os
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
+
+@pytest.mark.parametrize("name", ["a", "b", "c", "d"])
+def test_latency(moe_gate, name):
+    gpu = os.environ["MOEPERF_WORKER_GPU"]
+    with open(f"gpu-{name}.txt", "w") as f:
+        f.write(gpu)
+    slow = float(os.environ.get("SLOW_GPU1", "1")) if gpu == "1" else 1.0
+    moe_gate.check(f"latency_{name}_us", [100 * s * slow for s in SPREAD], unit="us", direction="lower",
+                   tolerance=0.10)
+"""
+
+
+@pytest.fixture
+def xsuite(pytester, monkeypatch):
+    pytester.makepyfile(test_suite=SUITE)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return pytester
+
+
+def run_workers(pytester, gpus: str, *args, **env):
+    """A subprocess pytest run over 2 xdist workers on the simulated GPUs `gpus`."""
+    pytester._monkeypatch.setenv("MOEPERF_SIMULATED_GPUS", gpus)
+    for k, v in env.items():
+        pytester._monkeypatch.setenv(k, v)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "xdist", "-n", "2", "--moe-bench",
+                                         "--moe-device", "cpu", "--moe-report", "report.json", *args)
+
+
+def entries(pytester) -> list[dict]:
+    (path,) = (pytester.path / "baselines").glob("*.json")
+    return load_file(path).entries
+
+
+def report(pytester) -> list[dict]:
+    return json.loads((pytester.path / "report.json").read_text())["metrics"]
+
+
+def test_each_worker_gets_its_own_gpu():
+    assert parse_worker_gpus(2, "cuda", ["0", "1", "2"]) == ["0", "1"]
+    assert parse_worker_gpus(2, "auto", ["4", "6"]) == ["4", "6"]
+    assert worker_index("gw12") == 12
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert visible_gpus({"MOEPERF_SIMULATED_GPUS": "H200,H200,H100"}) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("workers, device, gpus, message", [
+    (3, "cuda", ["0", "1"], "-n 3: 2 GPU(s) visible (0, 1); timed tests must not share a GPU"),
+    (2, "cpu", ["0", "1"], "needs --moe-device cuda: CPU workers would time against each other"),
+    (2, "auto", [], "needs --moe-device cuda: CPU workers would time against each other"),
+    (2, "cuda:1", ["0", "1"], "use --moe-device cuda, not 'cuda:1'"),
+    (2, "cuda", [], "no GPU is visible"),
+])
+def test_a_plan_that_would_share_a_device_is_refused(workers, device, gpus, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_worker_gpus(workers, device, gpus)
+
+
+def test_more_workers_than_gpus_is_a_usage_error(xsuite):
+    xsuite._monkeypatch.setenv("MOEPERF_SIMULATED_GPUS", "H200")
+    result = xsuite.runpytest_subprocess("-p", "no:cacheprovider", "-p", "xdist", "-n", "2", "--moe-bench",
+                                         "--moe-device", "cpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-bench -n 2: 1 GPU(s) visible (0); timed tests must not share a GPU*"])
+
+
+def test_two_identical_gpus_freeze_into_one_entry_then_gate_pass(xsuite):
+    frozen = run_workers(xsuite, "H200,H200", "--moe-freeze")
+    frozen.assert_outcomes(passed=4)
+    frozen.stdout.fnmatch_lines(["*merged 4 figure(s) from 2 pytest-xdist worker(s)*", "*froze 4 metric(s)*"])
+    (entry,) = entries(xsuite)  # both workers' figures in one entry: nothing lost to the other's write
+    assert len(entry["metrics"]) == 4 and entry["fingerprint"]["simulated_gpu"] == "H200"
+    assert {(xsuite.path / f"gpu-{n}.txt").read_text() for n in "abcd"} == {"0", "1"}  # both GPUs used
+
+    gated = run_workers(xsuite, "H200,H200")
+    gated.assert_outcomes(passed=4)
+    assert sorted(r["verdict"] for r in report(xsuite)) == ["pass"] * 4
+
+
+def test_different_gpu_models_are_keyed_apart(xsuite):
+    run_workers(xsuite, "H200,H100", "--moe-freeze").assert_outcomes(passed=4)
+    names = {e["fingerprint"]["simulated_gpu"]: set(e["metrics"]) for e in entries(xsuite)}
+    assert set(names) == {"H200", "H100"}
+    assert sum(map(len, names.values())) == 4  # each figure under the model that measured it
+
+
+def test_a_slowdown_on_one_workers_gpu_is_that_metrics_regression(xsuite):
+    run_workers(xsuite, "H200,H200", "--moe-freeze").assert_outcomes(passed=4)
+    result = run_workers(xsuite, "H200,H200", SLOW_GPU1="1.5")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # a regression: exit 1
+    gpu_of = {n: (xsuite.path / f"gpu-{n}.txt").read_text() for n in "abcd"}
+    verdicts = {r["metric"]: (r["verdict"], r["gpu"]) for r in report(xsuite)}
+    assert len(verdicts) == 4  # every worker's figures reached the merged report
+    for n, gpu in gpu_of.items():
+        assert verdicts[f"latency_{n}_us"] == ("regression" if gpu == "1" else "pass", gpu)
+    assert "1" in gpu_of.values()
+
+
+def test_a_crashed_worker_is_an_infrastructure_error(xsuite):
+    xsuite.makepyfile(test_crash="import os\nimport pytest\n\n@pytest.mark.moe_bench\n"
+                                 "def test_crash():\n    os._exit(9)\n")
+    result = run_workers(xsuite, "H200,H200", "--moe-freeze")
+    assert result.ret == pytest.ExitCode.INTERNAL_ERROR  # exit 3: not the code under test
+    result.stdout.fnmatch_lines(["*infrastructure error: pytest-xdist worker gw* (GPU *) went down*"])
+    assert len(entries(xsuite)[0]["metrics"]) == 4  # what the other tests measured is kept
+
+
+def test_metrics_are_junit_properties(xsuite):
+    run_workers(xsuite, "H200,H200", "--moe-freeze", "--junitxml", "junit.xml").assert_outcomes(passed=4)
+    props = {p.get("name"): p.get("value") for p in ET.parse(xsuite.path / "junit.xml").iter("property")}
+    assert float(props["moeperf:latency_a_us"]) == pytest.approx(100.1, rel=1e-3)
+    assert props["moeperf:latency_a_us:unit"] == "us" and props["moeperf:latency_a_us:verdict"] == "frozen"
