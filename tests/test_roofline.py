@@ -1,0 +1,92 @@
+"""impl.model.roofline: bytes per decode token by component, against counts written out by hand
+from the config's fields (an independent formula, not the module's parameter walk), and the
+reference result's own figure (about 4.67 GB a token for Ling-3.0-flash with MXFP4 experts and FP8
+elsewhere, about 17 ms of floor at DGX Spark's 273 GB/s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from impl.model.config import get_config
+from impl.model.roofline import Formats, floor_ms, matrix_bytes, mtp_bytes, token_bytes
+
+BF16 = Formats(experts="bf16", projections="bf16", head="bf16")
+REFERENCE = Formats(experts="mxfp4", projections="fp8", head="fp8")
+
+
+def hand_counts(c, context: int) -> dict[str, float]:
+    """bf16 everywhere, from the config: what each component of ling-3.0-tiny reads."""
+    h, kinds = c.hidden_size, c.attention_types
+    n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
+    hd = c.linear_num_heads * c.linear_head_dim
+    kda = 2 * (5 * hd * h + c.linear_num_heads * h + hd * h) \
+        + 4 * (3 * hd * c.conv_kernel_size + c.linear_num_heads + hd)
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    mla = 2 * (h * c.num_heads * qk + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+               + c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+               + c.num_heads * c.v_head_dim * h + c.num_heads * h)
+    moe_layers = c.num_layers - len(c.dense_layers)
+    expert = 3 * h * c.moe_intermediate_size * 2
+    norms = 2 * h * (2 * c.num_layers + 1) + 2 * (n_kda * c.linear_head_dim + n_mla * c.kv_lora_rank)
+    return {
+        "attention kda": n_kda * kda, "attention mla": n_mla * mla,
+        "kda state": n_kda * 2 * 4 * (c.linear_num_heads * c.linear_head_dim ** 2 + 3 * hd * (c.conv_kernel_size - 1)),
+        "mla cache": n_mla * (context + 2) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2,
+        "routed experts": moe_layers * c.top_k * expert,
+        "shared expert": moe_layers * c.num_shared_experts * expert,
+        "router": moe_layers * 4 * (c.num_experts * h + c.num_experts),
+        "dense mlp": len(c.dense_layers) * 3 * h * c.intermediate_size * 2,
+        "norms": norms, "head": 2 * c.vocab_size * h, "embedding row": 2 * h,
+    }
+
+
+@pytest.mark.parametrize("context", [0, 100])
+def test_components_match_the_hand_count(context):
+    c = get_config("ling-3.0-tiny")
+    got = token_bytes(c, context, BF16)
+    want = hand_counts(c, context)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_formats_change_only_their_components():
+    c = get_config("ling-3.0-tiny")
+    bf16, ref = token_bytes(c, 64, BF16), token_bytes(c, 64, REFERENCE)
+    assert ref["routed experts"] == pytest.approx(bf16["routed experts"] * (17 / 32) / 2)
+    rows = c.vocab_size
+    assert ref["head"] == pytest.approx(bf16["head"] / 2 + 4 * rows)  # e4m3 plus a scale per row
+    for name in ("kda state", "mla cache", "router", "norms", "embedding row"):
+        assert ref[name] == bf16[name], name
+
+
+def test_the_reference_results_bytes_per_token():
+    """Ling-3.0-flash, MXFP4 experts, FP8 elsewhere: the reference result's about 4.67 GB a token
+    (mid-way through its 32k-in / 2k-out requests), so about 17 ms at 273 GB/s. 3%: the reference
+    gives the figure to two decimals of a GB and does not say at which context it is taken."""
+    total = sum(token_bytes("ling-3.0-flash", 16384, REFERENCE).values())
+    assert total == pytest.approx(4.67e9, rel=0.03)
+    assert floor_ms(total, 273e9) == pytest.approx(17.1, rel=0.03)
+
+
+def test_state_grows_with_context_only_for_the_caches():
+    a, b = (token_bytes("ling-3.0-tiny", L, BF16) for L in (10, 11))
+    c = get_config("ling-3.0-tiny")
+    assert b["kda state"] == a["kda state"]
+    assert b["mla cache"] - a["mla cache"] == 2 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2  # a row per MLA layer
+
+
+def test_mtp_layer_is_counted_apart():
+    c = get_config("ling-3.0-tiny")
+    assert 0 < mtp_bytes(c, 10, BF16) < sum(token_bytes(c, 10, BF16).values())
+
+
+def test_bad_formats_and_contexts_are_rejected():
+    with pytest.raises(ValueError, match="experts format must be one of"):
+        Formats(experts="int4")
+    with pytest.raises(ValueError, match="head format must be one of"):
+        Formats(head="fp4")
+    with pytest.raises(ValueError, match="context must be >= 0"):
+        token_bytes("ling-3.0-tiny", -1)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        matrix_bytes((2, 2), "int8")
