@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl.model import gemv
 from impl.model.fused import fuse_linears, fused_linear
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
@@ -242,7 +243,7 @@ class KDAAttention(nn.Module):
                        self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
                        keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
                        self.o_norm.eps)
-        return self.o_proj(o).unsqueeze(1)
+        return gemv.apply(self.o_proj, o).unsqueeze(1)
 
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "KDAAttention":

@@ -1,15 +1,18 @@
-"""One KDA decode token as one Triton kernel: everything between the input projections and o_proj.
+"""One KDA decode token as two Triton kernels: everything between the input projections and o_proj.
 
-Per (batch row, head) program, with the head's q, k, v, forget-gate and output-gate channels:
-the short causal convolution over q|k|v continuing from the stored (kernel - 1) inputs (and
-shifting them), SiLU, L2 norms of q and k (q scaled by head_dim^-0.5), the forget gate g from
-f_proj's output, beta = sigmoid(b), the gated delta rule on the [Dk, Dv] fp32 state
+The first, per (batch row, head, block of BLOCK_V state columns) program: the short causal
+convolution over the head's q|k|v channels from the stored (kernel - 1) inputs, SiLU, L2 norms
+of q and k (q scaled by head_dim^-0.5), the forget gate g from f_proj's output, beta =
+sigmoid(b), the gated delta rule on the [Dk, Dv] fp32 state
 
     S <- diag(exp(g)) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
 
-and the gated RMS norm of o. The torch form of the same step (impl.model.kda: `recurrent_kda_step`
-and the module around it) is its reference, and rounds where this kernel rounds: the convolution's
-SiLU output and o to the activation dtype, as the module does.
+on its columns of the state (4 programs a head at D = 128: one per head left most SMs idle and took
+13.4 us for the 4.5 MB of state on the H200). The second, per (row, head): the gated RMS norm of o
+over Dv and the shift of the stored convolution inputs, which only it writes, so no program of the
+first can read a shifted window. The torch form of the same step (impl.model.kda:
+`recurrent_kda_step` and the module around it) is its reference, and rounds where these kernels
+round: the convolution's SiLU output and o to the activation dtype, as the module does.
 
 The state is read once and written once (`state_in` may be `state_out`: decode updates in place);
 `keep` (1.0, or 0.0 at position 0) multiplies the stored state and convolution inputs, so a new
@@ -31,35 +34,50 @@ L2_EPS = tl.constexpr(1e-6)  # impl.model.kda.L2_EPS: inside the square root
 def _conv_silu(mixed_row_ptr, conv_state_ptr, conv_w_ptr, ch, keep, out_dtype: tl.constexpr, KERN: tl.constexpr,
                KP: tl.constexpr):
     """Channels `ch` of one token: the causal convolution over the stored (KERN - 1) inputs and this
-    token's, the stored inputs shifted by one, SiLU, rounded to the activation dtype. The stored
-    window is read whole before a barrier and only then shifted in place: a vector of D channels
-    is held by several warps at once, and a warp storing its shift while another still reads the
-    window gave wrong states at D = 128 (KP: KERN - 1 rounded up to a power of two)."""
-    new = tl.load(mixed_row_ptr + ch).to(tl.float32)
-    acc = new * tl.load(conv_w_ptr + ch * KERN + (KERN - 1))
+    token's, SiLU, rounded to the activation dtype. Reads the stored inputs only (KP: KERN - 1
+    rounded up to a power of two); `kda_output_kernel` shifts them once every program has read."""
+    acc = tl.load(mixed_row_ptr + ch).to(tl.float32) * tl.load(conv_w_ptr + ch * KERN + (KERN - 1))
     if KERN > 1:
         offs_j = tl.arange(0, KP)
         j_ok = (offs_j < KERN - 1)[None, :]
-        window = conv_state_ptr + ch[:, None] * (KERN - 1) + offs_j[None, :]
-        prev = tl.load(window, mask=j_ok, other=0.0) * keep
+        prev = tl.load(conv_state_ptr + ch[:, None] * (KERN - 1) + offs_j[None, :], mask=j_ok, other=0.0) * keep
         w = tl.load(conv_w_ptr + ch[:, None] * KERN + offs_j[None, :], mask=j_ok, other=0.0)
         acc += tl.sum(prev * w, axis=1)
-        tl.debug_barrier()
-        tl.store(window - 1, prev, mask=j_ok & (offs_j > 0)[None, :])
-        tl.store(conv_state_ptr + ch * (KERN - 1) + (KERN - 2), new)
     act = acc / (1.0 + tl.exp(-acc))
     return act.to(out_dtype).to(tl.float32)
 
 
 @triton.jit
-def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, gate_ptr, conv_state_ptr, conv_w_ptr, dt_bias_ptr, a_log_ptr,
-                      norm_w_ptr, state_in_ptr, state_out_ptr, keep_ptr, out_ptr,
-                      stride_mixed, stride_f, stride_b, stride_gate, stride_out,
-                      H, lower_bound, norm_eps,
-                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr, SAFE_GATE: tl.constexpr):
+def _shift_window(mixed_row_ptr, conv_state_ptr, ch, keep, KERN: tl.constexpr, KP: tl.constexpr):
+    """The stored inputs of channels `ch` shifted by one, this token's appended. The window is read
+    whole before a barrier and only then written in place: a vector of channels is held by
+    several warps at once, and a warp storing its shift while another still read the window gave
+    wrong states at D = 128 on the H200."""
+    if KERN > 1:
+        offs_j = tl.arange(0, KP)
+        j_ok = (offs_j < KERN - 1)[None, :]
+        window = conv_state_ptr + ch[:, None] * (KERN - 1) + offs_j[None, :]
+        prev = tl.load(window, mask=j_ok, other=0.0) * keep
+        new = tl.load(mixed_row_ptr + ch).to(tl.float32)
+        tl.debug_barrier()
+        tl.store(window - 1, prev, mask=j_ok & (offs_j > 0)[None, :])
+        tl.store(conv_state_ptr + ch * (KERN - 1) + (KERN - 2), new)
+
+
+@triton.jit
+def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bias_ptr, a_log_ptr,
+                      state_in_ptr, state_out_ptr, keep_ptr, out_ptr,
+                      stride_mixed, stride_f, stride_b, stride_out,
+                      H, lower_bound,
+                      D: tl.constexpr, BLOCK_V: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr,
+                      SAFE_GATE: tl.constexpr):
+    """Program (row * H + head, value block): the delta rule on the state's columns [D, BLOCK_V]
+    (columns are independent: the recall and the output sum over the key dim only); writes the
+    head's output o unnormalized (rounded to the activation dtype, as the module rounds it)."""
     pid = tl.program_id(0)
     row, h = pid // H, pid % H
     offs_d = tl.arange(0, D)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     keep = tl.load(keep_ptr)
     hd = H * D
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -67,7 +85,7 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, gate_ptr, conv_state_ptr, conv_w_
     conv_state_row = conv_state_ptr + row * 3 * hd * (KERN - 1)
     q = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, h * D + offs_d, keep, out_dtype, KERN, KP)
     k = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, hd + h * D + offs_d, keep, out_dtype, KERN, KP)
-    v = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, 2 * hd + h * D + offs_d, keep, out_dtype, KERN, KP)
+    v = _conv_silu(mixed_row, conv_state_row, conv_w_ptr, 2 * hd + h * D + offs_v, keep, out_dtype, KERN, KP)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + L2_EPS) * (D ** -0.5)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + L2_EPS)
 
@@ -80,20 +98,41 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, gate_ptr, conv_state_ptr, conv_w_
         g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(z)))
     beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * stride_b + h).to(tl.float32)))
 
-    # Gated delta rule on S [Dk, Dv].
-    offs_s = (row * H + h) * D * D + offs_d[:, None] * D + offs_d[None, :]
+    # Gated delta rule on S [Dk, Dv], columns offs_v.
+    offs_s = (row * H + h) * D * D + offs_d[:, None] * D + offs_v[None, :]
     s = tl.load(state_in_ptr + offs_s) * keep
     s = s * tl.exp(g)[:, None]
     recalled = tl.sum(k[:, None] * s, axis=0)
     s = s + k[:, None] * (beta * (v - recalled))[None, :]
     tl.store(state_out_ptr + offs_s, s)
-    o = tl.sum(q[:, None] * s, axis=0).to(out_dtype).to(tl.float32)
+    o = tl.sum(q[:, None] * s, axis=0)
+    tl.store(out_ptr + row * stride_out + h * D + offs_v, o.to(out_dtype))
 
-    # Gated RMS norm over Dv, then sigmoid of the output gate.
+
+@triton.jit
+def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr, out_ptr,
+                      stride_mixed, stride_gate, stride_out, H, norm_eps,
+                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr):
+    """Program row * H + head, after kda_decode_kernel: the gated RMS norm of the head's o over Dv
+    (then the sigmoid of the output gate), in place, and the shift of the head's q, k, v
+    convolution inputs (every program of the first kernel has read them by now)."""
+    pid = tl.program_id(0)
+    row, h = pid // H, pid % H
+    offs_d = tl.arange(0, D)
+    hd = H * D
+    o_ptrs = out_ptr + row * stride_out + h * D + offs_d
+    o = tl.load(o_ptrs).to(tl.float32)
     o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * tl.load(norm_w_ptr + offs_d).to(tl.float32)
     gate = tl.load(gate_ptr + row * stride_gate + h * D + offs_d).to(tl.float32)
-    o = o / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * stride_out + h * D + offs_d, o.to(out_dtype))
+    tl.store(o_ptrs, (o / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty))
+    keep = tl.load(keep_ptr)
+    mixed_row = mixed_ptr + row * stride_mixed
+    conv_state_row = conv_state_ptr + row * 3 * hd * (KERN - 1)
+    for part in tl.static_range(3):
+        _shift_window(mixed_row, conv_state_row, part * hd + h * D + offs_d, keep, KERN, KP)
+
+
+BLOCK_V = 32  # state columns a program of kda_decode_kernel updates: 4 programs a head at D = 128
 
 
 def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_state: torch.Tensor,
@@ -117,10 +156,13 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"kda_decode: {name} must be contiguous fp32, got {t.dtype}")
     out = torch.empty(bsz, hd, dtype=mixed.dtype, device=mixed.device)
-    kda_decode_kernel[(bsz * num_heads,)](
-        mixed, f, b, gate, conv_state, conv_w, dt_bias, a_log, norm_w, state_in, state_out, keep, out,
-        mixed.stride(0), f.stride(0), b.stride(0), gate.stride(0), out.stride(0),
-        num_heads, float(lower_bound), float(norm_eps), D=d, KERN=kern, KP=triton.next_power_of_2(max(kern - 1, 1)),
-        SAFE_GATE=safe_gate,
-        num_warps=8 if d >= 128 else 4)
+    kp = triton.next_power_of_2(max(kern - 1, 1))
+    block_v = min(BLOCK_V, d)
+    kda_decode_kernel[(bsz * num_heads, d // block_v)](
+        mixed, f, b, conv_state, conv_w, dt_bias, a_log, state_in, state_out, keep, out,
+        mixed.stride(0), f.stride(0), b.stride(0), out.stride(0), num_heads, float(lower_bound),
+        D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, num_warps=4)
+    kda_output_kernel[(bsz * num_heads,)](
+        mixed, gate, conv_state, norm_w, keep, out, mixed.stride(0), gate.stride(0), out.stride(0), num_heads,
+        float(norm_eps), D=d, KERN=kern, KP=kp, num_warps=4)
     return out

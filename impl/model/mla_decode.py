@@ -47,8 +47,12 @@ class MLADecodeConfig:
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
-# Per device name; filled from scripts/gpu/bench_attention.py's sweep of the kernel alone.
-TUNED: dict[str, MLADecodeConfig] = {}
+# Per device name, from scripts/gpu/bench_attention.py's sweep of the kernel alone (--kinds parts).
+# H200, 2026-12-03, 576-wide bf16 rows, 32 heads: 19.3 / 27.8 / 47.2 us at 1k / 8k / 32k rows, against
+# 25.2 / 32.8 / 74.9 us for the default (notes/runs/2026-12-03-attention-h200-parts.log).
+TUNED: dict[str, MLADecodeConfig] = {
+    "NVIDIA H200": MLADecodeConfig(splits=128, min_chunk_rows=64, block_rows=16, num_warps=4, num_stages=3),
+}
 INTERPRETER = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1,
                               combine_block_r=16)
 
