@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from impl import backends, plant
 from impl.generate import SamplingConfig, check_prompt, filtered_probs
 from impl.spec.commit import commit, commit_greedy
 from impl.spec.sampling import MAX_K, rejection_verify
+
+if TYPE_CHECKING:
+    from impl.spec.assumed import AcceptanceProfile
 
 
 class HeadSharingError(ValueError):
@@ -179,7 +182,8 @@ class SpeculativeDecoder:
     what a violated head-sharing contract does to the accept length."""
 
     def __init__(self, target: nn.Module, k: int, sampling: SamplingConfig = SamplingConfig(),
-                 draft: nn.Module | None = None, require_shared_head: bool = True) -> None:
+                 draft: nn.Module | None = None, require_shared_head: bool = True,
+                 assume: AcceptanceProfile | None = None) -> None:
         if not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise ValueError(f"k (draft tokens per step) must be an int in [1, {MAX_K}], got {k!r}")
         if not isinstance(sampling, SamplingConfig):
@@ -194,6 +198,14 @@ class SpeculativeDecoder:
         if require_shared_head:
             check_head_sharing(target, draft)
         self.target, self.draft, self.k, self.sampling = target, draft, k, sampling
+        # impl.spec.assumed: acceptance drawn from a stated profile instead of judged (greedy only).
+        self.assumed = None
+        if assume is not None:
+            from impl.spec.assumed import AssumedAcceptance
+            if assume.k != k or not sampling.greedy:
+                raise ValueError(f"an assumed acceptance profile needs greedy sampling and one probability per "
+                                 f"draft (k={k}), got {assume.k} with {sampling}")
+            self.assumed = AssumedAcceptance(assume, target.config.vocab_size, target.embed_tokens.weight.device)
         self.draft_prov = self.verify_prov = backends.Provenance()
         self._offsets: dict[torch.device, torch.Tensor] = {}  # -1 .. k-1, one tensor per device
 
@@ -291,7 +303,10 @@ class SpeculativeDecoder:
         draft, qs = self.draft_tokens(state, generator, verify_at)
         pos, v_logits, v_hidden = self.verify_pass(state, draft, verify_at)
         if self.sampling.greedy:
-            committed = commit_greedy(state, pos, draft, v_logits.argmax(dim=-1))
+            choice = v_logits.argmax(dim=-1)
+            if self.assumed is not None:
+                draft = self.assumed.force(choice, generator)
+            committed = commit_greedy(state, pos, draft, choice)
         else:
             accepted, nxt = rejection_verify(draft, torch.stack(qs, dim=1),
                                              filtered_probs(v_logits, self.sampling), generator)
