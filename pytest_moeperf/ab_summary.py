@@ -189,6 +189,10 @@ def _flags(s: dict, cmp: dict | None) -> list[str]:
         flags.append(f"provenance error: {s['provenance_error']}")
     if s["n_requests"] == 0:
         flags.append("no requests recorded")
+    if "accept=" in (s["config"] or ""):
+        flags.append("acceptance assumed (" + next(p for p in s["config"].split(",") if p.startswith("accept="))
+                     + "): the drafts are forced to the target's choices at that mean; speed follows from the "
+                     "assumption, accept length and answers are not the model's")
     if s["speculative"]:
         acc = s["accept_length"]
         prov = s["provenance"]

@@ -194,6 +194,13 @@ def test_flags(broken):
     assert _arm_summary(s, "+mtp")["accept_length"]["mean"] == 1.0 < ACCEPT_LENGTH_FLOOR
 
 
+def test_an_assumed_acceptance_arm_is_labelled():
+    r = synthetic(n=20, speedups={"baseline": 1.0, "+kernels": 1.5, "+mtp": 2.5})
+    r["arms"][2]["config"] = "moe=triton,experts=bf16,head=bf16,spec=mtp:3,accept=3.9"
+    flags = " | ".join(_arm_summary(summarize_ab(r), "+mtp")["flags"])
+    assert "acceptance assumed (accept=3.9)" in flags and "not the model's" in flags
+
+
 def test_a_healthy_speculative_arm_is_not_flagged(full_summary):
     a = _arm_summary(full_summary, "+mtp")
     assert a["accept_length"]["mean"] > ACCEPT_LENGTH_FLOOR and not a["flags"]

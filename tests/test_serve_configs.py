@@ -19,7 +19,13 @@ def test_a_full_spec():
     assert parse_serve_config("head=fp8:triton,head_scales=tensor", "cpu").head_backend == "fp8-triton"
 
 
-@pytest.mark.parametrize("text", ["moe=gather", "+mtp,temperature=0.5,top_k=4,seed=3",
+def test_an_assumed_acceptance_row():
+    c = parse_serve_config("+mtp,accept=3.9", "cpu")
+    assert c.assumed_accept == 3.9 and c.acceptance_profile().mean_accept_length == pytest.approx(3.9)
+    assert parse_serve_config("+mtp", "cpu").acceptance_profile() is None
+
+
+@pytest.mark.parametrize("text", ["moe=gather", "+mtp,temperature=0.5,top_k=4,seed=3", "+mtp,accept=3.9",
                                   "head=fp8:dequant,head_scales=tensor,spec=mtp:2", "+fp8-head,moe=reference"])
 def test_spec_text_round_trips(text):
     for device in ("cpu", "cuda"):
@@ -51,6 +57,10 @@ def test_spec_text_round_trips(text):
     ("temperature=1,top_p=0", r"top_p: must be in \(0, 1\]"),
     ("temperature=1,top_k=0", "top_k: must be >= 1"),
     ("seed=-1", "seed: must be an int >= 0"),
+    ("accept=3", "accept: an assumed acceptance applies to greedy MTP rows only"),
+    ("+mtp,accept=3,temperature=0.5", "accept: an assumed acceptance applies to greedy MTP rows only"),
+    ("+mtp,accept=4.5", r"accept: a mean accept length with k=3 drafts lies in \[1, 4\]"),
+    ("+mtp,accept=many", "accept: expected a number"),
     ("baseline,+mtp", "a second preset"),
     ("+turbo", "neither a preset"),
 ])

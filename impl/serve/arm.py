@@ -147,7 +147,7 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
         if not len(getattr(model, "mtp", ())):
             raise ValueError(f"{name}: spec: model {model.config.name!r} has no MTP (NEXTN) layer to draft with")
         arm.activate()  # the decoder checks that the draft holds the head this arm runs
-        arm.decoder = SpeculativeDecoder(model, config.k, config.sampling)
+        arm.decoder = SpeculativeDecoder(model, config.k, config.sampling, assume=config.acceptance_profile())
     return arm
 
 

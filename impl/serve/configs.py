@@ -15,6 +15,10 @@ override:
     head_scales=row|tensor  FP8 head scale granularity (fp8 only; default row)
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
+    accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):
+                            the drafts are forced to the target's choices with the constant
+                            per-position profile whose mean accept length is MEAN (e.g. 3.90),
+                            for random-weight models; every output labels such a row
     temperature=T           0 (default) is greedy
     top_k=N  top_p=P        need temperature > 0
     seed=S                  base seed of sampled rows (each request draws from its own stream,
@@ -59,7 +63,7 @@ EXPERT_FORMATS = ("auto", *backends.WEIGHT_FORMATS)
 HEADS = ("bf16", "fp8")
 HEAD_SCALES = ("row", "tensor")
 SPECULATION = ("off", "mtp")
-KEYS = ("moe", "experts", "head", "head_scales", "spec", "temperature", "top_k", "top_p", "seed")
+KEYS = ("moe", "experts", "head", "head_scales", "spec", "accept", "temperature", "top_k", "top_p", "seed")
 
 
 def _device_type(device) -> str:
@@ -94,6 +98,7 @@ class ServeConfig:
     k: int = 0  # drafts per verify step; 0 when spec is off
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
+    assumed_accept: float | None = None  # mean accept length assumed (impl.spec.assumed); None: judged
 
     def __post_init__(self) -> None:
         moe_names = backends.available("moe")
@@ -134,6 +139,20 @@ class ServeConfig:
                              "(temperature 0 is greedy)")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: must be an int >= 0, got {self.seed!r}")
+        if self.assumed_accept is not None:
+            if self.spec != "mtp" or not self.sampling.greedy:
+                raise ValueError("accept: an assumed acceptance applies to greedy MTP rows only (spec=mtp:K, "
+                                 "temperature 0)")
+            if not 1.0 <= self.assumed_accept <= self.k + 1:
+                raise ValueError(f"accept: a mean accept length with k={self.k} drafts lies in [1, {self.k + 1}], "
+                                 f"got {self.assumed_accept:g}")
+
+    def acceptance_profile(self):
+        """The impl.spec.assumed.AcceptanceProfile of an assumed-acceptance row, else None."""
+        if self.assumed_accept is None:
+            return None
+        from impl.spec.assumed import AcceptanceProfile
+        return AcceptanceProfile.from_mean(self.assumed_accept, self.k)
 
     @property
     def speculative(self) -> bool:
@@ -146,6 +165,8 @@ class ServeConfig:
         if self.head == "fp8":
             parts.append(f"head_scales={self.head_scales}")
         parts.append("spec=off" if self.spec == "off" else f"spec=mtp:{self.k}")
+        if self.assumed_accept is not None:
+            parts.append(f"accept={self.assumed_accept:g}")
         s = self.sampling
         if not s.greedy:
             parts.append(f"temperature={s.temperature:g}")
@@ -279,6 +300,8 @@ def _parse(text: str, kind: str, k: int) -> ServeConfig:
         changes["sampling"] = SamplingConfig(temperature, top_k, top_p)
     if "seed" in values:
         changes["seed"] = _int("seed", values["seed"])
+    if "accept" in values:
+        changes["assumed_accept"] = _float("accept", values["accept"])
     return dataclasses.replace(config, **changes)
 
 
