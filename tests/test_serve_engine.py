@@ -240,3 +240,14 @@ def test_arms_refuse_what_the_model_cannot_run(model):
         arm_of(model, "moe=gather,experts=bf16")
     with pytest.raises(TypeError, match="tokenizer"):
         build_arm(model, resolve_preset("baseline", "cpu"), tokenizer=object())
+
+
+def test_an_assumed_acceptance_row_serves_at_its_stated_mean():
+    """A random-weight model accepts no draft; at accept=1 (nothing accepted) and accept=4 (all 3)
+    its speculative row commits exactly 1 and 4 tokens a verify step, the serving loop unchanged."""
+    from impl.model.build import build_model
+    model = build_model("tiny", seed=3)
+    for accept, length in (("1", 1), ("4", 4)):
+        arm = arm_of(model, f"+mtp,accept={accept}")
+        rec = run_request(arm, request("12+30=", 33, ignore_eos=True))
+        assert set(rec["accept_lengths"][:-1]) == {length}, accept  # the last step may be cut by the length
