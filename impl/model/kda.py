@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl import backends
 from impl.model import gemv
 from impl.model.fused import fuse_linears, fused_linear
 
@@ -233,6 +234,7 @@ class KDAAttention(nn.Module):
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         from impl.model.kda_decode import kda_decode
+        backends.note("attention", "kda", "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim)
         b, hd = x.shape[0], self.qkv_dim
         proj = self._projections(x[:, 0])
         keep = (torch.ones(1, device=x.device) if input_pos is None

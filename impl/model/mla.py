@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impl import backends
 from impl.model import gemv
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
@@ -293,6 +294,8 @@ class MLAAttention(nn.Module):
         """The absorbed form of one token with the attention in one split-K kernel that reads the
         cache rows up to the token's position once, for all heads (impl.model.mla_decode)."""
         from impl.model.mla_decode import mla_decode_attention
+        backends.note("attention", "mla", "mla_decode_kernel", heads=self.config.num_heads,
+                      kv_lora_rank=self.config.kv_lora_rank)
         c = self.config
         w_uk, w_uv = self._up_weights()
         q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:, :, 0], w_uk.to(q_nope.dtype))

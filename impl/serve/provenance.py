@@ -66,6 +66,8 @@ class RowProvenance:
     graphs: bool = False  # decode/verify steps replayed from CUDA graphs
     requests: int = 0
     moe: set[tuple[str, str]] = field(default_factory=set)  # (backend, kernel), target and draft
+    # Attention decode kernels and attention GEMVs that ran (impl.model.kda / mla / gemv), target and draft
+    attention: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
     head_class: set[str] = field(default_factory=set)
@@ -87,6 +89,8 @@ class RowProvenance:
         for kind, backend, kernel in (*target, *draft):
             if kind == "moe":
                 self.moe.add((backend, kernel))
+            elif kind in ("attention", "gemv"):
+                self.attention.add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
         head = arm.model.lm_head
