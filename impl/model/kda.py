@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model import gemv
 from impl.model.fused import fuse_linears, fused_linear
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
@@ -245,7 +244,7 @@ class KDAAttention(nn.Module):
                        self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
                        keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
                        self.o_norm.eps)
-        return gemv.apply(self.o_proj, o).unsqueeze(1)
+        return self.o_proj(o).unsqueeze(1)
 
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "KDAAttention":

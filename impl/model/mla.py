@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model import gemv
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
@@ -267,7 +266,7 @@ class MLAAttention(nn.Module):
         # dtype, scaling each head's attention output before o_proj.
         gate = torch.sigmoid(g.float()).to(x.dtype)
         y = y.transpose(1, 2) * gate.unsqueeze(-1)
-        return gemv.apply(self.o_proj, y.reshape(b, t, nh * c.v_head_dim))
+        return self.o_proj(y.reshape(b, t, nh * c.v_head_dim))
 
     def _absorbed(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         """The heads share one key/value head (the cache rows), so they are folded into the query

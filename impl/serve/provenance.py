@@ -66,7 +66,7 @@ class RowProvenance:
     graphs: bool = False  # decode/verify steps replayed from CUDA graphs
     requests: int = 0
     moe: set[tuple[str, str]] = field(default_factory=set)  # (backend, kernel), target and draft
-    # Attention decode kernels and attention GEMVs that ran (impl.model.kda / mla / gemv), target and draft
+    # Attention decode kernels that ran (impl.model.kda / mla), target and draft
     attention: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
@@ -89,7 +89,7 @@ class RowProvenance:
         for kind, backend, kernel in (*target, *draft):
             if kind == "moe":
                 self.moe.add((backend, kernel))
-            elif kind in ("attention", "gemv"):
+            elif kind == "attention":
                 self.attention.add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}

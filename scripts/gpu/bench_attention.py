@@ -16,8 +16,7 @@ Random weights (normal * 0.02 in bf16, norm weights 1; KDA's A_log, dt_bias, con
   mla expanded  the same call with absorb=False (every cached latent up-projected).
   mla proj      its q_proj, kv_a_proj, g_proj and o_proj GEMVs alone.
   parts         the pieces of each step alone, to say where a step's time goes: every
-                GEMV through cuBLAS (bf16) and through impl.model.gemv's split-K kernel over a
-                sweep of launch configs (a winner by 3% is then used by the kda and mla steps);
+                GEMV through cuBLAS (bf16);
                 impl.model.kda_decode's kernel alone; impl.model.mla_decode's attention alone over
                 the L + 1 valid rows, at each launch config of MLA_CONFIGS (the first is the
                 committed default).
@@ -216,57 +215,24 @@ def mla_cases(ctx: int, dtype, gen, dev):
     yield dict(base, form="proj", weight_bytes=pb, cache_bytes=0, bytes=pb), proj_only
 
 
-GEMV_SWEEP = {  # (block_n, block_k, split_k) per N: long N needs no split, short N does
-    "long": [(bn, bk, sk) for bn in (16, 32) for bk in (128, 256) for sk in (1, 2)],
-    "short": [(bn, bk, sk) for bn in (16, 32) for bk in (128, 256) for sk in (2, 4, 8)],
-}
-GEMV_WIN = 0.97  # a tuned config must beat cuBLAS by 3% to be taken
-
-
-def gemv_rows(kind: str, gemvs: dict[str, torch.Tensor], x_for, rep_ms: int, chosen: dict):
-    """Each weight [N, K] of `gemvs` as a batch-1 GEMV: cuBLAS bf16, then impl.model.gemv's kernel
-    over GEMV_SWEEP; the fastest config that beats cuBLAS goes into `chosen` (and is then used by
-    the step rows, through impl.model.gemv.TUNED)."""
+def gemv_rows(kind: str, gemvs: dict[str, torch.Tensor], x_for):
+    """Each weight [N, K] of `gemvs` as a batch-1 GEMV through cuBLAS (bf16)."""
     import torch.nn.functional as F
-    from impl.model.gemv import GemvConfig
-    from impl.model.gemv_kernel import gemv
     for name, w in gemvs.items():
         x = x_for(w.shape[1])
         nbytes = w.numel() * w.element_size()
-        torch_fn = lambda w=w, x=x: F.linear(x, w)  # noqa: E731
-        yield dict(kind=kind, form=f"{name} cublas", S=None, weight_bytes=nbytes, bytes=nbytes), torch_fn
-        base = step_us(torch_fn, rep_ms)
-        want = torch_fn().float()
-        best = None
-        for bn, bk, sk in GEMV_SWEEP["long" if w.shape[0] >= 8192 else "short"]:
-            cfg = GemvConfig(block_n=bn, block_k=bk, split_k=sk)
-            fn = lambda w=w, x=x, cfg=cfg: gemv(x, w, cfg)  # noqa: E731
-            with torch.inference_mode():
-                err = float((fn().float() - want).norm() / want.norm())
-            us = step_us(fn, rep_ms)
-            if best is None or us < best[0]:
-                best = (us, cfg, err)
-        us, cfg, err = best
-        log(f"  {kind} {name} [{w.shape[0]}x{w.shape[1]}]: cublas {base:.1f} us, best gemv {us:.1f} us {cfg} "
-            f"(rel err vs cublas {err:.1e})")
-        if us < GEMV_WIN * base and err < 1e-2:
-            chosen[(w.shape[0], w.shape[1])] = cfg
-        yield dict(kind=kind, form=f"{name} gemv {cfg.block_n}/{cfg.block_k}/{cfg.split_k}", S=None,
-                   weight_bytes=nbytes, bytes=nbytes, rel_err=err), \
-            (lambda w=w, x=x, cfg=cfg: gemv(x, w, cfg))
+        yield dict(kind=kind, form=f"{name} cublas", S=None, weight_bytes=nbytes, bytes=nbytes), \
+            (lambda w=w, x=x: F.linear(x, w))
 
 
-CHOSEN: dict = {}  # (N, K) -> GemvConfig, filled by the parts' sweep
-
-
-def part_cases(ctx: int, dtype, gen, dev, rep_ms: int = 100):
+def part_cases(ctx: int, dtype, gen, dev):
     from impl.model.kda_decode import kda_decode
     x_for = lambda k: torch.randn(1, k, device=dev, generator=gen).to(dtype)  # noqa: E731
     kda = build_kda(dev, dtype)
     randomize_(kda, gen)
     kda.fuse_projections()
     if ctx == 1024:  # the GEMVs and the KDA kernel do not depend on the context
-        yield from gemv_rows("kda", {"in_proj": kda.in_proj, "o_proj": kda.o_proj.weight}, x_for, rep_ms, CHOSEN)
+        yield from gemv_rows("kda", {"in_proj": kda.in_proj, "o_proj": kda.o_proj.weight}, x_for)
         state = kda.setup_cache(1, device=dev)
         state.recurrent.normal_(0.0, 0.01, generator=gen)
         hd = kda.qkv_dim
@@ -283,7 +249,7 @@ def part_cases(ctx: int, dtype, gen, dev, rep_ms: int = 100):
         mla = build_mla(dev, dtype)
         randomize_(mla, gen)
         mla.fuse_projections()
-        yield from gemv_rows("mla", {"in_proj": mla.in_proj}, x_for, rep_ms, CHOSEN)
+        yield from gemv_rows("mla", {"in_proj": mla.in_proj}, x_for)
     c = FLASH_MLA
     kv = torch.randn(1, ctx + MLA_CACHE_SLACK, c.cache_dim, device=dev, generator=gen).to(dtype)
     query = torch.randn(1, c.num_heads, c.cache_dim, device=dev, generator=gen).to(dtype)
@@ -331,8 +297,7 @@ CASES = {"kda": kda_cases, "mla": mla_cases, "parts": part_cases}
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,8192,32768", help="context lengths L, comma-separated")
-    ap.add_argument("--kinds", default="parts,kda,mla", help="comma-separated, of kda, mla, parts (parts first: "
-                    "its GEMV sweep's winners are used by the kda and mla steps)")
+    ap.add_argument("--kinds", default="parts,kda,mla", help="comma-separated, of kda, mla, parts")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for attention_bench.json ($OUT)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep per timed call, ms")
@@ -366,13 +331,6 @@ def main(argv=None) -> int:
                 errors.append(f"{kind} L={ctx}: {ex!r}")
                 traceback.print_exc(limit=3)
             torch.cuda.empty_cache()
-        if kind == "parts" and CHOSEN:
-            from impl.model import gemv
-            name = torch.cuda.get_device_name(dev)
-            gemv.TUNED.update({(n, k, name): cfg for (n, k), cfg in CHOSEN.items()})
-            log("GEMV configs now used by the steps (commit into impl/model/gemv.py TUNED):")
-            for (n, k), cfg in CHOSEN.items():
-                log(f"    ({n}, {k}, {name!r}): {cfg},")
 
     result = dict(info=info, nominal_bytes_per_s=NOMINAL_BYTES_PER_S, read_bytes_per_s=read_bps,
                   copy_bytes_per_s=copy_bps, measured_bytes_per_s=measured_bps, rows=rows, errors=errors)
