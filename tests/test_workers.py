@@ -90,8 +90,12 @@ def test_more_workers_than_gpus_is_a_usage_error(xsuite):
 
 
 def test_two_identical_gpus_freeze_into_one_entry_then_gate_pass(xsuite):
-    frozen = run_workers(xsuite, "H200,H200", "--moe-freeze")
+    frozen = run_workers(xsuite, "H200,H200", "--moe-freeze", "--junitxml", "junit.xml")
     frozen.assert_outcomes(passed=4)
+    # Every gated metric is a JUnit property, carried from the workers to the controller's XML.
+    props = {p.get("name"): p.get("value") for p in ET.parse(xsuite.path / "junit.xml").iter("property")}
+    assert float(props["moeperf:latency_a_us"]) == pytest.approx(100.1, rel=1e-3)
+    assert props["moeperf:latency_a_us:unit"] == "us" and props["moeperf:latency_a_us:verdict"] == "frozen"
     frozen.stdout.fnmatch_lines(["*merged 4 figure(s) from 2 pytest-xdist worker(s)*", "*froze 4 metric(s)*"])
     (entry,) = entries(xsuite)  # both workers' figures in one entry: nothing lost to the other's write
     assert len(entry["metrics"]) == 4 and entry["fingerprint"]["simulated_gpu"] == "H200"
@@ -128,10 +132,3 @@ def test_a_crashed_worker_is_an_infrastructure_error(xsuite):
     assert result.ret == pytest.ExitCode.INTERNAL_ERROR  # exit 3: not the code under test
     result.stdout.fnmatch_lines(["*infrastructure error: pytest-xdist worker gw* (GPU *) went down*"])
     assert len(entries(xsuite)[0]["metrics"]) == 4  # what the other tests measured is kept
-
-
-def test_metrics_are_junit_properties(xsuite):
-    run_workers(xsuite, "H200,H200", "--moe-freeze", "--junitxml", "junit.xml").assert_outcomes(passed=4)
-    props = {p.get("name"): p.get("value") for p in ET.parse(xsuite.path / "junit.xml").iter("property")}
-    assert float(props["moeperf:latency_a_us"]) == pytest.approx(100.1, rel=1e-3)
-    assert props["moeperf:latency_a_us:unit"] == "us" and props["moeperf:latency_a_us:verdict"] == "frozen"
