@@ -120,3 +120,11 @@ def test_module_dispatch_on_the_device(dtype):
     tol = REL if dtype == torch.float32 else 2e-2
     err, state_err = rel(got.float(), want.float()), rel(after.recurrent, m.state.recurrent)
     assert err <= tol and state_err <= tol, (err, state_err)
+
+
+def test_a_head_dim_the_tiles_cannot_hold_is_refused():
+    h, d = 2, 24
+    z = lambda *s: torch.zeros(*s)  # noqa: E731  (shapes only: the check comes first)
+    with pytest.raises(ValueError, match="head_dim 24 must be a power of two"):
+        kda_decode(z(1, 3 * h * d), z(1, h * d), z(1, h), z(1, h * d), z(1, 3 * h * d, 3), z(3 * h * d, 4),
+                   z(h * d), z(h), z(d), z(1, h, d, d), z(1, h, d, d), torch.ones(1), h, True, -5.0, 1e-6)

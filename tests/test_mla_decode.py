@@ -42,6 +42,11 @@ def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
     assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
+def test_a_latent_width_the_tiles_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match=r"kv_lora_rank \(48\) and the rope dim \(16\) must be powers of two"):
+        mla_decode_attention(torch.randn(1, 2, 64), torch.randn(1, 8, 64), torch.tensor([3]), 48, 0.1)
+
+
 def test_config_rejects_a_tile_tl_dot_cannot_take():
     with pytest.raises(ValueError, match="block_rows must be >= 16"):
         MLADecodeConfig(block_rows=8)

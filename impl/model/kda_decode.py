@@ -152,6 +152,8 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
     if mixed.shape != (bsz, 3 * hd) or b.shape != (bsz, num_heads) or gate.shape != (bsz, hd):
         raise ValueError(f"kda_decode: shapes mixed {tuple(mixed.shape)}, f {tuple(f.shape)}, b {tuple(b.shape)}, "
                          f"gate {tuple(gate.shape)} do not fit {num_heads} heads of {d}")
+    if d & (d - 1):
+        raise ValueError(f"kda_decode: head_dim {d} must be a power of two (the kernel's tiles)")
     for name, t in (("conv_state", conv_state), ("state_in", state_in), ("state_out", state_out)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"kda_decode: {name} must be contiguous fp32, got {t.dtype}")

@@ -70,6 +70,17 @@ def _chunk_rows(n, NSPLIT, BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _latent_and_rope(row_ptrs, offs_r, offs_dr, ok, R: tl.constexpr, FP32: tl.constexpr):
+    """The rows' latent [.., R] and rope [.., DR] parts (query heads or cache rows), masked by `ok`;
+    in fp32 under the interpreter (FP32)."""
+    lat = tl.load(row_ptrs + offs_r[None, :], mask=ok[:, None], other=0.0)
+    rope = tl.load(row_ptrs + R + offs_dr[None, :], mask=ok[:, None], other=0.0)
+    if FP32:
+        lat, rope = lat.to(tl.float32), rope.to(tl.float32)
+    return lat, rope
+
+
+@triton.jit
 def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
                       H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, scale,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
@@ -83,12 +94,8 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         offs_h = tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, R)
         offs_dr = tl.arange(0, DR)
-        h_ok = offs_h < H
-        q_row = q_ptr + b * stride_qb + offs_h[:, None] * stride_qh
-        q_lat = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None], other=0.0)
-        q_rope = tl.load(q_row + R + offs_dr[None, :], mask=h_ok[:, None], other=0.0)
-        if FP32:
-            q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
+        q_lat, q_rope = _latent_and_rope(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh, offs_r, offs_dr,
+                                         offs_h < H, R, FP32)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, R], tl.float32)
@@ -96,11 +103,8 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         for row0 in range(start, end, BLOCK_ROWS):
             offs_s = row0 + tl.arange(0, BLOCK_ROWS)
             s_ok = offs_s < end
-            rows = kv_ptr + b * stride_kvb + offs_s[:, None] * stride_kvs
-            c = tl.load(rows + offs_r[None, :], mask=s_ok[:, None], other=0.0)
-            kr = tl.load(rows + R + offs_dr[None, :], mask=s_ok[:, None], other=0.0)
-            if FP32:
-                c, kr = c.to(tl.float32), kr.to(tl.float32)
+            c, kr = _latent_and_rope(kv_ptr + b * stride_kvb + offs_s[:, None] * stride_kvs, offs_r, offs_dr, s_ok,
+                                     R, FP32)
             if IEEE:  # fp32 inputs: no TF32 rounding (tl.dot's default for them)
                 scores = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
                           + tl.dot(q_rope, tl.trans(kr), input_precision="ieee"))
@@ -164,6 +168,9 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     if kv.shape[0] < b or kv.shape[-1] != width or kv.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError(f"mla_decode_attention: query {tuple(query.shape)} and cache {tuple(kv.shape)} must share "
                          "their last dim (latent + rope), contiguous")
+    if r & (r - 1) or dr & (dr - 1):
+        raise ValueError(f"mla_decode_attention: kv_lora_rank ({r}) and the rope dim ({dr}) must be powers of two "
+                         "(the kernel's tiles)")
     cfg = config if config is not None else launch_config(query.device)
     # No more programs than chunks of the whole cache could fill.
     nsplit = max(1, min(cfg.splits, triton.cdiv(kv.shape[1], max(cfg.min_chunk_rows, cfg.block_rows))))
