@@ -125,7 +125,7 @@ def prefill(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling
         state = DecodeState(torch.empty(batch, t + max_new_tokens, dtype=torch.long, device=device),
                             torch.zeros(1, dtype=torch.long, device=device))
     state.tokens[:, :t] = prompt.to(device)
-    logits = model(state.tokens[:, :t], torch.arange(t, device=device))
+    logits = model(state.tokens[:, :t], torch.arange(t, device=device), last_logits=True)
     state.tokens[:, t] = sample(logits[:, -1], sampling, generator)
     state.pos.fill_(t)
     return state

@@ -37,3 +37,18 @@ def graph_us(calls: list[Callable[[], object]], warmup: int = 25, rep: int = 200
     graph = capture_graph(calls)
     ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
     return ms * 1e3 / len(calls)
+
+
+def interleaved_replay_us(graphs: dict[str, "torch.cuda.CUDAGraph"], rounds: int = 5, rep: int = 100,
+                          warmup: int = 25) -> dict[str, list[float]]:
+    """Per graph, `rounds` medians of its replay time in microseconds, the graphs taking turns
+    round by round (A B C, A B C, ...): drift of clocks or heat falls on all of them alike, so
+    round-by-round differences between two graphs are paired."""
+    import triton.testing
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    out: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            out[name].append(1e3 * triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"))
+    return out

@@ -185,6 +185,17 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
                   f"(margin +-{100 * a['margin']:g} points)",
                   f"- smallest difference this run could detect (alpha {a['alpha']:g}, power {a['power']:g}): "
                   f"{100 * a['mdd']:.2f} points", ""]
+    if summary.get("steps"):
+        lines += ["", "## Each rung against the one before it", "",
+                  "Paired as above, each arm / the arm listed before it in the ladder: what that rung adds.", ""]
+        rows = []
+        for c in summary["steps"]:
+            for key, (label, unit, _, better) in METRICS.items():
+                r = c["ratios"][key]
+                rows.append([f"{c['arm']} / {c['reference']}", f"{label} ({better} is better)",
+                             "-" if r is None else r["n"], "-" if r is None else f"x{r['ratio']:.4f}",
+                             "-" if r is None else _ci(r["ci"], ".4f")])
+        lines += _table(["rung", "figure", "pairs", "ratio", "95% CI"], rows)
     lines += ["", "## Provenance", ""]
     keys = []
     for s in summary["arms"]:

@@ -230,13 +230,18 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     Returns {"workload", "device", "complete", "reference", "arms": [per-arm summary],
     "comparisons": [one per arm after the first: "ratios" (geometric mean of B_i / A_i with a 95%
     BCa interval over requests, per figure), "speed", "accuracy" (paired_accuracy as a dict, or
-    None), "verdict"], "flagged": {arm: [reason, ...]}}. Per-arm figures are means with 95% BCa
+    None), "verdict"], "steps": [each arm after the second against the arm before it: "arm",
+    "reference", "ratios" as above], "flagged": {arm: [reason, ...]}}. Per-arm figures are means with 95% BCa
     intervals and p50/p90/p99, in the record's units (seconds, tokens/s).
     """
     arms, by_arm = _check(result)
     ref = arms[0]["name"]
     summaries = [_arm_summary(a, list(by_arm[a["name"]].values())) for a in arms]
     comparisons = [_compare(ref, a["name"], by_arm, margin) for a in arms[1:]]
+    # What each rung adds: every arm after the second against the arm before it (the second's
+    # step is its comparison with the first).
+    steps = [{"arm": b["name"], "reference": a["name"],
+              "ratios": _compare(a["name"], b["name"], by_arm, margin)["ratios"]} for a, b in zip(arms[1:], arms[2:])]
     max_n = max((s["n_requests"] for s in summaries), default=0)
     flagged = {}
     for i, s in enumerate(summaries):
@@ -247,4 +252,4 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     return {"workload": result.get("workload") or {}, "device": result.get("device"),
             "complete": bool(result.get("complete", False)), "reference": ref,
             "accuracy_margin": margin, "confidence": CONFIDENCE,
-            "arms": summaries, "comparisons": comparisons, "flagged": flagged}
+            "arms": summaries, "comparisons": comparisons, "steps": steps, "flagged": flagged}

@@ -136,6 +136,21 @@ def test_the_ladder_reads_faster_where_it_is_faster(full_summary):
     assert not full_summary["flagged"]
 
 
+def test_each_rung_is_paired_with_the_one_before_it(full, full_summary):
+    """steps: +fp8-head / +kernels and +mtp / +fp8-head, the paired statistics of those two arms
+    (synthetic rungs of 1.2 / 1.09 = 1.101 and 2.5 / 1.2 = 2.083, each resolved)."""
+    steps = {c["arm"]: c for c in full_summary["steps"]}
+    assert [(c["reference"], c["arm"]) for c in full_summary["steps"]] == [("+kernels", "+fp8-head"),
+                                                                            ("+fp8-head", "+mtp")]
+    for name, prev, rung in (("+fp8-head", "+kernels", 1.2 / 1.09), ("+mtp", "+fp8-head", 2.5 / 1.2)):
+        a, b = _records(full, prev), _records(full, name)
+        ids = [i for i in sorted(set(a) & set(b)) if a[i]["tpot_s"] is not None]
+        expected = paired_ratio([a[i]["decode_tokens_per_s"] for i in ids], [b[i]["decode_tokens_per_s"] for i in ids])
+        got = steps[name]["ratios"]["decode_tokens_per_s"]
+        assert (got["ratio"], *got["ci"]) == pytest.approx(expected)
+        assert 1 < got["ci"][0] and got["ratio"] == pytest.approx(rung, rel=0.03)
+
+
 def test_aa_comparison_shows_no_difference():
     r = synthetic(n=60, speedups={"baseline": 1.0, "copy": 1.0})
     copy_recs = [dict(x, arm="copy") for x in r["requests"] if x["arm"] == "baseline"]
@@ -305,6 +320,8 @@ def test_write_full_report(tmp_path, full):
     assert f"| baseline right | {a['both_right']} | {a['a_only']} |" in md
     assert f"| baseline wrong | {a['b_only']} | {a['both_wrong']} |" in md
     assert "PARTIAL" not in md and "⚠" not in md
+    step = summarize_ab(full)["steps"][1]["ratios"]["tpot_s"]
+    assert f"| +mtp / +fp8-head | TPOT (lower is better) | {step['n']} | x{step['ratio']:.4f} |" in md
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 

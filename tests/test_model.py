@@ -208,7 +208,18 @@ def test_build_ling_on_cpu_runs_out_of_memory(monkeypatch, name):
         need = get_config(name).num_parameters() * bytes_per / 2**30
         assert need > 100  # a 100B-parameter model
         with pytest.raises(MemoryError, match=rf"{re.escape(name)}.* needs {need:.1f} GiB .*16\.0 GiB free"):
-            build_model(name, dtype=dtype)
+            build_model(name, dtype=dtype, experts="dense")
+
+
+def test_build_takes_the_configs_expert_format_by_default(monkeypatch):
+    """experts="auto" (the default) is MXFP4 for ling-3.0-flash (its checkpoint's format; bf16
+    would not fit) and dense for the others."""
+    monkeypatch.setattr(build_mod, "_free_bytes", lambda device: 16 * 2**30)
+    with pytest.raises(MemoryError, match="with MXFP4 experts"):
+        build_model("ling-3.0-flash", dtype=torch.bfloat16)
+    assert build_model("tiny").layers[1].mlp.experts.format == "dense"
+    with pytest.raises(ValueError, match="expert_format must be 'dense' or 'mxfp4'"):
+        get_config("tiny", expert_format="fp4")
 
 
 def test_build_unknown_moe_backend():

@@ -64,11 +64,12 @@ def _restore_fp32(model: MoECausalLM) -> None:
 def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, moe_backend: str = "gather",
                 seed: int = 0, head: str = "bf16", head_backend: str | None = None,
-                head_granularity: str = "row", experts: str = "dense") -> MoECausalLM:
+                head_granularity: str = "row", experts: str = "auto") -> MoECausalLM:
     """`spec` is a preset name (random weights from `seed`), a ModelConfig, the name of an embedded
     checkpoint (`EMBEDDED`), or a folder holding a transformers-format checkpoint (config.json +
     safetensors).
 
+    `experts="auto"` takes the config's `expert_format` (MXFP4 for ling-3.0-flash, else dense).
     `experts="mxfp4"` holds the routed experts in MXFP4 from the start: random ones are drawn and
     quantized a few experts at a time on the device, a checkpoint's are quantized as they are read
     (or copied, when it stores MXFP4), so no more than one layer's unquantized experts ever exist.
@@ -76,8 +77,8 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
     `head="fp8"` quantizes the LM head to e4m3 once the weights are in (`MoECausalLM.quantize_head`:
     scales per row, or per tensor with `head_granularity="tensor"`), run by the FP8 head backend
     `head_backend` (default "triton"); `head="bf16"` keeps the unquantized head."""
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"unknown expert format {experts!r}; expected one of {EXPERT_FORMATS}")
+    if experts not in ("auto", *EXPERT_FORMATS):
+        raise ValueError(f"unknown expert format {experts!r}; expected auto or one of {EXPERT_FORMATS}")
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; expected one of {HEADS}")
     if head == "bf16" and head_backend not in (None, "bf16"):
@@ -103,6 +104,8 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
     else:
         raise ValueError(f"model spec {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded checkpoint "
                          f"({sorted(EMBEDDED)}) nor a checkpoint folder")
+    if experts == "auto":
+        experts = config.expert_format
     need = weight_bytes(config, dtype, experts)
     free = _free_bytes(device)
     if need > free:

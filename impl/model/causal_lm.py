@@ -162,13 +162,19 @@ class MoECausalLM(nn.Module):
         return self.norm(self.last_hidden_states(input_ids, input_pos))
 
     def forward_with_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
-                            rope: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            rope: tuple | None = None, last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, the hidden states the MTP layers take): one pass feeding both the sampler and
         the draft. Those are the last layer's output before the final norm, or after it where the
-        config says so (`mtp_normed_hidden`: Ling's NEXTN layer is fed the normed states)."""
+        config says so (`mtp_normed_hidden`: Ling's NEXTN layer is fed the normed states).
+        `last_logits`: logits of the last position only ([B, 1, V]; a prefill's)."""
         last = self.last_hidden_states(input_ids, input_pos, rope)
         normed = self.norm(last)
-        return self.lm_head(normed), (normed if self.config.mtp_normed_hidden else last)
+        return (self.lm_head(normed[:, -1:] if last_logits else normed),
+                normed if self.config.mtp_normed_hidden else last)
 
-    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, input_pos))
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
+                last_logits: bool = False) -> torch.Tensor:
+        """Logits [B, T, V], or [B, 1, V] of the last position with `last_logits` (a prefill needs
+        no more: at 32k tokens of a 157k vocabulary all of them would be 10 GB)."""
+        hidden = self.hidden_states(input_ids, input_pos)
+        return self.lm_head(hidden[:, -1:] if last_logits else hidden)

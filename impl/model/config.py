@@ -77,9 +77,14 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # The routed experts' format a build takes by default (build_model(experts="auto")): "mxfp4"
+    # where the model ships so and its bf16 experts would not fit one GPU.
+    expert_format: str = "dense"
     approximations: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if self.expert_format not in ("dense", "mxfp4"):
+            raise ValueError(f"ModelConfig.expert_format must be 'dense' or 'mxfp4', got {self.expert_format!r}")
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                     "head_dim", "intermediate_size", "num_experts", "top_k",
                     "moe_intermediate_size", "max_seq_len")
@@ -236,6 +241,7 @@ PRESETS: dict[str, dict] = {
         attention_types=hybrid_attention_types(42, 6), mtp_attention="mla",
         linear_num_heads=32, linear_head_dim=128, conv_kernel_size=4, kda_safe_gate=True, kda_lower_bound=-5.0,
         kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        expert_format="mxfp4",  # 248 GB in bf16; the MXFP4 checkpoint's 64 GB of experts fit an H200
     ),
     # The same architecture at CPU-test size (6 layers: 4 KDA, 2 MLA, the first dense); every
     # dimension a multiple of 32 (16 for the rope part) so Triton blocks tile it.

@@ -219,6 +219,9 @@ def check_humming_inputs(x, weights, ids, w_gate_up, w_down, shared=None) -> Non
 def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, shared=None) -> torch.Tensor:
     """The MoE layer on Humming's GEMMs: x [T, H] bf16, routing weights / ids [T, k]."""
     check_humming_inputs(x, weights, ids, w_gate_up, w_down, shared)
+    if ids.numel() > MAX_SLOTS:  # a prefill: past Humming's indexed layout here, grouped by expert
+        from impl.moe.grouped import moe_grouped
+        return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend="humming")
     gate_up, down = humming_layer(w_gate_up), humming_layer(w_down)
     tokens, top_k = ids.shape
     main = torch.cuda.current_stream(x.device)

@@ -6,7 +6,8 @@ tokens the launches in order, with no host synchronization:
 - `moe_triton_layer` (the whole layer, routing included): the router's logits and top-k
   kernels (impl/moe/triton_routing.py; with MXFP4 on the register path the logits kernel also
   splits x for the dp4a products), then the expert kernels. A prefill of plain experts (more
-  than M_PAD tokens) takes one batched gather pass instead (`_prefill`).
+  than M_PAD tokens) takes one batched gather pass instead (`_prefill`), and one of MXFP4 experts
+  longer than GROUPED_MIN_TOKENS the grouped path (impl/moe/grouped.py).
 
 The expert kernels (impl/moe/triton_experts.py) run as the launch plan says
 (impl/moe/triton_launch.py, from the committed config of the shape's M bucket). Provenance
@@ -19,6 +20,7 @@ import torch
 
 from impl import backends
 from impl.moe.configs import M_PAD, MoELaunchConfig
+from impl.moe.grouped import GROUPED_MIN_TOKENS, moe_grouped_layer
 from impl.moe.shared import SharedExpert, check_shared_expert
 from impl.moe.triton_dp4a import check_split, empty_split, split_int8_kernel
 from impl.moe.triton_experts import moe_down_kernel, moe_gate_up_kernel
@@ -179,6 +181,10 @@ def moe_triton_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedE
     check_triton_inputs(x, None, None, w_gate_up, w_down, shared)
     if x.shape[0] > M_PAD and not isinstance(w_gate_up, MXFP4Tensor):
         return _prefill(x, router, w_gate_up, w_down, shared)
+    if x.shape[0] > GROUPED_MIN_TOKENS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # An MXFP4 prefill: each expert dequantized once, not re-read per chunk (a captured pass
+        # over a prompt, the MTP draft's, stays on the kernels: the grouped path reads the host)
+        return moe_grouped_layer(x, router, w_gate_up, w_down, shared, backend="triton")
     outs = []
     for i in range(0, max(x.shape[0], 1), M_PAD):
         chunk = x[i:i + M_PAD]

@@ -210,12 +210,13 @@ class SpeculativeDecoder:
         self._offsets: dict[torch.device, torch.Tensor] = {}  # -1 .. k-1, one tensor per device
 
     def _draft_span(self, hidden: torch.Tensor, next_ids: torch.Tensor, pos: torch.Tensor,
-                    rope: tuple | None = None):
+                    rope: tuple | None = None, at: torch.Tensor | None = None):
         """MTP over positions `pos` -> (logits [1, t, V], output hidden [1, t, H]); `rope`: their
-        `positions` when already looked up."""
+        `positions` when already looked up; `at` [1]: logits of that span index only ([1, 1, V]).
+        """
         cos, sin, mask = rope or self.target.positions(next_ids.shape[1], pos)
         out = self.draft.hidden(hidden, next_ids, cos, sin, pos, mask)
-        return self.draft.logits(out), out
+        return self.draft.logits(out if at is None else out.index_select(1, at)), out
 
     def _verify_positions(self, n: torch.Tensor):
         """Positions n-1 .. n+k-1 of a verify pass and their (cos, sin, mask): looked up once per
@@ -257,7 +258,8 @@ class SpeculativeDecoder:
                               torch.zeros(1, dtype=torch.long, device=device), t)
         state.tokens[:, :t] = prompt.to(device)
         state.prompt_len = t
-        logits, hidden = target.forward_with_hidden(state.tokens[:, :t], torch.arange(t, device=device))
+        logits, hidden = target.forward_with_hidden(state.tokens[:, :t], torch.arange(t, device=device),
+                                                    last_logits=True)
         state.tokens[:, t] = self._pick(logits[:, -1], generator)[0]
         state.n.fill_(t + 1)
         # Draft step 1 of the first verify step spans the whole prompt.
@@ -271,9 +273,9 @@ class SpeculativeDecoder:
         k, span = self.k, state.span
         pos, (cos, sin, mask) = verify_at or self._verify_positions(state.n)
         with backends.record_provenance() as self.draft_prov:
-            d_logits, d_hidden = self._draft_span(span.hidden, span.ids, span.pos)
+            d_logits, d_hidden = self._draft_span(span.hidden, span.ids, span.pos, at=span.index)
             g = d_hidden.index_select(1, span.index)
-            tok, q = self._pick(d_logits.index_select(1, span.index)[:, 0], generator)
+            tok, q = self._pick(d_logits[:, 0], generator)
             drafts, qs = [tok], [q]
             for j in range(1, k):  # chained pass j at position n + j - 2, i.e. verify position j - 1
                 rope = (cos[j - 1:j], sin[j - 1:j], None if mask is None else mask[j - 1:j])

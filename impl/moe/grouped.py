@@ -1,0 +1,93 @@
+"""The MoE layer for a long prompt: slots grouped by expert, each expert's weights dequantized once.
+
+A prefill of T tokens routes T * top_k slots, which at a few hundred tokens already touch every
+expert of a layer. The decode kernels take tokens M_PAD at a time and re-read each chosen expert
+per chunk; the gather path materializes one weight copy per slot ([T, k, 2I, H]: 64 GB at 1k tokens
+of Ling-3.0-flash); Humming's indexed GEMM takes at most MAX_SLOTS slots. Here the slots are
+sorted by expert once, each chunk of EXPERTS_PER_CHUNK experts is dequantized to the activation
+dtype (MXFP4 or plain: the same code), and each expert's rows go through two GEMMs; the weighted
+combine accumulates in fp32. One host read (the per-expert counts) per layer: prefill only, never
+inside a captured decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from impl import backends
+from impl.moe.shared import SharedExpert, shared_expert
+from impl.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
+
+# Experts dequantized together: 32 of Ling-3.0-flash's [1536, 2560] + [2560, 768] is 755 MB in bf16,
+# small beside the card and large enough that the dequantization is a few big launches.
+EXPERTS_PER_CHUNK = 32
+# Slots combined at a time: their fp32 copy is 64k x H x 4 B (671 MB at H = 2560), not the whole
+# prompt's (a 32k-token prompt routes 262k slots).
+COMBINE_SLOTS = 1 << 16
+# Layers of more tokens than this take the grouped path in backends without their own prefill
+# (the Triton kernels' MXFP4 path, Humming's indexed GEMM: MAX_SLOTS slots / top-k).
+GROUPED_MIN_TOKENS = 32
+
+
+def expert_slice(w, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Experts start..stop-1 of a routed weight [E, N, K] (a tensor or MXFP4Tensor) in `dtype`."""
+    if isinstance(w, MXFP4Tensor):
+        return dequantize_mxfp4(w.packed[start:stop], w.scales[start:stop], dtype)
+    return w[start:stop].to(dtype)
+
+
+def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up, w_down,
+                shared: SharedExpert | None = None, experts_per_chunk: int = EXPERTS_PER_CHUNK,
+                backend: str = "grouped") -> torch.Tensor:
+    """x [T, H], routing weights / ids [T, k] -> [T, H] in x's dtype: the routed experts
+    (w_gate_up [E, 2I, H], w_down [E, H, I], tensors or MXFP4Tensor) plus `shared`. Provenance
+    records it under `backend`: the MoE backend whose prefill it serves."""
+    tokens, top_k = ids.shape
+    experts = w_gate_up.shape[0]
+    if experts_per_chunk < 1:
+        raise ValueError(f"experts_per_chunk must be >= 1, got {experts_per_chunk}")
+    backends.note("moe", backend, "moe_grouped", tokens=tokens, prefill=True,
+                  format="mxfp4" if isinstance(w_gate_up, MXFP4Tensor) else str(x.dtype).replace("torch.", ""))
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("moe_grouped reads the per-expert slot counts on the host, which a CUDA graph capture "
+                           "does not allow: capture decode and verify steps through a backend's own kernels")
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts).tolist()  # the one host read of the layer
+    slot_token = order // top_k
+    xs = x.index_select(0, slot_token)
+    slot_weight = weights.reshape(-1)[order].float()
+    ys = torch.empty(xs.shape[0], w_down.shape[1], dtype=x.dtype, device=x.device)  # weighted, per slot
+    offset = 0
+    for start in range(0, experts, experts_per_chunk):
+        stop = min(experts, start + experts_per_chunk)
+        if not any(counts[start:stop]):
+            continue
+        gate_up = expert_slice(w_gate_up, start, stop, x.dtype)
+        down = expert_slice(w_down, start, stop, x.dtype)
+        for j, n in enumerate(counts[start:stop]):
+            if not n:
+                continue
+            rows = slice(offset, offset + n)
+            gate, up = F.linear(xs[rows], gate_up[j]).float().chunk(2, dim=-1)
+            y = F.linear((F.silu(gate) * up).to(x.dtype), down[j])
+            ys[rows] = y.float().mul_(slot_weight[rows, None])
+            offset += n
+    out = torch.zeros(tokens, ys.shape[1], dtype=torch.float32, device=x.device)
+    for start in range(0, ys.shape[0], COMBINE_SLOTS):  # fp32 copies of a bounded number of slots
+        part = slice(start, start + COMBINE_SLOTS)
+        out.index_add_(0, slot_token[part], ys[part].float())
+    if shared is not None:
+        out += shared_expert(x, shared).float()
+    return out.to(x.dtype)
+
+
+def moe_grouped_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | None = None,
+                      backend: str = "grouped") -> torch.Tensor:
+    """The whole layer for a long prompt: the router's own routing, then `moe_grouped`."""
+    weights, ids = router(x)
+    return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend=backend)
+
+
+__all__ = ["EXPERTS_PER_CHUNK", "GROUPED_MIN_TOKENS", "expert_slice", "moe_grouped", "moe_grouped_layer"]

@@ -1,0 +1,122 @@
+"""Running an A/B ladder inside a suite: serve a workload once per row, interleaved, score it, and
+write the report (also when a request fails part-way); then the paired figures the suites gate."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+WARMUP = 2  # requests per row before timing: graphs captured, every compile of a first shape done
+
+
+@dataclass
+class LadderRun:
+    result: dict  # pytest_moeperf.ab_report's input
+    summary: dict  # ab_summary.summarize_ab(result)
+    report: dict  # what write_ab_report wrote
+    records: dict  # arm name -> {request id: record}
+
+
+def _progress(line: str) -> None:
+    print(f"\nmoeperf ladder: {line}", file=sys.stderr, end="")
+
+
+def arm_entry(arm) -> dict:
+    """A row as the report takes it: its spec, what ran, and what of it contradicts the name."""
+    from impl.serve import provenance_problems
+    prov = arm.provenance
+    if prov is None:
+        return {"name": arm.name, "config": arm.config.spec_text(), "provenance": {}, "speculative":
+                arm.config.speculative, "provenance_error": "the row served no request"}
+    shown = prov.as_dict()
+    shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
+    shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
+    problems = provenance_problems(arm.name, arm.config, prov)
+    return {"name": arm.name, "config": arm.config.spec_text(), "provenance": shown,
+            "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
+
+
+def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, warmup: int = WARMUP) -> LadderRun:
+    """Serve `workload_spec` (impl.data.workloads) for `n` requests once per row of `rows`
+    (impl.serve.configs.Row), interleaved, on `model`; the report goes to `report_dir`, also when
+    the run stops part-way (it holds what completed). The model's MoE backend and head are put
+    back afterwards."""
+    from impl.data.text import tokenizer_for
+    from impl.data.workloads import ContextError, load_workload
+    from impl.serve import build_arms, run_ladder
+    from pytest_moeperf.ab_report import write_ab_report
+    from pytest_moeperf.ab_summary import summarize_ab
+    opts = session.options
+    tokenizer = tokenizer_for(opts.model, model.config.vocab_size)
+    reserve = max((r.config.k for r in rows if r.config.speculative), default=0)
+    try:
+        workload = load_workload(workload_spec, tokenizer, model.config.max_seq_len - reserve, n=n, shots=opts.shots)
+        workload.check()
+    except ContextError as e:
+        hint = " (fewer with --moe-shots)" if e.shots else ""
+        raise pytest.UsageError(f"--moe-workload {workload_spec}: {e}{hint}") from None
+    requests = list(workload)
+    by_id = {r.request_id: r for r in requests}
+    restore = (model.moe_backend, model.lm_head)
+    arms = build_arms(model, rows, tokenizer=tokenizer)
+    records: list[dict] = []
+
+    def scored(record: dict) -> None:
+        request = by_id[record["request_id"]]
+        record.update({k: v for k, v in workload.score(request, record["text"]).items()
+                       if k in ("correct", "strict_correct", "flexible_correct")})
+
+    complete = False
+    try:
+        run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup, check=False)
+        complete = True
+    finally:
+        model.set_moe_backend(restore[0])
+        model.set_head(restore[1])
+        result = {
+            "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
+                         "details": {"description": workload.description}},
+            "device": session.device.describe(),
+            "arms": [arm_entry(a) for a in arms],
+            "requests": records,
+            "complete": complete,
+        }
+        report = write_ab_report(result, report_dir, margin=opts.margin)
+        print(f"\nmoeperf ladder: report in {report['markdown']}", file=sys.stderr)
+    arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
+    return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records)
+
+
+def arm(ladder: LadderRun, name: str) -> dict:
+    return next(a for a in ladder.result["arms"] if a["name"] == name)
+
+
+def row_config(ladder: LadderRun, row: str, reference: str | None = None) -> dict:
+    """What each gated figure of a row depends on: both rows' specs, the workload, its size."""
+    ref = arm(ladder, reference) if reference else ladder.result["arms"][0]
+    return {"row": arm(ladder, row)["config"], "reference": ref["config"],
+            "workload": ladder.result["workload"]["name"], "requests": ladder.result["workload"]["n_requests"]}
+
+
+def paired(ladder: LadderRun, row: str, key: str, reference: str | None = None) -> list[float]:
+    """Per request, the row's `key` over the reference row's (default: the first row), on the
+    requests both have it for."""
+    mine, ref = ladder.records[row], ladder.records[reference or ladder.result["arms"][0]["name"]]
+    return [mine[i][key] / ref[i][key] for i in mine if i in ref
+            and mine[i][key] is not None and ref[i][key] is not None and ref[i][key] > 0 and mine[i][key] > 0]
+
+
+def fail_on_provenance(ladder: LadderRun, row: str) -> None:
+    """The row ran what its name says (impl.serve.provenance): else the test fails naming the part."""
+    error = arm(ladder, row)["provenance_error"]
+    if error:
+        pytest.fail(f"row {row!r}: {error} (report: {ladder.report['markdown']})", pytrace=False)
+
+
+def chunks(ids: list, count: int) -> list[list]:
+    """`ids` in `count` consecutive runs (the last may be shorter)."""
+    size = max(1, math.ceil(len(ids) / count))
+    return [ids[j:j + size] for j in range(0, len(ids), size)]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The full-depth Ling-3.0-flash ladder on the H200, from the repository root (results in $OUT):
+# humming-kernels from .whl/ when there, the attention kernels' GPU tests, then
+# suites/test_ling_ladder.py with --moe-bench, gated against (FREEZE=1: frozen into) a copy of
+# baselines/ in $OUT/baselines.tar, the A/B reports and roofline tables in $OUT/ab.tar.
+#   FREEZE=1 LING_K="not 32k" bash scripts/gpu/ling_ladder.sh
+set -u
+OUT=${OUT:-/tmp/moeperf-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" HUMMING_COMPILER=nvrtc PYTHONUNBUFFERED=1
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-device cuda"
+if [ -n "${TESTS:-}" ]; then
+  # shellcheck disable=SC2086  # TESTS is a list of test files
+  timeout "${TEST_SECONDS:-120}" $PYTEST -rf $TESTS > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"
+fi
+cp -r baselines "$OUT/gate-baselines"
+timeout "${LADDER_SECONDS:-480}" $PYTEST --moe-bench ${FREEZE:+--moe-freeze} --moe-model ling-3.0-flash \
+  --moe-baselines "$OUT/gate-baselines" --moe-ab-report "$OUT/ab" -rfs -s ${LING_K:+-k "$LING_K"} \
+  suites/test_ling_ladder.py > "$OUT/ling-ladder.log" 2>&1
+echo "ling ladder rc=$?"
+tar -cf "$OUT/baselines.tar" -C "$OUT" gate-baselines && rm -rf "$OUT/gate-baselines"
+[ -d "$OUT/ab" ] && tar -cf "$OUT/ab.tar" -C "$OUT" ab && rm -rf "$OUT/ab"
+grep -E "^\| |roofline|ab_|passed|failed|Error|error" "$OUT/ling-ladder.log" | tail -60

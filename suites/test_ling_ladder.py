@@ -1,0 +1,191 @@
+"""The reference result's table at its own shape: the Ling-3.0-flash ladder at full depth, each row
+explained by the bytes it reads.
+
+Opt-in by model name: it runs with `--moe-bench --moe-model ling-3.0-flash` (random weights, routed
+experts in MXFP4 as the checkpoint ships them: about 70 GB of device memory, twice the experts with
+Humming's copy for row 1) and is skipped otherwise. Rows (`LING_LADDER`, or `--moe-ladder`), batch 1,
+decode and verify steps replayed from CUDA graphs, interleaved request by request:
+
+1. `humming`: Humming's MoE GEMMs + bf16 head (the reference result's second row),
+2. `kernels`: this project's MoE kernels + bf16 head,
+3. `+fp8-head`: + the FP8 head,
+4. `+mtp`: + MTP, k = 3 (the reference setup's 3 steps, 4 draft tokens), **acceptance assumed**:
+   random weights never accept a draft, so the drafts are forced to the target's choices with a
+   constant per-position profile of mean accept length 3.90 (the reference result's). Its verify
+   and commit steps run for real; its speed follows from the assumed acceptance, and every
+   output labels it (impl.spec.assumed).
+
+Workloads (`LING_WORKLOADS`): synthetic prompts at 1k and 8k context with 256 output tokens, and
+the reference result's 32k in / 2k out. Per workload, gated against the frozen figures:
+- each row's provenance (what ran is what the name says);
+- each row after the first against the first, and against the row before it (what that rung
+  adds): paired per-request ratios of decode tokens/s, TPOT and TTFT;
+- the roofline (`test_roofline`): the plain greedy step of row 3 captured whole and with each
+  component left out (impl.model.components), replayed interleaved; each component's time
+  against its bytes (impl.model.roofline) at the copy bandwidth measured in the same process,
+  and the step's TPOT over its byte floor. The table goes beside the A/B report
+  (`roofline-CONTEXT.json` / `.md`).
+
+What it does not show: trained weights (acceptance is assumed, answers are not scored), other
+devices, batch > 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pytest_moeperf.ab_run import fail_on_provenance, paired, row_config, run_suite_ladder
+from pytest_moeperf.tolerances import tolerance_for
+
+pytestmark = pytest.mark.moe_bench
+
+LING_MODEL = "ling-3.0-flash"
+ASSUMED_ACCEPT = 3.90  # the reference result's mean accept length (k = 3)
+LING_LADDER = ("humming=moe=humming,head=bf16;kernels=moe=triton,head=bf16;+fp8-head=moe=triton,head=fp8;"
+               f"+mtp=moe=triton,head=fp8,spec=mtp:3,accept={ASSUMED_ACCEPT}")
+# name -> (workload, requests per row). Requests are few at 32k: each takes about 20 s per row.
+LING_WORKLOADS = {"1k": ("synthetic:1024:256", 6), "8k": ("synthetic:8192:256", 4),
+                  "32k": ("synthetic:32768:2048", 3)}
+WARMUP = 1  # one request per row: its graphs captured, the prompt length's kernels compiled
+FIGURES = (("ab_tokens_per_s", "decode_tokens_per_s", "higher"), ("ab_tpot", "tpot_s", "lower"),
+           ("ab_ttft", "ttft_s", "lower"))
+
+
+def _rows(session):
+    from impl.serve.configs import parse_ladder
+    return parse_ladder(session.options.ladder or LING_LADDER, session.device.torch_device.type)
+
+
+def _opted_in(session) -> bool:
+    return session.options.bench and session.options.model == LING_MODEL
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    from pytest_moeperf.session import SESSION_KEY
+    session = metafunc.config.stash[SESSION_KEY]
+    if "context" in metafunc.fixturenames:
+        metafunc.parametrize("context", list(LING_WORKLOADS), scope="module")
+    if "row" in metafunc.fixturenames:
+        names = [r.name for r in _rows(session)] if _opted_in(session) else ["(not run)"]
+        first = {"test_row_provenance": 0, "test_rung_speed": 2}.get(metafunc.function.__name__, 1)
+        metafunc.parametrize("row", names[first:])
+
+
+@pytest.fixture(scope="module")
+def ling_session(moe_session):
+    if not _opted_in(moe_session):
+        pytest.skip(f"opt-in: the full-depth ladder runs with --moe-model {LING_MODEL} (about 70 GB of device "
+                    "memory)")
+    if moe_session.device.torch_device.type != "cuda":
+        pytest.skip("the full-depth ladder times CUDA graphs: it needs a CUDA device")
+    return moe_session
+
+
+@pytest.fixture(scope="module")
+def ling_ladder(ling_session, moe_model, context):
+    workload, n = LING_WORKLOADS[context]
+    opts = ling_session.options
+    return run_suite_ladder(ling_session, moe_model, _rows(ling_session), workload, opts.requests or n,
+                            Path(opts.ab_report) / f"ling-{context}", warmup=WARMUP)
+
+
+def test_row_provenance(ling_ladder, row):
+    fail_on_provenance(ling_ladder, row)
+
+
+@pytest.mark.parametrize("figure,key,direction", FIGURES)
+def test_row_speed(ling_ladder, row, figure, key, direction, moe_gate, moe_device):
+    """The row against the first (humming) row, paired per request."""
+    _gate_ratio(ling_ladder, row, None, figure, key, direction, moe_gate, moe_device)
+
+
+@pytest.mark.parametrize("figure,key,direction", FIGURES[:2])
+def test_rung_speed(ling_ladder, row, figure, key, direction, moe_gate, moe_device):
+    """The row against the row before it: what this rung of the ladder adds (from the third row;
+    the second's rung is its comparison with the first)."""
+    names = [a["name"] for a in ling_ladder.result["arms"]]
+    previous = names[names.index(row) - 1]
+    _gate_ratio(ling_ladder, row, previous, f"{figure}_rung", key, direction, moe_gate, moe_device)
+
+
+def _gate_ratio(ladder, row, reference, figure, key, direction, moe_gate, moe_device):
+    ratios = paired(ladder, row, key, reference)
+    if len(ratios) < 3:
+        pytest.fail(f"row {row!r}: {len(ratios)} paired requests with a {key}: too few to gate", pytrace=False)
+    moe_gate.check(figure, ratios, unit="x", direction=direction,
+                   tolerance=tolerance_for("ab_speed", moe_device.torch_device),
+                   config=row_config(ladder, row, reference), portable=True)
+
+
+def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
+    """Row 3's plain greedy step at the workload's context: measured / byte floor for the whole
+    step and per component, at the copy bandwidth measured here; the step's ratio is gated."""
+    import torch
+
+    from impl.generate import greedy_step_at
+    from impl.gpu_timing import copy_bandwidth
+    from impl.model.components import component_bytes, component_times
+    from impl.model.roofline import Formats, token_bytes
+    from impl.serve.configs import parse_row
+    from impl.serve import build_arm
+    from impl.data.text import tokenizer_for
+    workload, _ = LING_WORKLOADS[context]
+    length = int(workload.split(":")[1])
+    row = parse_row("+fp8-head=moe=triton,head=fp8", "cuda")
+    arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_session.options.model,
+                                                                   moe_model.config.vocab_size), name=row.name)
+    restore = (moe_model.moe_backend, moe_model.lm_head)
+    dev = moe_model.embed_tokens.weight.device
+    try:
+        arm.activate()
+        moe_model.setup_caches(1, moe_model.config.max_seq_len)
+        token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        pos = torch.tensor([length], device=dev)
+        with torch.inference_mode():
+            times = component_times(moe_model, lambda: greedy_step_at(moe_model, token, pos))
+        bandwidth = copy_bandwidth(dev)
+    finally:
+        moe_model.set_moe_backend(restore[0])
+        moe_model.set_head(restore[1])
+    parts = component_bytes(token_bytes(moe_model.config, length, Formats(experts="mxfp4", projections="bf16",
+                                                                          head="fp8")))
+    floor_us = {c: b / bandwidth * 1e6 for c, b in parts.items()}
+    step_floor = sum(floor_us.values())
+    table = {"context": length, "bandwidth_tb_s": bandwidth / 1e12, "step_us": times["step"]["us"],
+             "step_floor_us": step_floor, "step_over_floor": times["step"]["us"] / step_floor,
+             "components": {c: {"us": times[c]["us"] if c in times else None, "bytes": parts[c],
+                                "floor_us": floor_us[c],
+                                "over_floor": times[c]["us"] / floor_us[c] if c in times else None}
+                            for c in parts}}
+    measured = sum(times[c]["us"] for c in times if c != "step")
+    table["components"]["rest (norms, residuals, embedding, gaps)"] = {
+        "us": times["step"]["us"] - measured, "bytes": parts.get("other", 0.0), "floor_us": floor_us.get("other", 0.0),
+        "over_floor": None}
+    _write_roofline(Path(ling_session.options.ab_report) / f"roofline-{context}", table)
+    moe_gate.check("roofline_step_over_floor", [t / (step_floor) for t in times["step"]["samples"]], unit="x",
+                   direction="lower", tolerance=tolerance_for("ab_speed", moe_device.torch_device),
+                   config={"context": length, "row": row.config.spec_text()}, portable=True)
+
+
+def _write_roofline(stem: Path, table: dict) -> None:
+    """JSON and Markdown of the roofline table, each written whole or not at all."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Roofline at context {table['context']} ({table['bandwidth_tb_s']:.2f} TB/s copy bandwidth)", "",
+             f"Step {table['step_us']:.1f} us against a byte floor of {table['step_floor_us']:.1f} us: "
+             f"x{table['step_over_floor']:.2f}.", "",
+             "| component | measured us (left out) | bytes a token (MB) | floor us | measured / floor |",
+             "|---|---|---|---|---|"]
+    for name, c in table["components"].items():
+        us = "-" if c["us"] is None else f"{c['us']:.1f}"
+        ratio = "-" if c["over_floor"] is None else f"x{c['over_floor']:.2f}"
+        lines.append(f"| {name} | {us} | {c['bytes'] / 1e6:.1f} | {c['floor_us']:.1f} | {ratio} |")
+    for path, text in ((stem.with_suffix(".json"), json.dumps(table, indent=2) + "\n"),
+                       (stem.with_suffix(".md"), "\n".join(lines) + "\n")):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    print("\n" + "\n".join(lines))
