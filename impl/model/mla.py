@@ -254,6 +254,8 @@ class MLAAttention(nn.Module):
         if self.kv_cache is not None:
             rows = self.kv_cache.update(input_pos, rows)
             attn = dict(attn_mask=mask)
+            if t > self.absorb_max_tokens and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                rows, attn = self._valid_prefix(rows, mask, input_pos)
         else:
             attn = dict(is_causal=t > 1)
         if absorb and t == 1 and self.kv_cache is not None and x.is_cuda and self.decode_kernel:
@@ -267,6 +269,19 @@ class MLAAttention(nn.Module):
         gate = torch.sigmoid(g.float()).to(x.dtype)
         y = y.transpose(1, 2) * gate.unsqueeze(-1)
         return self.o_proj(y.reshape(b, t, nh * c.v_head_dim))
+
+    @staticmethod
+    def _valid_prefix(rows: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor):
+        """An eager prompt pass (more tokens than a verify step) attends to the cache rows up to its last position only, not the
+        whole static cache (36,864 rows for Ling-3.0-flash: the expanded keys and the mask of a
+        long prompt over all of them are gigabytes); a pass from position 0 is plainly causal
+        (no mask: SDPA's fused kernels). Reads the positions' ends on the host: not for a
+        captured step."""
+        first, last = input_pos[[0, -1]].tolist()
+        rows = rows[:, :last + 1]
+        if first == 0 and last + 1 == input_pos.shape[0]:
+            return rows, dict(is_causal=True)
+        return rows, dict(attn_mask=mask[..., :last + 1])
 
     def _absorbed(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         """The heads share one key/value head (the cache rows), so they are folded into the query

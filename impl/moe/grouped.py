@@ -19,9 +19,10 @@ from impl import backends
 from impl.moe.shared import SharedExpert, shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
-# Experts dequantized together: 32 of Ling-3.0-flash's [1536, 2560] + [2560, 768] is 755 MB in bf16,
-# small beside the card and large enough that the dequantization is a few big launches.
-EXPERTS_PER_CHUNK = 32
+# Experts dequantized together: 8 of Ling-3.0-flash's [1536, 2560] + [2560, 768] are 189 MB in bf16
+# (about 0.7 GB with the dequantization's int64 and fp32 temporaries): little beside a card that
+# also holds a second copy of the experts (Humming's), and still few launches a layer.
+EXPERTS_PER_CHUNK = 8
 # Slots combined at a time: their fp32 copy is 64k x H x 4 B (671 MB at H = 2560), not the whole
 # prompt's (a 32k-token prompt routes 262k slots).
 COMBINE_SLOTS = 1 << 16

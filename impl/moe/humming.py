@@ -152,8 +152,19 @@ class _Prepared:
         self._entries[id(key)] = (weakref.ref(key), versions, value)
         return value
 
+    def clear(self) -> None:
+        self._entries.clear()
+
 
 _prepared = _Prepared()
+
+
+def release() -> None:
+    """Drop every converted weight (Humming's copies of the experts: as large as the experts
+    themselves, 60 GiB for Ling-3.0-flash); the next call converts again."""
+    _prepared.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -250,8 +261,12 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
 
 
 def moe_humming_layer(x, router, w_gate_up, w_down, shared=None) -> torch.Tensor:
-    """The whole layer: this repository's Triton routing (the fastest here), then `moe_humming`."""
+    """The whole layer: this repository's Triton routing (the fastest here), then `moe_humming`;
+    a prompt past Humming's MAX_SLOTS slots takes the grouped path (impl.moe.grouped)."""
     from impl.moe.triton_routing import routing_supported, route_triton
+    if x.shape[0] * router.config.top_k > MAX_SLOTS:
+        from impl.moe.grouped import moe_grouped_layer
+        return moe_grouped_layer(x, router, w_gate_up, w_down, shared, backend="humming")
     if routing_supported(router.config):
         _, weights, ids = route_triton(x, router.weight, router.e_score_correction_bias, router.config)
     else:
