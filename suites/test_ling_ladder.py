@@ -88,8 +88,23 @@ def ling_session(moe_session):
     return moe_session
 
 
+_failed: dict[str, BaseException] = {}
+
+
 @pytest.fixture(scope="module")
 def ling_ladder(ling_session, moe_model, context):
+    """The context's ladder, run once: pytest retries a failed fixture for every test that asks,
+    which at full depth costs minutes a retry, so a failure is kept and raised again."""
+    if context in _failed:
+        raise _failed[context]
+    try:
+        return _run_ladder(ling_session, moe_model, context)
+    except Exception as e:
+        _failed[context] = e
+        raise
+
+
+def _run_ladder(ling_session, moe_model, context):
     workload, n, with_humming = LING_WORKLOADS[context]
     opts = ling_session.options
     rows = _rows(ling_session)

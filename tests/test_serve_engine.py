@@ -251,3 +251,14 @@ def test_an_assumed_acceptance_row_serves_at_its_stated_mean():
         arm = arm_of(model, f"+mtp,accept={accept}")
         rec = run_request(arm, request("12+30=", 33, ignore_eos=True))
         assert set(rec["accept_lengths"][:-1]) == {length}, accept  # the last step may be cut by the length
+
+
+def test_a_model_without_a_tokenizer_serves_ids_with_no_text():
+    """Random-weight presets without a tokenizer (NoTokenizer) serve synthetic requests: their
+    records hold the output ids' count and an empty text, not a TokenizerError."""
+    from impl.data.text import NoTokenizer
+    from impl.model.build import build_model
+    model = build_model("tiny", seed=3)
+    arm = arm_of(model, "+mtp,accept=3.9", tokenizer=NoTokenizer(model.config.vocab_size, "tiny"))
+    rec = run_request(arm, request("12+30=", 20, ignore_eos=True))
+    assert rec["text"] == "" and rec["output_tokens"] == 20

@@ -113,6 +113,7 @@ class NoTokenizer:
     """A model without a tokenizer: its workloads are token ids only."""
 
     eos_id = None
+    has_text = False  # outputs are ids; a serving record's text is ""
 
     def __init__(self, vocab_size: int, name: str = "model"):
         self.vocab_size = vocab_size

@@ -350,8 +350,9 @@ class _Output:
         if not ends:
             return False
         self.count, _, self.reason, text = min(ends, key=lambda e: e[:2])
-        if text is None:
-            text = self.tok.decode(self.ids[:self.count - (self.reason == "eos")])
+        if text is None:  # a tokenizer without text (random-weight presets) gives ids only
+            text = (self.tok.decode(self.ids[:self.count - (self.reason == "eos")])
+                    if getattr(self.tok, "has_text", True) else "")
         self.text = text
         return True
 

@@ -24,6 +24,13 @@ timeout "${LADDER_SECONDS:-480}" $PYTEST --moe-bench ${FREEZE:+--moe-freeze} --m
   --moe-baselines "$OUT/gate-baselines" --moe-ab-report "$OUT/ab" -rfs -s ${LING_K:+-k "$LING_K"} \
   suites/test_ling_ladder.py > "$OUT/ling-ladder.log" 2>&1
 echo "ling ladder rc=$?"
+if [ -n "${GATE_AFTER:-}" ]; then  # a second process gates what the first froze
+  timeout "${GATE_SECONDS:-300}" $PYTEST --moe-bench --moe-model ling-3.0-flash --moe-baselines "$OUT/gate-baselines" \
+    --moe-ab-report "$OUT/ab-gate" -rfs -s ${LING_K:+-k "$LING_K"} suites/test_ling_ladder.py > "$OUT/ling-gate.log" 2>&1
+  echo "ling gate rc=$?"
+  [ -d "$OUT/ab-gate" ] && tar -cf "$OUT/ab-gate.tar" -C "$OUT" ab-gate && rm -rf "$OUT/ab-gate"
+  grep -E "PASS|FAIL|passed|failed" "$OUT/ling-gate.log" | tail -40
+fi
 tar -cf "$OUT/baselines.tar" -C "$OUT" gate-baselines && rm -rf "$OUT/gate-baselines"
 [ -d "$OUT/ab" ] && tar -cf "$OUT/ab.tar" -C "$OUT" ab && rm -rf "$OUT/ab"
 grep -E "^\| |roofline|ab_|passed|failed|Error|error" "$OUT/ling-ladder.log" | tail -60
