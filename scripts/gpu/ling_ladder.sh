@@ -4,6 +4,7 @@
 # suites/test_ling_ladder.py with --moe-bench, gated against (FREEZE=1: frozen into) a copy of
 # baselines/ in $OUT/baselines.tar, the A/B reports and roofline tables in $OUT/ab.tar.
 #   FREEZE=1 LING_K="not 32k" bash scripts/gpu/ling_ladder.sh
+#   LING_ROWS="kernels=moe=triton,head=bf16;..." (--moe-ladder) GATE_AFTER=1 (gate in a second process)
 set -u
 OUT=${OUT:-/tmp/moeperf-out}
 mkdir -p "$OUT"
@@ -21,12 +22,12 @@ if [ -n "${TESTS:-}" ]; then
 fi
 cp -r baselines "$OUT/gate-baselines"
 timeout "${LADDER_SECONDS:-480}" $PYTEST --moe-bench ${FREEZE:+--moe-freeze} --moe-model ling-3.0-flash \
-  --moe-baselines "$OUT/gate-baselines" --moe-ab-report "$OUT/ab" -rfs -s ${LING_K:+-k "$LING_K"} \
+  --moe-baselines "$OUT/gate-baselines" --moe-ab-report "$OUT/ab" -rfs -s ${LING_K:+-k "$LING_K"} ${LING_ROWS:+--moe-ladder "$LING_ROWS"} \
   suites/test_ling_ladder.py > "$OUT/ling-ladder.log" 2>&1
 echo "ling ladder rc=$?"
 if [ -n "${GATE_AFTER:-}" ]; then  # a second process gates what the first froze
   timeout "${GATE_SECONDS:-300}" $PYTEST --moe-bench --moe-model ling-3.0-flash --moe-baselines "$OUT/gate-baselines" \
-    --moe-ab-report "$OUT/ab-gate" -rfs -s ${LING_K:+-k "$LING_K"} suites/test_ling_ladder.py > "$OUT/ling-gate.log" 2>&1
+    --moe-ab-report "$OUT/ab-gate" -rfs -s ${LING_K:+-k "$LING_K"} ${LING_ROWS:+--moe-ladder "$LING_ROWS"} suites/test_ling_ladder.py > "$OUT/ling-gate.log" 2>&1
   echo "ling gate rc=$?"
   [ -d "$OUT/ab-gate" ] && tar -cf "$OUT/ab-gate.tar" -C "$OUT" ab-gate && rm -rf "$OUT/ab-gate"
   grep -E "PASS|FAIL|passed|failed" "$OUT/ling-gate.log" | tail -40
