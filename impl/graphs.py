@@ -9,9 +9,11 @@ from typing import Callable
 import torch
 
 
-def capture_graph(calls: list[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
+def capture_graph(calls: list[Callable[[], object]], pool=None) -> "torch.cuda.CUDAGraph":
     """One CUDA graph replaying `calls` in order (warmed up first on a side stream, as capture
-    requires; the warm-up runs each call twice, so calls that update state in place advance it)."""
+    requires; the warm-up runs each call twice, so calls that update state in place advance it).
+    `pool` (torch.cuda.graph_pool_handle()) shares one memory pool between graphs that are never
+    replayed at the same time, so their intermediates take the largest one's memory, not the sum."""
     for fn in calls:
         fn()
     side = torch.cuda.Stream()
@@ -29,7 +31,7 @@ def capture_graph(calls: list[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
     gc.disable()
     try:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             for fn in calls:
                 fn()
     finally:
@@ -44,10 +46,10 @@ class StepGraph:
     a CUDA device and called directly elsewhere. Capturing runs the step a few times: reset the
     state it advances before using the result."""
 
-    def __init__(self, step: Callable[[], object], device: torch.device) -> None:
+    def __init__(self, step: Callable[[], object], device: torch.device, pool=None) -> None:
         self.step = step
         with torch.inference_mode():
-            self.graph = capture_graph([step]) if device.type == "cuda" else None
+            self.graph = capture_graph([step], pool) if device.type == "cuda" else None
 
     def __call__(self) -> None:
         if self.graph is not None:

@@ -94,10 +94,12 @@ def test_a_planted_fault_is_caught():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4], ids=["decode", "verify"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_module_dispatch_on_the_device(dtype):
-    """On CUDA a one-token call takes the kernel (with the fused projections); the torch step
-    with the same weights and state agrees (bf16: 2e-2, the activations' rounding)."""
+def test_module_dispatch_on_the_device(dtype, tokens):
+    """On CUDA a one-token call, and a verify pass of four, take the kernel (with the fused
+    projections); the torch step with the same weights and state agrees (bf16: 2e-2, the
+    activations' rounding)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     m = module(hidden=256, heads=2, dim=128, device="cuda").to(dtype)
@@ -105,18 +107,19 @@ def test_module_dispatch_on_the_device(dtype):
     m.forget_gate.A_log.data = m.forget_gate.A_log.data.float()
     m.forget_gate.dt_bias.data = m.forget_gate.dt_bias.data.float()
     m.fuse_projections()
-    m.setup_cache(1)
+    m.setup_cache(1, verify_tokens=4)
     g = torch.Generator(device="cuda").manual_seed(3)
     with torch.inference_mode():
         m(torch.randn(1, 9, 256, device="cuda", generator=g).to(dtype), input_pos=torch.arange(9, device="cuda"))
         snap = m.state_snapshot()
-        x = torch.randn(1, 1, 256, device="cuda", generator=g).to(dtype)
+        x = torch.randn(1, tokens, 256, device="cuda", generator=g).to(dtype)
+        pos = torch.arange(9, 9 + tokens, device="cuda")
         m.decode_kernel = True
-        got = m(x, input_pos=torch.tensor([9], device="cuda"))
+        got = m(x, input_pos=pos)
         after = m.state_snapshot()
         m.state_restore(snap)
         m.decode_kernel = False
-        want = m(x, input_pos=torch.tensor([9], device="cuda"))
+        want = m(x, input_pos=pos)
     tol = REL if dtype == torch.float32 else 2e-2
     err, state_err = rel(got.float(), want.float()), rel(after.recurrent, m.state.recurrent)
     assert err <= tol and state_err <= tol, (err, state_err)
@@ -128,3 +131,32 @@ def test_a_head_dim_the_tiles_cannot_hold_is_refused():
     with pytest.raises(ValueError, match="head_dim 24 must be a power of two"):
         kda_decode(z(1, 3 * h * d), z(1, h * d), z(1, h), z(1, h * d), z(1, 3 * h * d, 3), z(3 * h * d, 4),
                    z(h * d), z(h), z(d), z(1, h, d, d), z(1, h, d, d), torch.ones(1), h, True, -5.0, 1e-6)
+
+
+@pytest.mark.parametrize("tokens,count", [(4, 1), (4, 3), (2, 2)])
+def test_a_verify_pass_through_the_kernel_equals_the_torch_pass(tokens, count):
+    """A verify pass of T tokens token by token through the kernel (`_verify_kernel`, what CUDA
+    dispatches) against the torch pass: outputs, the live state after it, and the state
+    keep_verified(count) leaves (the track's states and window)."""
+    m = module(seed=4)
+    m.setup_cache(1, verify_tokens=4)
+    g = torch.Generator(DEVICE).manual_seed(5)
+    with torch.inference_mode():
+        m(torch.randn(1, 7, 64, generator=g, device=DEVICE), input_pos=torch.arange(7, device=DEVICE))
+        snap = m.state_snapshot()
+        x = torch.randn(1, tokens, 64, generator=g, device=DEVICE)
+        pos = torch.arange(7, 7 + tokens, device=DEVICE)
+        want = m(x, input_pos=pos)
+        want_live = m.state_snapshot()
+        m.keep_verified(torch.tensor([count], device=DEVICE))
+        want_kept = m.state_snapshot()
+        m.state_restore(snap)
+        got = m._verify_kernel(x, pos)
+        got_live = m.state_snapshot()
+        m.keep_verified(torch.tensor([count], device=DEVICE))
+    assert rel(got, want) <= REL and rel(got_live.recurrent, want_live.recurrent) <= REL
+    assert rel(m.state.recurrent, want_kept.recurrent) <= REL and rel(m.state.conv, want_kept.conv) <= REL
+    # Negative control: keeping another count than the torch pass kept is far off.
+    other = 1 if count != 1 else tokens
+    m.keep_verified(torch.tensor([other], device=DEVICE))
+    assert rel(m.state.recurrent, want_kept.recurrent) > 100 * REL

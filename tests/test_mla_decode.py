@@ -42,6 +42,27 @@ def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
     assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
+@pytest.mark.parametrize("config", [None, SMALL], ids=["launch-config", "small"])
+def test_a_verify_steps_tokens_share_the_cache_each_up_to_its_position(config):
+    """T query rows over one cache (batch stride 0), row j attending to rows 0..length[j]-1, as a
+    verify step's tokens do; each equals attention over its own valid rows."""
+    r, dr = (32, 16) if DEVICE == "cpu" else (512, 64)
+    g = torch.Generator(DEVICE).manual_seed(7)
+    lengths = torch.tensor([33, 34, 35, 36], device=DEVICE)
+    query = torch.randn(4, 4, r + dr, device=DEVICE, generator=g)
+    kv = torch.randn(1, 64, r + dr, device=DEVICE, generator=g)
+    kv[:, 36:] = 1e4
+    got = mla_decode_attention(query, kv.expand(4, -1, -1), lengths, r, 0.1, config=config)
+    for j, n in enumerate(lengths.tolist()):
+        want = reference(query[j:j + 1], kv, n, r, 0.1)
+        assert float((got[j:j + 1] - want).norm() / want.norm()) <= 1e-5, j
+    # Negative control: one shared length for all four rows is not what they need.
+    shared = mla_decode_attention(query, kv.expand(4, -1, -1), lengths[-1:], r, 0.1, config=config)
+    assert float((shared[0] - got[0]).norm() / got[0].norm()) > 1e-3
+    with pytest.raises(ValueError, match=r"length must be \[1\] or \[B=4\]"):
+        mla_decode_attention(query, kv.expand(4, -1, -1), lengths[:2], r, 0.1)
+
+
 def test_a_latent_width_the_tiles_cannot_hold_is_refused():
     with pytest.raises(ValueError, match=r"kv_lora_rank \(48\) and the rope dim \(16\) must be powers of two"):
         mla_decode_attention(torch.randn(1, 2, 64), torch.randn(1, 8, 64), torch.tensor([3]), 48, 0.1)
@@ -55,10 +76,12 @@ def test_config_rejects_a_tile_tl_dot_cannot_take():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4], ids=["decode", "verify"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_module_dispatch_on_the_device(dtype):
-    """A cached one-token call on CUDA takes the kernel; with decode_kernel off the same call
-    runs SDPA over the masked cache: the two agree, with the cache longer than the context."""
+def test_module_dispatch_on_the_device(dtype, tokens):
+    """A cached call of one token, or of a verify step's four, on CUDA takes the kernel; with
+    decode_kernel off the same call runs SDPA over the masked cache: the two agree, with the cache
+    longer than the context."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from impl.model.mla import MLAAttention, MLAConfig, mla_rope_tables
@@ -72,11 +95,10 @@ def test_module_dispatch_on_the_device(dtype):
     cache = m.setup_cache(1, 3000)
     ctx = 2100
     cache.kv[:, :ctx].normal_()
-    cos, sin = (t[ctx:ctx + 1].cuda() for t in mla_rope_tables(cfg, 3000))
-    mask = torch.zeros(1, 3000, dtype=torch.bool, device="cuda")
-    mask[0, :ctx + 1] = True
-    x = torch.randn(1, 1, 512, device="cuda").to(dtype)
-    pos = torch.tensor([ctx], device="cuda")
+    cos, sin = (t[ctx:ctx + tokens].cuda() for t in mla_rope_tables(cfg, 3000))
+    mask = torch.ones(3000, 3000, dtype=torch.bool, device="cuda").tril()[ctx:ctx + tokens]
+    x = torch.randn(1, tokens, 512, device="cuda").to(dtype)
+    pos = torch.arange(ctx, ctx + tokens, device="cuda")
     with torch.inference_mode():
         got = m(x, cos, sin, pos, mask)
         m.decode_kernel = False

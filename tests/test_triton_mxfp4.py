@@ -3,6 +3,7 @@ impl.quant's decode: on the GPU when there is one, else under Triton's interpret
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from impl.moe.triton_mxfp4 import e2m1_to_bf16, e8m0_to_bf16, e8m0_to_fp32
@@ -37,3 +38,16 @@ def test_every_e2m1_and_e8m0_code_decodes_exactly():
     assert torch.equal(e8m0_fp32.cpu()[:255].view(torch.int32), want[:255].view(torch.int32))
     assert torch.equal(e8m0_bf16.cpu()[:255].view(torch.int16), want[:255].to(torch.bfloat16).view(torch.int16))
     assert e8m0_fp32[255].isnan() and e8m0_bf16[255].isnan()
+
+
+@pytest.mark.parametrize("shape", [(3, 20, 96), (2, 17, 544)])
+def test_dequantize_kernel_equals_the_torch_dequantization(shape):
+    """mxfp4_dequant_kernel (the grouped prefill's) against dequantize_mxfp4 in bf16: equal, every
+    product being a power-of-two scaling of an E2M1 value; rows and bytes past a tile are masked
+    (17 rows, 272 bytes: neither a multiple of the 16 x 256 tile)."""
+    from impl.moe.triton_mxfp4 import dequantize_mxfp4_bf16
+    from impl.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    g = torch.Generator().manual_seed(shape[-1])
+    q = quantize_mxfp4(torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[-1]))
+    got = dequantize_mxfp4_bf16(q.packed.to(DEVICE), q.scales.to(DEVICE)).cpu()
+    assert torch.equal(got, dequantize_mxfp4(q.packed, q.scales, torch.bfloat16))

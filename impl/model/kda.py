@@ -246,6 +246,38 @@ class KDAAttention(nn.Module):
                        self.o_norm.eps)
         return self.o_proj(o).unsqueeze(1)
 
+    def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
+        """A verify pass of T tokens (2..track.tokens) through the decode kernel token by token:
+        the projections once for all T rows (their weights read once), then each token's kernels
+        reading the state the previous token wrote into the track and writing its own there, as
+        the torch pass keeps them for keep_verified; the live state ends as the last token left
+        it. (The torch pass is ~50 small kernels a token: 35 layers of it made most of a
+        Ling-3.0-flash verify step.)"""
+        from impl.model.kda_decode import kda_decode
+        b, t, _ = x.shape
+        hd, kern, track = self.qkv_dim, self.conv_kernel_size, self.track
+        backends.note("attention", "kda", "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim,
+                      tokens=t)
+        proj = self._projections(x)                                       # [B, T, P]
+        recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
+        keep = (torch.ones(1, device=x.device) if input_pos is None
+                else (input_pos[:1] != 0).to(torch.float32))
+        if kern > 1:  # the window keep_verified picks from: the stored inputs, then the T new ones
+            track.window[:b, :, :kern - 1].copy_(conv_state * keep)
+            track.window[:b, :, kern - 1:kern - 1 + t].copy_(proj[..., :3 * hd].transpose(1, 2))
+        conv_w = self.conv1d.weight.view(self.conv_dim, kern)
+        outs = []
+        for j in range(t):
+            outs.append(kda_decode(
+                proj[:, j, :3 * hd], proj[:, j, 3 * hd:4 * hd], proj[:, j, 5 * hd:], proj[:, j, 4 * hd:5 * hd],
+                conv_state, conv_w, self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight,
+                recurrent if j == 0 else track.states[j - 1, :b], track.states[j, :b],
+                keep if j == 0 else torch.ones_like(keep), self.num_heads, self.forget_gate.safe_gate,
+                self.forget_gate.lower_bound, self.o_norm.eps))
+        recurrent.copy_(track.states[t - 1, :b])
+        track.length, track.batch_in_use = t, b
+        return self.o_proj(torch.stack(outs, dim=1))
+
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "KDAAttention":
         """From a transformers `BailingHybridConfig` (its linear_* fields; silu is the only activation)."""
@@ -333,8 +365,11 @@ class KDAAttention(nn.Module):
         self._check(x, input_pos)
         b, t, _ = x.shape
         h, d, kern = self.num_heads, self.head_dim, self.conv_kernel_size
-        if t == 1 and self.state is not None and x.is_cuda and self.decode_kernel:
-            return self._decode_kernel(x, input_pos)
+        if self.state is not None and x.is_cuda and self.decode_kernel:
+            if t == 1:
+                return self._decode_kernel(x, input_pos)
+            if self.track is not None and t <= self.track.tokens:
+                return self._verify_kernel(x, input_pos)
         if self.state is not None:
             recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
             if input_pos is not None:

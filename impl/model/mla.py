@@ -258,7 +258,7 @@ class MLAAttention(nn.Module):
                 rows, attn = self._valid_prefix(rows, mask, input_pos)
         else:
             attn = dict(is_causal=t > 1)
-        if absorb and t == 1 and self.kv_cache is not None and x.is_cuda and self.decode_kernel:
+        if absorb and (t == 1 or b == 1) and self.kv_cache is not None and x.is_cuda and self.decode_kernel:
             y = self._absorbed_kernel(q_nope, q_rope, rows, input_pos)
         else:
             y = (self._absorbed(q_nope, q_rope, rows, attn) if absorb
@@ -305,17 +305,26 @@ class MLAAttention(nn.Module):
         return torch.einsum("bhtr,hvr->bhtv", o_lat.view(b, nh, t, -1), w_uv.to(o_lat.dtype))
 
     def _absorbed_kernel(self, q_nope, q_rope, rows, input_pos) -> torch.Tensor:
-        """The absorbed form of one token with the attention in one split-K kernel that reads the
-        cache rows up to the token's position once, for all heads (impl.model.mla_decode)."""
+        """The absorbed form with the attention in one split-K kernel that reads the cache rows up
+        to each token's position once, for all heads (impl.model.mla_decode): one token of a
+        batch, or the T tokens of one sequence's verify step (each a kernel row over the one
+        cache, attending up to its own position; the SDPA form would read the whole static
+        cache, masked: at 36,864 rows that made a Ling-3.0-flash verify step 40 ms)."""
         from impl.model.mla_decode import mla_decode_attention
         backends.note("attention", "mla", "mla_decode_kernel", heads=self.config.num_heads,
                       kv_lora_rank=self.config.kv_lora_rank)
         c = self.config
+        b, nh, t, _ = q_nope.shape
         w_uk, w_uv = self._up_weights()
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:, :, 0], w_uk.to(q_nope.dtype))
-        query = torch.cat((q_lat, q_rope[:, :, 0]), dim=-1)          # [B, H, r + dr]
-        o_lat = mla_decode_attention(query, rows, input_pos[:1] + 1, c.kv_lora_rank, c.scaling)
-        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv.to(o_lat.dtype)).unsqueeze(2)
+        q_lat = torch.einsum("bhtd,hdr->bthr", q_nope, w_uk.to(q_nope.dtype))
+        query = torch.cat((q_lat, q_rope.transpose(1, 2)), dim=-1).reshape(b * t, nh, -1)  # [B*T, H, r + dr]
+        if t == 1:
+            kv, length = rows, input_pos[:1] + 1
+        else:  # b == 1: the T tokens share the cache (batch stride 0), each up to its position
+            kv, length = rows.expand(t, *rows.shape[1:]), input_pos + 1
+        o_lat = mla_decode_attention(query, kv, length, c.kv_lora_rank, c.scaling)
+        out = torch.einsum("bhr,hvr->bhv", o_lat, w_uv.to(o_lat.dtype))        # [B*T, H, dv]
+        return out.view(b, t, nh, -1).transpose(1, 2)                           # [B, H, T, dv]
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config

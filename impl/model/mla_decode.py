@@ -82,12 +82,12 @@ def _latent_and_rope(row_ptrs, offs_r, offs_dr, ok, R: tl.constexpr, FP32: tl.co
 
 @triton.jit
 def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
-                      H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, scale,
+                      H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, stride_len, scale,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     split = tl.program_id(1)
-    n = tl.load(length_ptr)
+    n = tl.load(length_ptr + b * stride_len)
     chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
     start = split * chunk
     if start < n:
@@ -127,14 +127,14 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
 
 
 @triton.jit
-def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh,
+def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh, stride_len,
                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                        BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_SPLITS)
-    n = tl.load(length_ptr)
+    n = tl.load(length_ptr + b * stride_len)
     used = tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # chunks that saw rows
     m_max = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
     for p0 in range(0, used, BLOCK_SPLITS):
@@ -160,10 +160,14 @@ COMBINE_SPLITS = 16  # partial results per loop step of the combine kernel
 
 def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, kv_lora_rank: int,
                          scale: float, config: MLADecodeConfig | None = None) -> torch.Tensor:
-    """query [B, H, r + dr] (latent query, then rope part), kv [B, S, r + dr] (the cache), length
-    [1] int on the device (rows 0..length-1 are attended, 1 <= length <= S); returns the
+    """query [B, H, r + dr] (latent query, then rope part), kv [B, S, r + dr] (the cache; a batch
+    stride of 0 lets B queries share one cache: a verify step's tokens), length [1] or [B] int on
+    the device (row b attends to cache rows 0..length[b]-1, 1 <= length <= S); returns the
     attention-weighted latents [B, H, r] in query's dtype. `config` overrides `launch_config`."""
     b, h, width = query.shape
+    if length.dim() != 1 or length.shape[0] not in (1, b):
+        raise ValueError(f"mla_decode_attention: length must be [1] or [B={b}], got {tuple(length.shape)}")
+    stride_len = length.stride(0) if length.shape[0] == b and b > 1 else 0
     r, dr = kv_lora_rank, query.shape[-1] - kv_lora_rank
     if kv.shape[0] < b or kv.shape[-1] != width or kv.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError(f"mla_decode_attention: query {tuple(query.shape)} and cache {tuple(kv.shape)} must share "
@@ -181,12 +185,12 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     lse = torch.empty(b, nsplit, block_h, **f32)
     acc = torch.empty(b, nsplit, block_h, r, **f32)
     mla_decode_kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1),
-                                   kv.stride(0), kv.stride(1), float(scale), R=r, DR=dr, BLOCK_H=block_h,
+                                   kv.stride(0), kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h,
                                    BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH,
                                    IEEE=(query.dtype == torch.float32 and not FP32_MATH),
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
-        m, lse, acc, length, out, nsplit, out.stride(0), out.stride(1), R=r, BLOCK_H=block_h, BLOCK_R=block_r,
+        m, lse, acc, length, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h, BLOCK_R=block_r,
         BLOCK_SPLITS=COMBINE_SPLITS, BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, num_warps=4)
     return out

@@ -5,7 +5,8 @@ expert of a layer. The decode kernels take tokens M_PAD at a time and re-read ea
 per chunk; the gather path materializes one weight copy per slot ([T, k, 2I, H]: 64 GB at 1k tokens
 of Ling-3.0-flash); Humming's indexed GEMM takes at most MAX_SLOTS slots. Here the slots are
 sorted by expert once, each chunk of EXPERTS_PER_CHUNK experts is dequantized to the activation
-dtype (MXFP4 or plain: the same code), and each expert's rows go through two GEMMs; the weighted
+dtype (MXFP4 or plain: the same code; MXFP4 to bf16 on CUDA in one Triton launch), and the
+chunk's slots, padded to its largest expert's count, go through two batched GEMMs; the weighted
 combine accumulates in fp32. One host read (the per-expert counts) per layer: prefill only, never
 inside a captured decode step.
 """
@@ -23,18 +24,20 @@ from impl.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 # (about 0.7 GB with the dequantization's int64 and fp32 temporaries): little beside a card that
 # also holds a second copy of the experts (Humming's), and still few launches a layer.
 EXPERTS_PER_CHUNK = 8
-# Slots combined at a time: their fp32 copy is 64k x H x 4 B (671 MB at H = 2560), not the whole
-# prompt's (a 32k-token prompt routes 262k slots).
-COMBINE_SLOTS = 1 << 16
 # Layers of more tokens than this take the grouped path in backends without their own prefill
 # (the Triton kernels' MXFP4 path, Humming's indexed GEMM: MAX_SLOTS slots / top-k).
 GROUPED_MIN_TOKENS = 32
 
 
 def expert_slice(w, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Experts start..stop-1 of a routed weight [E, N, K] (a tensor or MXFP4Tensor) in `dtype`."""
+    """Experts start..stop-1 of a routed weight [E, N, K] (a tensor or MXFP4Tensor) in `dtype`;
+    MXFP4 to bf16 on CUDA in one Triton launch."""
     if isinstance(w, MXFP4Tensor):
-        return dequantize_mxfp4(w.packed[start:stop], w.scales[start:stop], dtype)
+        packed, scales = w.packed[start:stop], w.scales[start:stop]
+        if packed.is_cuda and dtype == torch.bfloat16:
+            from impl.moe.triton_mxfp4 import dequantize_mxfp4_bf16
+            return dequantize_mxfp4_bf16(packed, scales)
+        return dequantize_mxfp4(packed, scales, dtype)
     return w[start:stop].to(dtype)
 
 
@@ -43,42 +46,45 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
                 backend: str = "grouped") -> torch.Tensor:
     """x [T, H], routing weights / ids [T, k] -> [T, H] in x's dtype: the routed experts
     (w_gate_up [E, 2I, H], w_down [E, H, I], tensors or MXFP4Tensor) plus `shared`. Provenance
-    records it under `backend`: the MoE backend whose prefill it serves."""
+    records it under `backend`: the MoE backend whose prefill it serves.
+
+    Per chunk of experts, their slots padded to the chunk's largest count go through two batched
+    GEMMs (a few launches a chunk, not a few an expert: 512 experts x 40 layers of Python-driven
+    launches would dominate a prompt's time)."""
     tokens, top_k = ids.shape
     experts = w_gate_up.shape[0]
     if experts_per_chunk < 1:
         raise ValueError(f"experts_per_chunk must be >= 1, got {experts_per_chunk}")
-    backends.note("moe", backend, "moe_grouped", tokens=tokens, prefill=True,
-                  format="mxfp4" if isinstance(w_gate_up, MXFP4Tensor) else str(x.dtype).replace("torch.", ""))
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("moe_grouped reads the per-expert slot counts on the host, which a CUDA graph capture "
                            "does not allow: capture decode and verify steps through a backend's own kernels")
+    backends.note("moe", backend, "moe_grouped", tokens=tokens, prefill=True,
+                  format="mxfp4" if isinstance(w_gate_up, MXFP4Tensor) else str(x.dtype).replace("torch.", ""))
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts).tolist()  # the one host read of the layer
+    counts_d = torch.bincount(flat, minlength=experts)
+    first_d = torch.cumsum(counts_d, 0) - counts_d  # each expert's first sorted slot
+    counts = counts_d.tolist()  # the one host read of the layer
     slot_token = order // top_k
-    xs = x.index_select(0, slot_token)
+    n_slots, hidden = flat.shape[0], x.shape[1]
+    # Sorted slots' inputs, and one zero row past them that padded places read.
+    xs = torch.cat((x.index_select(0, slot_token), x.new_zeros(1, hidden)))
     slot_weight = weights.reshape(-1)[order].float()
-    ys = torch.empty(xs.shape[0], w_down.shape[1], dtype=x.dtype, device=x.device)  # weighted, per slot
-    offset = 0
+    out = torch.zeros(tokens, w_down.shape[1], dtype=torch.float32, device=x.device)
     for start in range(0, experts, experts_per_chunk):
         stop = min(experts, start + experts_per_chunk)
-        if not any(counts[start:stop]):
+        cap = max(counts[start:stop])
+        if not cap:
             continue
-        gate_up = expert_slice(w_gate_up, start, stop, x.dtype)
-        down = expert_slice(w_down, start, stop, x.dtype)
-        for j, n in enumerate(counts[start:stop]):
-            if not n:
-                continue
-            rows = slice(offset, offset + n)
-            gate, up = F.linear(xs[rows], gate_up[j]).float().chunk(2, dim=-1)
-            y = F.linear((F.silu(gate) * up).to(x.dtype), down[j])
-            ys[rows] = y.float().mul_(slot_weight[rows, None])
-            offset += n
-    out = torch.zeros(tokens, ys.shape[1], dtype=torch.float32, device=x.device)
-    for start in range(0, ys.shape[0], COMBINE_SLOTS):  # fp32 copies of a bounded number of slots
-        part = slice(start, start + COMBINE_SLOTS)
-        out.index_add_(0, slot_token[part], ys[part].float())
+        lane = torch.arange(cap, device=x.device)
+        valid = lane[None, :] < counts_d[start:stop, None]                     # [c, cap]
+        idx = torch.where(valid, first_d[start:stop, None] + lane[None, :], n_slots)
+        gate_up = expert_slice(w_gate_up, start, stop, x.dtype)                # [c, 2I, H]
+        down = expert_slice(w_down, start, stop, x.dtype)                      # [c, H, I]
+        gate, up = torch.bmm(xs[idx], gate_up.transpose(1, 2)).float().chunk(2, dim=-1)
+        y = torch.bmm((F.silu(gate) * up).to(x.dtype), down.transpose(1, 2))  # [c, cap, H]
+        slots = idx[valid]
+        out.index_add_(0, slot_token[slots], y[valid].float() * slot_weight[slots, None])
     if shared is not None:
         out += shared_expert(x, shared).float()
     return out.to(x.dtype)

@@ -34,3 +34,37 @@ def e8m0_to_fp32(code):
     bits = tl.where(c == 0, 0x00400000, tl.where(c == 255, 0x7FC00000, c << 23))
     return bits.to(tl.float32, bitcast=True)
 
+
+
+@triton.jit
+def mxfp4_dequant_kernel(packed_ptr, scales_ptr, out_ptr, ROWS, BYTES, SCALES,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """MXFP4 rows [ROWS, 2 * BYTES] -> bf16: byte i of a row holds elements 2i (low nibble) and
+    2i + 1 (high), scaled by the row's E8M0 code for its 32 elements (byte // 16)."""
+    offs_r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offs_b = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    ok = (offs_r[:, None] < ROWS) & (offs_b[None, :] < BYTES)
+    p = tl.load(packed_ptr + offs_r[:, None] * BYTES + offs_b[None, :], mask=ok, other=0)
+    s = e8m0_to_fp32(tl.load(scales_ptr + offs_r[:, None] * SCALES + offs_b[None, :] // 16, mask=ok, other=127))
+    lo = (e2m1_to_bf16(p & 0xF).to(tl.float32) * s).to(tl.bfloat16)
+    hi = (e2m1_to_bf16(p >> 4).to(tl.float32) * s).to(tl.bfloat16)
+    row = out_ptr + offs_r[:, None] * (2 * BYTES) + 2 * offs_b[None, :]
+    tl.store(row, lo, mask=ok)
+    tl.store(row + 1, hi, mask=ok)
+
+
+# Tile of the dequantization: 16 rows x 256 bytes (512 elements, 16 scale groups) a program.
+DEQUANT_BLOCK_ROWS, DEQUANT_BLOCK_BYTES = 16, 256
+
+
+def dequantize_mxfp4_bf16(packed, scales):
+    """packed uint8 [..., K/2] + E8M0 scales uint8 [..., K/32] -> bf16 [..., K] in one launch
+    (torch's dequantize_mxfp4 takes a dozen passes over int64 and fp32 temporaries)."""
+    import torch
+    rows, nbytes = packed.numel() // packed.shape[-1], packed.shape[-1]
+    packed, scales = packed.contiguous(), scales.contiguous()
+    out = torch.empty(*packed.shape[:-1], 2 * nbytes, dtype=torch.bfloat16, device=packed.device)
+    grid = (triton.cdiv(rows, DEQUANT_BLOCK_ROWS), triton.cdiv(nbytes, DEQUANT_BLOCK_BYTES))
+    mxfp4_dequant_kernel[grid](packed, scales, out, rows, nbytes, scales.shape[-1],
+                               BLOCK_ROWS=DEQUANT_BLOCK_ROWS, BLOCK_BYTES=DEQUANT_BLOCK_BYTES)
+    return out

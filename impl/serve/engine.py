@@ -197,9 +197,13 @@ class _DraftPrompt:
         self.hidden = torch.zeros(1, top, model.config.hidden_size, dtype=w.dtype, device=device)
         self.ids = torch.zeros(1, top, dtype=torch.long, device=device)
         self.pos = torch.arange(top, device=device)
+        # One memory pool for all buckets (one replays at a time): their intermediates take the
+        # largest bucket's memory, not the sum (graph pools held 6.5 GiB in the full-depth
+        # Ling-3.0-flash ladder, where Humming's copy of the experts leaves little room).
+        pool = torch.cuda.graph_pool_handle()
         for size in buckets:
             with backends.record_provenance() as prov:
-                graph = StepGraph(lambda size=size: self._pass(self.hidden, self.ids, size), device)
+                graph = StepGraph(lambda size=size: self._pass(self.hidden, self.ids, size), device, pool)
             self.graphs[size] = (graph, _events(prov))
 
     def _pass(self, hidden: torch.Tensor, ids: torch.Tensor, s: int) -> None:
