@@ -211,6 +211,24 @@ def parse_options(config: pytest.Config) -> Options:
     return options
 
 
+def _stop_on_sigterm() -> None:
+    """A bench run sent SIGTERM (`timeout`, a CI job's cancel) stops as on Ctrl-C: pytest still
+    finishes the session, so the figures measured so far are frozen (with --moe-freeze) and
+    reported instead of lost. Only where SIGTERM still has its default action."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def stop(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum} (SIGTERM): stopping, keeping what was measured")
+        signal.signal(signal.SIGTERM, stop)
+        _restore_on_unconfigure.append(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+_restore_on_unconfigure: list = []  # undone when the session ends (pytester runs many in one process)
+
+
 def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -306,6 +324,7 @@ def pytest_configure(config: pytest.Config) -> None:
             parse_ladder_option(options.ladder, session.device.torch_device.type)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+        _stop_on_sigterm()
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
 
@@ -381,6 +400,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    while _restore_on_unconfigure:
+        _restore_on_unconfigure.pop()()
     session = config.stash.get(SESSION_KEY, None)
     if session is not None and session.options.plants:
         _plant_module().deactivate()

@@ -352,3 +352,30 @@ def test_warm_up_lasts_its_rounds_and_its_time():
     calls.clear()
     Sampler(None, rounds=2, warmup=3, warmup_s=0).sample(lambda: calls.append(1))
     assert len(calls) == 3 + 2
+
+
+def test_a_run_stopped_by_sigterm_still_freezes_what_it_measured(pytester):
+    """`timeout` or a cancelled CI job sends SIGTERM: the session ends as on Ctrl-C, and the
+    figure gated before the signal is frozen (a separate process: the signal is real)."""
+    pytester.makepyfile(test_stopped="""
+import os, signal
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+
+def test_a_measured(moe_gate):
+    moe_gate.check("latency_us", [100.0, 101.0, 99.0], unit="us", direction="lower", tolerance=0.1)
+
+def test_b_stopped():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def test_c_never_runs():
+    pass
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-freeze",
+                                           "--moe-device", "cpu")
+    result.stdout.fnmatch_lines(["*KeyboardInterrupt*SIGTERM*"])
+    files = list((pytester.path / "baselines").glob("*.json"))
+    assert len(files) == 1
+    metrics = load_file(files[0]).entries[0]["metrics"]
+    assert list(metrics) == ["test_stopped.py::test_a_measured::latency_us"]

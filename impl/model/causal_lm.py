@@ -41,7 +41,10 @@ class MoECausalLM(nn.Module):
         cos, sin = rope_tables(config, config.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.register_buffer("causal_mask", None, persistent=False)
+        # Cache row indices 0..max_seq_len-1: the causal mask of queries at input_pos is
+        # cache_rows <= input_pos, formed per call ([T, S]) rather than stored ([S, S] bool: 1.3 GB
+        # at Ling-3.0-flash's 36,864 rows).
+        self.register_buffer("cache_rows", None, persistent=False)
         self.cache_batch_size = 0
         self.cache_seq_len = 0
         self.cache_generation = 0  # counts allocations: what a captured step read may be gone
@@ -114,7 +117,7 @@ class MoECausalLM(nn.Module):
                 attn.setup_cache(max_batch_size, max_seq_len, p.dtype, p.device, verify_tokens=MAX_K + 1)
             else:
                 attn.setup_cache(max_batch_size, max_seq_len, p.dtype, p.device)
-        self.causal_mask = torch.tril(torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=p.device))
+        self.cache_rows = torch.arange(max_seq_len, device=p.device)
         self.cache_batch_size, self.cache_seq_len = max_batch_size, max_seq_len
         self.cache_generation += 1
 
@@ -142,7 +145,8 @@ class MoECausalLM(nn.Module):
     def positions(self, t: int, input_pos: torch.Tensor | None):
         """(cos, sin, mask) for `t` tokens at `input_pos` (with caches) or at 0..t-1 (without)."""
         if self.cache_seq_len:
-            return self.rope_cos[input_pos], self.rope_sin[input_pos], self.causal_mask[input_pos]
+            return (self.rope_cos[input_pos], self.rope_sin[input_pos],
+                    self.cache_rows[None, :] <= input_pos[:, None])
         return self.rope_cos[:t], self.rope_sin[:t], None
 
     def last_hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,

@@ -235,7 +235,7 @@ class MLAAttention(nn.Module):
                 absorb: bool | None = None) -> torch.Tensor:
         """x [B, T, hidden]; cos/sin [T, qk_rope_head_dim] (rows of `mla_rope_tables` at the
         positions); with a cache, input_pos [T] absolute positions and mask [T, S] bool (True =
-        attend, as `causal_mask[input_pos]`); without one, both None and attention is causal in x."""
+        attend: cache rows <= input_pos); without one, both None and attention is causal in x."""
         self._check(x, cos, sin, input_pos, mask)
         c = self.config
         b, t, _ = x.shape
