@@ -141,6 +141,11 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     lines += _table(["arm", "requests", "decode tok/s (95% CI)", "TPOT p50/p90/p99 (ms)",
                      "TTFT p50/p90/p99 (ms)", "latency mean (s)", "accept length", "accuracy (95% CI)",
                      f"tok/s vs {ref} (95% CI)", "verdict"], rows)
+    for s in summary["arms"]:
+        v = s.get("verify_step_s")
+        if v is not None:
+            lines += ["", f"- `{s['name']}`: {1e3 * v['mean']:.3g} ms a verify step {_ci(v['ci'], '.3g', 1e3)} "
+                      f"(drafts, verify pass, commit; p50 {1e3 * v['p50']:.3g} ms)"]
     if summary["flagged"]:
         lines += ["", "### Flags", ""]
         for arm, reasons in summary["flagged"].items():

@@ -131,6 +131,17 @@ def _accept_summary(records, drafts_per_step) -> dict | None:
             "drafts_per_step": drafts_per_step or (len(per_pos) if per_pos else max(lengths) - 1)}
 
 
+def verify_step_s(record: dict) -> float | None:
+    """A speculative request's time per verify step (k drafts, the verify pass, the commit): its
+    decode time (latency - TTFT) over its verify steps; None without verify steps. Against a
+    plain row's TPOT it is the cost of speculation in plain steps, which the accept length must
+    beat for the row to be faster."""
+    steps = record.get("verify_steps")
+    if not steps or record.get("latency_s") is None or record.get("ttft_s") is None:
+        return None
+    return (record["latency_s"] - record["ttft_s"]) / steps
+
+
 def _arm_summary(arm: dict, records: list[dict]) -> dict:
     prov = arm.get("provenance") or {}
     out = {
@@ -140,6 +151,8 @@ def _arm_summary(arm: dict, records: list[dict]) -> dict:
         "output_tokens": sum(r.get("output_tokens") or 0 for r in records),
         "metrics": {key: _metric_summary([r[key] for r in records if r.get(key) is not None]) for key in METRICS},
         "accept_length": _accept_summary(records, prov.get("drafts_per_step")) if arm.get("speculative") else None,
+        "verify_step_s": (_metric_summary([v for v in map(verify_step_s, records) if v is not None])
+                          if arm.get("speculative") else None),
     }
     for key in ACCURACY_KEYS:
         out["accuracy" if key == "correct" else key.replace("_correct", "_accuracy")] = _accuracy_summary(records, key)

@@ -20,6 +20,8 @@ the reference result's 32k in / 2k out. Per workload, gated against the frozen f
 - each row's provenance (what ran is what the name says);
 - each row after the first against the first, and against the row before it (what that rung
   adds): paired per-request ratios of decode tokens/s, TPOT and TTFT;
+- the speculative row's cost: its time per verify step over the plain row's TPOT
+  (`test_verify_cost`), which its accept length has to beat;
 - the roofline (`test_roofline`): the plain greedy step of row 3 captured whole and with each
   component left out (impl.model.components), replayed interleaved; each component's time
   against its bytes (impl.model.roofline) at the copy bandwidth measured in the same process,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,30 @@ def test_rung_speed(ling_ladder, row, context, figure, key, direction, moe_gate,
     names = _names(ling_ladder)
     previous = names[names.index(row) - 1]
     _gate_ratio(ling_ladder, row, previous, f"{figure}_rung", key, direction, moe_gate, moe_device)
+
+
+def test_verify_cost(ling_ladder, context, moe_gate, moe_device):
+    """What speculation costs: per request, the speculative row's time per verify step (k drafts,
+    the verify pass, the commit) over the TPOT of the row before it (the same model without MTP),
+    paired. The row is faster only where its accept length beats this."""
+    from pytest_moeperf.ab_summary import verify_step_s
+    names = _names(ling_ladder)
+    spec = [a["name"] for a in ling_ladder.result["arms"] if a["speculative"]]
+    if not spec or names.index(spec[0]) == 0:
+        pytest.skip(f"no speculative row after a plain one in {names}")
+    row, plain = spec[0], names[names.index(spec[0]) - 1]
+    mine, ref = ling_ladder.records[row], ling_ladder.records[plain]
+    costs = [verify_step_s(mine[i]) / ref[i]["tpot_s"] for i in mine
+             if i in ref and verify_step_s(mine[i]) and ref[i]["tpot_s"]]
+    if len(costs) < 3:
+        pytest.fail(f"row {row!r}: {len(costs)} paired requests with verify steps: too few to gate", pytrace=False)
+    accept = next(s["accept_length"]["mean"] for s in ling_ladder.summary["arms"] if s["name"] == row)
+    cost = statistics.median(costs)
+    print(f"\n{context}: a verify step of {row!r} costs {cost:.2f} plain steps of {plain!r} (median); at its "
+          f"accept length {accept:.2f} that is x{accept / cost:.2f}")
+    moe_gate.check("ab_verify_cost", costs, unit="plain steps", direction="lower",
+                   tolerance=tolerance_for("ab_speed", moe_device.torch_device),
+                   config=row_config(ling_ladder, row, plain), portable=True)
 
 
 def _gate_ratio(ladder, row, reference, figure, key, direction, moe_gate, moe_device):

@@ -151,6 +151,15 @@ def test_each_rung_is_paired_with_the_one_before_it(full, full_summary):
         assert 1 < got["ci"][0] and got["ratio"] == pytest.approx(rung, rel=0.03)
 
 
+def test_a_speculative_arm_reports_its_time_per_verify_step(full, full_summary):
+    """verify_step_s: per request, decode time over verify steps; only speculative arms have it."""
+    recs = [r for r in full["requests"] if r["arm"] == "+mtp" and r["verify_steps"]]
+    want = np.mean([(r["latency_s"] - r["ttft_s"]) / r["verify_steps"] for r in recs])
+    assert _arm_summary(full_summary, "+mtp")["verify_step_s"]["mean"] == pytest.approx(want)
+    assert _arm_summary(full_summary, "+kernels")["verify_step_s"] is None
+    assert ab_summary.verify_step_s({"verify_steps": 0, "latency_s": 1.0, "ttft_s": 0.1}) is None
+
+
 def test_aa_comparison_shows_no_difference():
     r = synthetic(n=60, speedups={"baseline": 1.0, "copy": 1.0})
     copy_recs = [dict(x, arm="copy") for x in r["requests"] if x["arm"] == "baseline"]
@@ -320,6 +329,8 @@ def test_write_full_report(tmp_path, full):
     assert f"| baseline right | {a['both_right']} | {a['a_only']} |" in md
     assert f"| baseline wrong | {a['b_only']} | {a['both_wrong']} |" in md
     assert "PARTIAL" not in md and "⚠" not in md
+    v = _arm_summary(summarize_ab(full), "+mtp")["verify_step_s"]
+    assert f"- `+mtp`: {1e3 * v['mean']:.3g} ms a verify step" in md
     step = summarize_ab(full)["steps"][1]["ratios"]["tpot_s"]
     assert f"| +mtp / +fp8-head | TPOT (lower is better) | {step['n']} | x{step['ratio']:.4f} |" in md
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
