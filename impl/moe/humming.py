@@ -162,7 +162,9 @@ _prepared = _Prepared()
 def release() -> None:
     """Drop every converted weight (Humming's copies of the experts: as large as the experts
     themselves, 60 GiB for Ling-3.0-flash); the next call converts again."""
+    import gc
     _prepared.clear()
+    gc.collect()  # graphs of finished runs that captured those weights, kept alive by reference cycles
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
