@@ -62,7 +62,11 @@ FIGURES = (("ab_tokens_per_s", "decode_tokens_per_s", "higher"), ("ab_tpot", "tp
 
 
 def _rows(session):
+    from impl import backends
     from impl.serve.configs import parse_ladder
+    if not session.options.ladder and "humming" not in backends.available("moe"):
+        raise pytest.UsageError("the Ling ladder's first row runs Humming's MoE: install humming-kernels, or give "
+                                "the rows with --moe-ladder (e.g. without the humming row)")
     return parse_ladder(session.options.ladder or LING_LADDER, session.device.torch_device.type)
 
 
