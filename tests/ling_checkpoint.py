@@ -64,6 +64,9 @@ def write_tiny_ling(folder: Path, **overrides):
     big.save_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())
     raw.update(num_hidden_layers=LAYERS, layer_types=types[:LAYERS], mlp_layer_types=raw["mlp_layer_types"][:LAYERS])
+    for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):  # per layer since transformers 5.25
+        if isinstance(raw.get(key), list):
+            raw[key] = raw[key][:LAYERS]
     (folder / "config.json").write_text(json.dumps(raw))
     g = torch.Generator().manual_seed(1)
     h = 32

@@ -20,7 +20,7 @@ pytest.importorskip("transformers.models.bailing_hybrid")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from impl.model.build import build_model  # noqa: E402
-from impl.model.loading import CheckpointError  # noqa: E402
+from impl.model.loading import CheckpointError, read_config  # noqa: E402
 from impl.quant.mxfp4 import quantize_mxfp4  # noqa: E402
 from tests.ling_checkpoint import LAYERS, write_tiny_ling  # noqa: E402
 
@@ -264,3 +264,19 @@ def test_missing_expert_names_the_layer(source, tmp_path):
                                                       if not k.startswith("model.layers.2.mlp.experts.5.")})
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts: expected gate/up/down for experts 0\.\.7"):
         build_model(str(bad))
+
+
+def test_swiglu_clipping_is_refused_naming_the_key(source, tmp_path):
+    """transformers 5.25 gives bailing_hybrid per-layer SwiGLU limits; zeros load, a clipping
+    checkpoint is refused (these MoE paths do not clip), naming config.json and the key."""
+    raw = json.loads((source / "config.json").read_text())
+    layers = raw["num_hidden_layers"]
+    for limits, fails in (([0] * layers, False), ([0] + [7.0] * (layers - 1), True)):
+        folder = tmp_path / f"clip-{fails}"
+        shutil.copytree(source, folder)
+        (folder / "config.json").write_text(json.dumps({**raw, "expert_swiglu_limit_list": limits}))
+        if fails:
+            with pytest.raises(CheckpointError, match=r"config\.json: SwiGLU clipping \(expert_swiglu_limit_list"):
+                read_config(folder)
+        else:
+            assert read_config(folder).num_layers == layers

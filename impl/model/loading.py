@@ -77,6 +77,12 @@ def _bailing_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -
     except ImportError:
         raise CheckpointError(f"{path}: reading a bailing_hybrid config needs transformers >= 5.24 "
                               "(BailingHybridConfig)") from None
+    # SwiGLU clipping (transformers 5.25's per-layer limits; zero or absent: none) is not
+    # implemented by these MoE paths: refused, not silently computed without.
+    for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "swiglu_limits", "swiglu_limits_shared"):
+        if any(raw.get(key) or ()):
+            raise CheckpointError(f"{path}: SwiGLU clipping ({key} = {raw[key]}) is not supported; only checkpoints "
+                                  "without it (every limit 0) load")
     fields = {k: v for k, v in raw.items() if k not in ("quantization_config", "architectures", "model_type")}
     try:
         c = BailingHybridConfig(**fields)
