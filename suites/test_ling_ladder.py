@@ -35,20 +35,21 @@ devices, batch > 1.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
 import pytest
 
 from pytest_moeperf.ab_run import fail_on_provenance, paired, row_config, run_suite_ladder
+from pytest_moeperf.baselines import atomic_write_text
 from pytest_moeperf.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 
 LING_MODEL = "ling-3.0-flash"
 ASSUMED_ACCEPT = 3.90  # the reference result's mean accept length (k = 3)
-LING_LADDER = ("humming=moe=humming,head=bf16;kernels=moe=triton,head=bf16;+fp8-head=moe=triton,head=fp8;"
+ROW3 = "+fp8-head=moe=triton,head=fp8"  # the row the roofline test times
+LING_LADDER = (f"humming=moe=humming,head=bf16;kernels=moe=triton,head=bf16;{ROW3};"
                f"+mtp=moe=triton,head=fp8,spec=mtp:3,accept={ASSUMED_ACCEPT}")
 # name -> (workload, requests per row, with the humming row). Requests are few at 32k: each takes
 # about 20 s per row. At 32k Humming's copy of the experts (60 GiB beside this project's 64) leaves
@@ -120,7 +121,8 @@ _dropped: dict[str, str] = {}  # context -> why its ladder runs without the humm
 def _humming_fits(model) -> tuple[bool, str]:
     """Whether Humming's copy of the routed experts (as large as ours) fits beside the ladder."""
     import torch
-    need = model.config.expert_parameters() * 17 / 32 / 2**30
+    from impl.model.roofline import MXFP4_BYTES
+    need = model.config.expert_parameters() * MXFP4_BYTES / 2**30
     free = torch.cuda.mem_get_info(model.embed_tokens.weight.device)[0] / 2**30
     return free >= need + LADDER_HEADROOM_GIB, (f"Humming's copy of the experts ({need:.1f} GiB) and the ladder's "
                                                 f"{LADDER_HEADROOM_GIB:g} GiB do not fit the {free:.1f} GiB free")
@@ -217,12 +219,12 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     from impl.gpu_timing import copy_bandwidth
     from impl.model.components import component_bytes, component_times
     from impl.model.roofline import Formats, token_bytes
-    from impl.serve.configs import parse_row
-    from impl.serve import build_arm
     from impl.data.text import tokenizer_for
-    workload = LING_WORKLOADS[context][0]
-    length = int(workload.split(":")[1])
-    row = parse_row("+fp8-head=moe=triton,head=fp8", "cuda")
+    from impl.data.workloads import parse_workload
+    from impl.serve import build_arm
+    from impl.serve.configs import parse_row
+    length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
+    row = parse_row(ROW3, "cuda")
     arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_session.options.model,
                                                                    moe_model.config.vocab_size), name=row.name)
     restore = (moe_model.moe_backend, moe_model.lm_head)
@@ -242,25 +244,22 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
                                                                           head="fp8")))
     floor_us = {c: b / bandwidth * 1e6 for c, b in parts.items()}
     step_floor = sum(floor_us.values())
+    timed = [c for c in parts if c in times]  # "other" (norms, the embedding row) is never left out
     table = {"context": length, "bandwidth_tb_s": bandwidth / 1e12, "step_us": times["step"]["us"],
              "step_floor_us": step_floor, "step_over_floor": times["step"]["us"] / step_floor,
-             "components": {c: {"us": times[c]["us"] if c in times else None, "bytes": parts[c],
-                                "floor_us": floor_us[c],
-                                "over_floor": times[c]["us"] / floor_us[c] if c in times else None}
-                            for c in parts}}
-    measured = sum(times[c]["us"] for c in times if c != "step")
+             "components": {c: {"us": times[c]["us"], "bytes": parts[c], "floor_us": floor_us[c],
+                                "over_floor": times[c]["us"] / floor_us[c]} for c in timed}}
     table["components"]["rest (norms, residuals, embedding, gaps)"] = {
-        "us": times["step"]["us"] - measured, "bytes": parts.get("other", 0.0), "floor_us": floor_us.get("other", 0.0),
-        "over_floor": None}
+        "us": times["step"]["us"] - sum(times[c]["us"] for c in timed), "bytes": parts.get("other", 0.0),
+        "floor_us": floor_us.get("other", 0.0), "over_floor": None}
     _write_roofline(Path(ling_session.options.ab_report) / f"roofline-{context}", table)
-    moe_gate.check("roofline_step_over_floor", [t / (step_floor) for t in times["step"]["samples"]], unit="x",
+    moe_gate.check("roofline_step_over_floor", [t / step_floor for t in times["step"]["samples"]], unit="x",
                    direction="lower", tolerance=tolerance_for("ab_speed", moe_device.torch_device),
                    config={"context": length, "row": row.config.spec_text()}, portable=True)
 
 
 def _write_roofline(stem: Path, table: dict) -> None:
     """JSON and Markdown of the roofline table, each written whole or not at all."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# Roofline at context {table['context']} ({table['bandwidth_tb_s']:.2f} TB/s copy bandwidth)", "",
              f"Step {table['step_us']:.1f} us against a byte floor of {table['step_floor_us']:.1f} us: "
              f"x{table['step_over_floor']:.2f}.", "",
@@ -270,9 +269,6 @@ def _write_roofline(stem: Path, table: dict) -> None:
         us = "-" if c["us"] is None else f"{c['us']:.1f}"
         ratio = "-" if c["over_floor"] is None else f"x{c['over_floor']:.2f}"
         lines.append(f"| {name} | {us} | {c['bytes'] / 1e6:.1f} | {c['floor_us']:.1f} | {ratio} |")
-    for path, text in ((stem.with_suffix(".json"), json.dumps(table, indent=2) + "\n"),
-                       (stem.with_suffix(".md"), "\n".join(lines) + "\n")):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(table, indent=2) + "\n")
+    atomic_write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))

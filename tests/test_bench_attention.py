@@ -5,7 +5,6 @@ report a fraction of floor that is wrong by the same factor."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -76,14 +75,6 @@ def test_floor_arithmetic():
     assert ba.floor_us(4.8e6, 4.8e12) == pytest.approx(1.0)
     mla_32k = ba.param_bytes(ba.build_mla()) + ba.mla_cache_bytes(ba.FLASH_MLA, 32768 + 16)
     assert ba.floor_us(mla_32k, 4.8e12) == pytest.approx(21.19, abs=0.01)
-
-
-def test_write_json_atomic(tmp_path):
-    path = tmp_path / "sub" / "attention_bench.json"
-    ba.write_json_atomic(path, {"rows": [1]})
-    ba.write_json_atomic(path, {"rows": [2]})
-    assert json.loads(path.read_text()) == {"rows": [2]}
-    assert [p.name for p in path.parent.iterdir()] == ["attention_bench.json"]
 
 
 def test_main_exits_without_cuda(monkeypatch, capsys):

@@ -183,6 +183,14 @@ def chunked_kda(q, k, v, g, beta, state, chunk_size: int = 64):
     return out
 
 
+def _keep_flag(input_pos: torch.Tensor | None, device) -> torch.Tensor:
+    """[1] fp32: 0 where the call starts a sequence (input_pos[0] == 0: the stored state is
+    forgotten, by a multiply on the device, not a host branch), else 1."""
+    if input_pos is None:
+        return torch.ones(1, device=device)
+    return (input_pos[:1] != 0).to(torch.float32)
+
+
 class KDAAttention(nn.Module):
     """KDA layer. `forward(x, cos, sin, input_pos, mask)` like `layers.Attention` (cos, sin and mask
     are unused: KDA has no positional rotation and is causal by construction).
@@ -236,8 +244,7 @@ class KDAAttention(nn.Module):
         backends.note("attention", "kda", "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim)
         b, hd = x.shape[0], self.qkv_dim
         proj = self._projections(x[:, 0])
-        keep = (torch.ones(1, device=x.device) if input_pos is None
-                else (input_pos[:1] != 0).to(torch.float32))
+        keep = _keep_flag(input_pos, x.device)
         recurrent = self.state.recurrent[:b]
         o = kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
                        self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
@@ -260,8 +267,7 @@ class KDAAttention(nn.Module):
                       tokens=t)
         proj = self._projections(x)                                       # [B, T, P]
         recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
-        keep = (torch.ones(1, device=x.device) if input_pos is None
-                else (input_pos[:1] != 0).to(torch.float32))
+        keep = _keep_flag(input_pos, x.device)
         if kern > 1:  # the window keep_verified picks from: the stored inputs, then the T new ones
             track.window[:b, :, :kern - 1].copy_(conv_state * keep)
             track.window[:b, :, kern - 1:kern - 1 + t].copy_(proj[..., :3 * hd].transpose(1, 2))
@@ -373,8 +379,7 @@ class KDAAttention(nn.Module):
         if self.state is not None:
             recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
             if input_pos is not None:
-                # A sequence starting at position 0 forgets the previous one; a multiply, not a branch.
-                keep = (input_pos[:1] != 0).to(torch.float32)
+                keep = _keep_flag(input_pos, x.device)
                 recurrent.mul_(keep)
                 conv_state.mul_(keep)
         else:

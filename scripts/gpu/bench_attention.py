@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -53,6 +52,7 @@ from impl.gpu_timing import copy_bandwidth, graph_us
 from impl.model.kda import KDAAttention
 from impl.model.mla import MLAAttention, MLAConfig, mla_rope_tables
 from impl.model.mla_decode import DEFAULT_CONFIG, MLADecodeConfig, mla_decode_attention
+from pytest_moeperf.baselines import atomic_write_text
 
 NOMINAL_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
 FLASH_KDA = dict(hidden_size=2560, num_heads=32, head_dim=128, conv_kernel_size=4)
@@ -106,14 +106,6 @@ def mla_cache_bytes(cfg: MLAConfig, rows_read: int, elem_bytes: int = 2) -> int:
 
 def floor_us(nbytes: int, bytes_per_s: float) -> float:
     return nbytes / bytes_per_s * 1e6
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 # -- GPU measurement ---------------------------------------------------------------------------
@@ -335,7 +327,7 @@ def main(argv=None) -> int:
     result = dict(info=info, nominal_bytes_per_s=NOMINAL_BYTES_PER_S, read_bytes_per_s=read_bps,
                   copy_bytes_per_s=copy_bps, measured_bytes_per_s=measured_bps, rows=rows, errors=errors)
     if args.out:
-        write_json_atomic(Path(args.out) / "attention_bench.json", result)
+        atomic_write_text(Path(args.out) / "attention_bench.json", json.dumps(result, indent=1))
 
     log(f"\n== one decode step, batch 1 ({info['device']}; floor at nominal {NOMINAL_BYTES_PER_S / 1e12:.1f} "
         f"and measured {measured_bps / 1e12:.2f} TB/s)")

@@ -22,6 +22,7 @@ import torch
 from impl.generate import greedy_step_at
 from impl.gpu_timing import copy_bandwidth, graph_us
 from impl.model.build import build_model, weight_bytes
+from pytest_moeperf.baselines import atomic_write_text
 
 CACHE_SLACK = 64  # cache rows past the context a timed step sits at
 
@@ -73,10 +74,7 @@ def main(argv=None) -> int:
     row["decode"] = steps
     row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if args.out:
-        path = Path(args.out) / "ling_flash.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(row, indent=2) + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(Path(args.out) / "ling_flash.json", json.dumps(row, indent=2) + "\n")
     print("\n| build s | peak GiB | weights GiB | prefill ms | " + " | ".join(f"step us @{s['context']}" for s in steps) + " |")
     print(f"| {row['build_s']} | {row['peak_gib']} | {row['weights_gib']} | {row['prefill_ms']} | "
           + " | ".join(str(s["step_us"]) for s in steps) + " |")
