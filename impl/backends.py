@@ -44,6 +44,9 @@ class Backend:
     # layer(x, router, w_gate_up, w_down, shared) -> out. Without it, the model routes with
     # its own router and calls fn.
     layer: Callable[..., Any] | None = None
+    # Optionally frees what the backend keeps on the device beside the model's own weights (a
+    # peer's converted copy of the experts); its next call builds it again.
+    release: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -113,6 +113,8 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     if not summary["complete"]:
         lines.append("- **PARTIAL RESULT: the run stopped part-way.** Arms may hold different numbers of "
                      "requests; paired figures use only the requests present in both arms.")
+    for name, why in summary.get("dropped", {}).items():
+        lines.append(f"- **row `{name}` dropped**: {why}")
     if summary["flagged"]:
         lines.append(f"- **{len(summary['flagged'])} arm(s) flagged** (marked ⚠ below)")
     lines += ["", "## Ladder", ""]

@@ -39,11 +39,13 @@ def arm_entry(arm) -> dict:
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
 
 
-def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, warmup: int = WARMUP) -> LadderRun:
+def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, warmup: int = WARMUP,
+                     optional: tuple[str, ...] = ()) -> LadderRun:
     """Serve `workload_spec` (impl.data.workloads) for `n` requests once per row of `rows`
     (impl.serve.configs.Row), interleaved, on `model`; the report goes to `report_dir`, also when
     the run stops part-way (it holds what completed). The model's MoE backend and head are put
-    back afterwards."""
+    back afterwards. `optional`: rows warmed up last and left out, the reason in the result's
+    "dropped", where their warm-up runs out of device memory (impl.serve.runner)."""
     from impl.data.text import tokenizer_for
     from impl.data.workloads import ContextError, load_workload
     from impl.serve import build_arms, run_ladder
@@ -69,13 +71,16 @@ def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, wa
         record.update({k: v for k, v in workload.score(request, record["text"]).items()
                        if k in ("correct", "strict_correct", "flexible_correct")})
 
+    dropped: dict[str, str] = {}
     complete = False
     try:
-        run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup, check=False)
+        run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup, check=False,
+                   optional=optional, dropped=dropped)
         complete = True
     finally:
         model.set_moe_backend(restore[0])
         model.set_head(restore[1])
+        arms = [a for a in arms if a.name not in dropped]
         result = {
             "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
                          "details": {"description": workload.description}},
@@ -83,6 +88,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, wa
             "arms": [arm_entry(a) for a in arms],
             "requests": records,
             "complete": complete,
+            "dropped": dropped,
         }
         report = write_ab_report(result, report_dir, margin=opts.margin)
         print(f"\nmoeperf ladder: report in {report['markdown']}", file=sys.stderr)

@@ -237,7 +237,8 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     "provenance_error", "speculative"}, ...] (ladder order; the first is the reference),
     "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s",
     "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps",
-    "correct", "strict_correct", "flexible_correct", "text"}, ...], "complete": bool}.
+    "correct", "strict_correct", "flexible_correct", "text"}, ...], "complete": bool, optionally
+    "dropped": {row name: why it was left out (impl.serve.runner)}}.
     Missing figures are None (TPOT of a 1-token output; accuracy of a synthetic workload).
 
     Returns {"workload", "device", "complete", "reference", "arms": [per-arm summary],
@@ -263,6 +264,7 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
     return {"workload": result.get("workload") or {}, "device": result.get("device"),
-            "complete": bool(result.get("complete", False)), "reference": ref,
+            "complete": bool(result.get("complete", False)), "dropped": dict(result.get("dropped") or {}),
+            "reference": ref,
             "accuracy_margin": margin, "confidence": CONFIDENCE,
             "arms": summaries, "comparisons": comparisons, "steps": steps, "flagged": flagged}

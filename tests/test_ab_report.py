@@ -341,10 +341,12 @@ def test_write_partial_flagged_unscored_report(tmp_path, partial, broken):
     for rec in r["requests"]:
         rec.update(correct=None, strict_correct=None, flexible_correct=None)
     r["arms"][1]["provenance_error"] = "head kernel is torch.matmul, asked for fp8"
+    r["dropped"] = {"humming": "out of device memory in its warm-up (CUDA out of memory.)"}
     paths = write_ab_report(r, tmp_path / "partial")
     assert "accuracy" not in paths and "accept" not in paths  # nothing scored; +mtp ran nothing
     md = paths["markdown"].read_text()
     assert "PARTIAL RESULT" in md
+    assert "- **row `humming` dropped**: out of device memory in its warm-up" in md
     row = next(line for line in md.splitlines() if line.startswith("| ⚠ **+kernels**"))
     assert "FLAGGED" in row and "head kernel is torch.matmul" in md
     assert "| +fp8-head | 50 of 120 |" in md

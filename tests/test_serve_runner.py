@@ -108,3 +108,38 @@ def test_memory_is_flat_over_many_requests(arms):
     rss = [m[1] / 2**20 for m in marks]
     assert rss[-1] - rss[1] < 8, f"resident set (MiB) at every 100 records: {[round(r, 1) for r in rss]}"
     assert len(pair[1].provenance.moe) <= 2  # provenance keeps sets of what ran, not events
+
+
+def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(arms, monkeypatch):
+    import dataclasses
+
+    import torch
+
+    from impl import backends
+    from impl.serve import runner
+    real, order, released = runner.prepare, [], []
+
+    def prepare(arm):
+        order.append(arm.name)
+        if arm.name == "+fp8-head":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.00 MiB")
+        real(arm)
+
+    monkeypatch.setattr(runner, "prepare", prepare)
+    key = ("moe", arms[1].config.moe)
+    monkeypatch.setitem(backends._registry, key, dataclasses.replace(backends._registry[key],
+                                                                       release=lambda: released.append(key)))
+    dropped, lines = {}, []
+    records = run_ladder(arms, requests(2), progress=lines.append, warmup=1, optional=["+fp8-head"], dropped=dropped)
+    assert order == ["baseline", "+mtp", "+fp8-head"]  # the optional row is warmed up last
+    assert [(r["request_id"], r["arm"]) for r in records] == [("q0", "baseline"), ("q0", "+mtp"),
+                                                              ("q1", "+mtp"), ("q1", "baseline")]
+    assert dropped["+fp8-head"].startswith("out of device memory in its warm-up (CUDA out of memory.")
+    assert released == [key] and arms[1].loop is None and arms[1].provenance is None
+    assert any("row '+fp8-head' dropped" in line for line in lines)
+    # A row not named optional ends the run, as any error does; so does an unknown optional name.
+    order.clear()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        run_ladder(arms, requests(1), warmup=1)
+    with pytest.raises(ValueError, match=r"optional rows \['nope'\] are not among the arms"):
+        run_ladder(arms, requests(1), optional=["nope"])

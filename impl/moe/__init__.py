@@ -54,6 +54,11 @@ def _humming(x, weights, ids, w_gate_up, w_down, shared=None):
     return moe_humming(x, weights, ids, w_gate_up, w_down, shared)
 
 
+def _humming_release():
+    from impl.moe.humming import release
+    release()
+
+
 def _humming_layer(x, router, w_gate_up, w_down, shared=None):
     from impl.moe.humming import moe_humming_layer
     return moe_humming_layer(x, router, w_gate_up, w_down, shared)
@@ -72,7 +77,7 @@ def register_humming() -> bool:
     backends.register(backends.Backend(
         "moe", "humming", _humming, "Humming's MXFP4 GEMMs (humming-kernels) with Triton routing preparation, "
         "SwiGLU and combine; shared expert on cuBLAS, side stream; CUDA, MXFP4 only",
-        devices=("cuda",), formats=("mxfp4",), layer=_humming_layer), replace=True)
+        devices=("cuda",), formats=("mxfp4",), layer=_humming_layer, release=_humming_release), replace=True)
     return True
 
 

@@ -18,12 +18,21 @@ Records come out one at a time (`iter_ladder` yields them; `run_ladder` appends 
 the moment it exists and calls `on_record`), so a run stopped part-way, by KeyboardInterrupt or by
 an error in a later request, keeps every completed record: pass your own `records` list to keep
 it when the exception propagates.
+
+A row may need more device memory than is left beside the others (at full depth Humming's copy of
+the experts is as large as the model's own). Rows named in `optional` are warmed up after the
+others, and one whose warm-up runs out of device memory is dropped instead of ending the run: its
+graphs and buffers are let go, its MoE backend's converted weights released (`Backend.release`),
+the reason kept under its name in `dropped` (a dict of the caller's), and the other rows go on.
+Any other row's error propagates as usual.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Collection, Iterable, Iterator
+
+import torch
 
 from impl.serve.engine import prepare, run_request
 from impl.serve.provenance import check_provenance
@@ -65,7 +74,8 @@ class _Progress:
 
 
 def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] | None = None,
-                warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0) -> Iterator[dict]:
+                warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0,
+                optional: Collection[str] = (), dropped: dict[str, str] | None = None) -> Iterator[dict]:
     """Yield one record per (request, arm), interleaved (module docstring)."""
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a number of requests >= 0, got {warmup!r}")
@@ -78,13 +88,28 @@ def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] 
     requests = list(requests) if not isinstance(requests, (list, tuple)) else requests
     if not requests:
         return
+    unknown = set(optional) - set(names)
+    if unknown:
+        raise ValueError(f"optional rows {sorted(unknown)} are not among the arms {names}")
+    dropped = {} if dropped is None else dropped
     if warmup:
-        for arm in arms:
-            prepare(arm)
-            for request in requests[:warmup]:
-                run_request(arm, request)
+        for arm in sorted(arms, key=lambda a: a.name in optional):  # stable: the optional ones last
+            try:
+                prepare(arm)
+                for request in requests[:warmup]:
+                    run_request(arm, request)
+            except torch.cuda.OutOfMemoryError as e:
+                if arm.name not in optional:
+                    raise
+                dropped[arm.name] = _drop(arm, e)
+                arms.remove(arm)
+                if progress is not None:
+                    progress(f"row {arm.name!r} dropped: {dropped[arm.name]}")
+                continue
             if check:
                 check_provenance(arm.name, arm.config, arm.provenance)
+        if not arms:
+            raise RuntimeError(f"every row ran out of device memory in its warm-up: {dropped}")
     tick = _Progress(len(arms) * len(requests), progress, progress_interval_s)
     done = 0
     for i, request in enumerate(requests):
@@ -95,16 +120,32 @@ def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] 
             yield record
 
 
+def _drop(arm, error: BaseException) -> str:
+    """Let go of what `arm` holds on the device after running out of memory; the reason, in words."""
+    import gc
+
+    from impl import backends
+    arm.loop = arm.provenance = None
+    release = backends.get("moe", arm.config.moe).release
+    if release is not None:
+        release()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return f"out of device memory in its warm-up ({str(error).splitlines()[0][:200]})"
+
+
 def run_ladder(arms: list, requests: Iterable, on_record: Callable[[dict], None] | None = None,
                progress: Callable[[str], None] | None = None, *, records: list | None = None,
-               warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0) -> list[dict]:
+               warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0,
+               optional: Collection[str] = (), dropped: dict[str, str] | None = None) -> list[dict]:
     """Every record of the interleaved run, in the order served. Each record is in `records` (a
     list of yours, or a new one) and passed to `on_record` as soon as it exists; on an exception
     (KeyboardInterrupt included) the completed records stay in `records`, the exception
     propagates, and `progress` is told how many completed."""
     records = [] if records is None else records
     try:
-        for record in iter_ladder(arms, requests, progress, warmup, check, progress_interval_s):
+        for record in iter_ladder(arms, requests, progress, warmup, check, progress_interval_s, optional,
+                                  dropped):
             records.append(record)
             if on_record is not None:
                 on_record(record)
