@@ -274,6 +274,9 @@ def _compile_all(tiles) -> int:
     stamp, spin = plant.kernels()
     attempt("plant_stamp_kernel", stamp, {}, dict(stamp_ptr="*i64"))
     attempt("plant_spin_kernel", spin, {}, dict(stamp_ptr="*i64"), ("fraction",))
+    # The decode step's residual add + RMS norm (impl/model/add_rms_norm.py) at Ling-3.0-flash's width.
+    from impl.model import add_rms_norm as arn
+    attempt("add_rms_norm_kernel", arn.add_rms_norm_kernel, dict(BLOCK_H=4096), {}, ("eps",), arn.NUM_WARPS)
     routing_ptrs = dict(ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")

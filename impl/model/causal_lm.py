@@ -14,6 +14,7 @@ from torch import nn
 
 from impl import backends
 from impl.head import BF16Head, FP8Head
+from impl.model.add_rms_norm import add_rms_norm
 from impl.model.attention import make_attention
 from impl.model.config import ModelConfig
 from impl.model.kda import KDAAttention
@@ -149,21 +150,28 @@ class MoECausalLM(nn.Module):
                     self.cache_rows[None, :] <= input_pos[:, None])
         return self.rope_cos[:t], self.rope_sin[:t], None
 
+    def _stream(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None, rope: tuple | None
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it): their sum is the last
+        decoder layer's output (DecoderLayer.streamed)."""
+        self._check_inputs(input_ids, input_pos)
+        cos, sin, mask = rope or self.positions(input_ids.shape[1], input_pos)
+        delta, residual = None, self.embed_tokens(input_ids)
+        for layer in self.layers:
+            delta, residual = layer.streamed(delta, residual, cos, sin, input_pos, mask)
+        return delta, residual
+
     def last_hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
                            rope: tuple | None = None) -> torch.Tensor:
         """The last decoder layer's output [B, T, H], before the final norm (what MTP layers take).
         `rope`: `positions(T, input_pos)` when the caller already has it (a speculative step shares
         one lookup between its draft and verify passes)."""
-        self._check_inputs(input_ids, input_pos)
-        cos, sin, mask = rope or self.positions(input_ids.shape[1], input_pos)
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, mask)
-        return x
+        delta, residual = self._stream(input_ids, input_pos, rope)
+        return residual if delta is None else residual + delta
 
     def hidden_states(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, H]; with caches, `input_pos` are the absolute positions."""
-        return self.norm(self.last_hidden_states(input_ids, input_pos))
+        return add_rms_norm(*self._stream(input_ids, input_pos, None), self.norm)[0]
 
     def forward_with_hidden(self, input_ids: torch.Tensor, input_pos: torch.Tensor | None = None,
                             rope: tuple | None = None, last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +179,7 @@ class MoECausalLM(nn.Module):
         the draft. Those are the last layer's output before the final norm, or after it where the
         config says so (`mtp_normed_hidden`: Ling's NEXTN layer is fed the normed states).
         `last_logits`: logits of the last position only ([B, 1, V]; a prefill's)."""
-        last = self.last_hidden_states(input_ids, input_pos, rope)
-        normed = self.norm(last)
+        normed, last = add_rms_norm(*self._stream(input_ids, input_pos, rope), self.norm)
         return (self.lm_head(normed[:, -1:] if last_logits else normed),
                 normed if self.config.mtp_normed_hidden else last)
 

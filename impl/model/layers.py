@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
+from impl.model.add_rms_norm import add_rms_norm
 from impl.model.config import ModelConfig
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import BLOCK_SIZE, MXFP4Tensor, quantize_mxfp4
@@ -271,6 +272,16 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoEBlock(config, moe_backend, expert_format) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size))
 
+    def streamed(self, delta, residual, cos, sin, input_pos, mask):
+        """The layer on a residual stream kept apart from the branch outputs: its input is
+        `residual + delta` (`delta` None: `residual` alone). Returns (its MLP output, the stream
+        after its attention), whose sum is its output; each add is one launch with the norm after
+        it (impl.model.add_rms_norm), the last one left to whoever norms next."""
+        h, residual = add_rms_norm(delta, residual, self.input_layernorm)
+        h, residual = add_rms_norm(self.self_attn(h, cos, sin, input_pos, mask), residual,
+                                   self.post_attention_layernorm)
+        return self.mlp(h), residual
+
     def forward(self, x, cos, sin, input_pos, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, residual = self.streamed(None, x, cos, sin, input_pos, mask)
+        return residual + out
