@@ -96,20 +96,23 @@ def ling_session(moe_session):
     return moe_session
 
 
-_failed: dict[str, BaseException] = {}
+_ladders: dict[str, object] = {}  # context -> its LadderRun, or the exception it raised
 
 
 @pytest.fixture(scope="module")
 def ling_ladder(ling_session, moe_model, context):
-    """The context's ladder, run once: pytest retries a failed fixture for every test that asks,
-    which at full depth costs minutes a retry, so a failure is kept and raised again."""
-    if context in _failed:
-        raise _failed[context]
-    try:
-        return _run_ladder(ling_session, moe_model, context)
-    except Exception as e:
-        _failed[context] = e
-        raise
+    """The context's ladder, run once a session: pytest sets a module-scoped parametrized fixture
+    up again when its tests' order returns to a parameter (the 1k ladder ran twice in one H200
+    session, the second time without the room for its humming row), and retries a failed one for
+    every test that asks; at full depth each costs minutes. The outcome is kept per context."""
+    if context not in _ladders:
+        try:
+            _ladders[context] = _run_ladder(ling_session, moe_model, context)
+        except Exception as e:
+            _ladders[context] = e
+    if isinstance(_ladders[context], Exception):
+        raise _ladders[context]
+    return _ladders[context]
 
 
 # Device memory a ladder needs past the weights before the humming row is tried at all; whether

@@ -262,3 +262,24 @@ def test_a_model_without_a_tokenizer_serves_ids_with_no_text():
     arm = arm_of(model, "+mtp,accept=3.9", tokenizer=NoTokenizer(model.config.vocab_size, "tiny"))
     rec = run_request(arm, request("12+30=", 20, ignore_eos=True))
     assert rec["text"] == "" and rec["output_tokens"] == 20
+
+
+def test_a_prompt_past_the_graphed_buckets_takes_its_own_positions(model):
+    """The draft's prompt pass: prompts up to the largest graphed bucket replay a graph over
+    persistent positions; a longer one runs eagerly over positions of its own length (it once took
+    the bucket's 2048 positions for a prompt of 8188: a ValueError at full depth on the H200). On a
+    CPU nothing is captured, so the buckets are stood in for here."""
+    from impl.serve.engine import _DraftPrompt
+    draft = model.mtp[0]
+    prompt = _DraftPrompt(model, draft, torch.device("cpu"), model.config.max_seq_len)
+    prompt.pos, prompt.graphs = torch.arange(16), {16: None}  # a 16-position bucket, never replayed here
+    model.setup_caches(1, model.config.max_seq_len)
+    s = 40
+    hidden = torch.randn(1, s, model.config.hidden_size)
+    ids = torch.randint(0, model.config.vocab_size, (1, s))
+    with torch.inference_mode():
+        prompt(hidden, ids, s)  # eager: past the bucket
+        got = draft.block.self_attn.kv_cache.k[0, :, :s].clone()
+        cos, sin, mask = model.positions(s, torch.arange(s))
+        draft.hidden(hidden, ids, cos, sin, torch.arange(s), mask)
+    assert torch.equal(got, draft.block.self_attn.kv_cache.k[0, :, :s])

@@ -207,7 +207,8 @@ class _DraftPrompt:
             self.graphs[size] = (graph, _events(prov))
 
     def _pass(self, hidden: torch.Tensor, ids: torch.Tensor, s: int) -> None:
-        pos = self.pos[:s] if self.graphs else torch.arange(s, device=hidden.device)
+        # A graphed bucket's positions are persistent; a longer prompt (eager) takes its own.
+        pos = self.pos[:s] if self.graphs and s <= self.pos.shape[0] else torch.arange(s, device=hidden.device)
         cos, sin, mask = self.model.positions(s, pos)
         self.draft.hidden(hidden[:, :s], ids[:, :s], cos, sin, pos, mask)
 
