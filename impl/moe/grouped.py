@@ -65,12 +65,15 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     counts_d = torch.bincount(flat, minlength=experts)
     first_d = torch.cumsum(counts_d, 0) - counts_d  # each expert's first sorted slot
     counts = counts_d.tolist()  # the one host read of the layer
-    slot_token = order // top_k
     n_slots, hidden = flat.shape[0], x.shape[1]
-    # Sorted slots' inputs, and one zero row past them that padded places read.
-    xs = torch.cat((x.index_select(0, slot_token), x.new_zeros(1, hidden)))
-    slot_weight = weights.reshape(-1)[order].float()
-    out = torch.zeros(tokens, w_down.shape[1], dtype=torch.float32, device=x.device)
+    # Sorted slots' tokens and weights, with one pad slot past them (index n_slots) that padded
+    # places read: its input row is zeros, its weight 0, its token a spare output row (`tokens`).
+    # Padded places are then added like the others, so no chunk picks its valid places out by a
+    # mask, which would read their number back to the host (a sync per chunk of experts).
+    slot_token = torch.cat((order // top_k, order.new_full((1,), tokens)))
+    xs = torch.cat((x.index_select(0, slot_token[:-1]), x.new_zeros(1, hidden)))
+    slot_weight = torch.cat((weights.reshape(-1)[order].float(), weights.new_zeros(1, dtype=torch.float32)))
+    out = torch.zeros(tokens + 1, w_down.shape[1], dtype=torch.float32, device=x.device)
     for start in range(0, experts, experts_per_chunk):
         stop = min(experts, start + experts_per_chunk)
         cap = max(counts[start:stop])
@@ -83,8 +86,8 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
         down = expert_slice(w_down, start, stop, x.dtype)                      # [c, H, I]
         gate, up = torch.bmm(xs[idx], gate_up.transpose(1, 2)).float().chunk(2, dim=-1)
         y = torch.bmm((F.silu(gate) * up).to(x.dtype), down.transpose(1, 2))  # [c, cap, H]
-        slots = idx[valid]
-        out.index_add_(0, slot_token[slots], y[valid].float() * slot_weight[slots, None])
+        out.index_add_(0, slot_token[idx].reshape(-1), (y.float() * slot_weight[idx, None]).reshape(-1, y.shape[-1]))
+    out = out[:tokens]
     if shared is not None:
         out += shared_expert(x, shared).float()
     return out.to(x.dtype)
