@@ -147,8 +147,7 @@ def _run_ladder(ling_session, moe_model, context):
     ladder = run_suite_ladder(ling_session, moe_model, rows, workload, opts.requests or n,
                               Path(opts.ab_report) / f"ling-{context}", warmup=WARMUP,
                               optional=tuple(r.name for r in rows if r.config.moe == "humming"))
-    if ladder.result["dropped"]:
-        release()  # what a dropped humming row converted
+    if ladder.result["dropped"]:  # the runner has released what a dropped row converted
         _dropped[context] = "; ".join(f"{k}: {v}" for k, v in ladder.result["dropped"].items())
     return ladder
 
