@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Where the prompt pass of the full-depth Ling-3.0-flash goes (the TTFT's bulk), on a CUDA GPU:
+build the model with random weights (MXFP4 experts, FP8 head), prefill a prompt of each length
+twice to warm it up, then once with CUDA events around every layer's attention and MLP. Prints,
+per prompt length, the wall time of the pass and the device time of each component kind (KDA
+attention, MLA attention, routed MoE blocks, dense MLPs); the wall time past their sum is the
+norms, the head, the embedding and the host's own time between launches.
+
+    PYTHONPATH=. python3 scripts/gpu/profile_prefill.py --out $OUT [--prompts 1024,8192]
+Writes DIR/prefill_profile.json with --out DIR. Exit status 0; 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from impl.model.build import build_model
+from pytest_moeperf.baselines import atomic_write_text
+
+
+def _kind(layer, part: str) -> str:
+    if part == "attention":
+        return f"{type(layer.self_attn).__name__}"
+    return "MoE" if hasattr(layer.mlp, "backend") else "dense MLP"
+
+
+def profiled_prefill(model, prompt: torch.Tensor) -> dict:
+    """One prompt pass with an event pair around each layer's attention and MLP: device ms by kind."""
+    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    handles = []
+    for layer in model.layers:
+        for part, module in (("attention", layer.self_attn), ("mlp", layer.mlp)):
+            kind = _kind(layer, part)
+            pair = {}
+
+            def pre(_m, _a, pair=pair):
+                pair["start"] = torch.cuda.Event(enable_timing=True)
+                pair["start"].record()
+
+            def post(_m, _a, _o, pair=pair, kind=kind):
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                events.append((kind, pair["start"], end))
+
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model(prompt, torch.arange(prompt.shape[1], device=prompt.device))
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    finally:
+        for h in handles:
+            h.remove()
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for kind, start, end in events:
+        by_kind[kind] += start.elapsed_time(end)
+    return dict(wall_ms=round(wall_ms, 1), **{k: round(v, 1) for k, v in sorted(by_kind.items())})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default="1024,8192")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    model = build_model("ling-3.0-flash", dev, torch.bfloat16, moe_backend="triton", experts="mxfp4", head="fp8")
+    c = model.config
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for n in (int(x) for x in args.prompts.split(",")):
+        model.setup_caches(1, min(c.max_seq_len, n + 64))
+        prompt = torch.randint(0, c.vocab_size, (1, n), device=dev, generator=gen)
+        with torch.inference_mode():
+            for _ in range(2):
+                model(prompt, torch.arange(n, device=dev))
+        row = dict(prompt=n, **profiled_prefill(model, prompt))
+        rows.append(row)
+        print(row, flush=True)
+    if args.out:
+        atomic_write_text(Path(args.out) / "prefill_profile.json", json.dumps(rows, indent=2) + "\n")
+    kinds = sorted({k for r in rows for k in r if k not in ("prompt", "wall_ms")})
+    print("\n| prompt | wall ms | " + " | ".join(f"{k} ms" for k in kinds) + " | rest ms |")
+    for r in rows:
+        rest = r["wall_ms"] - sum(r.get(k, 0.0) for k in kinds)
+        print(f"| {r['prompt']} | {r['wall_ms']} | " + " | ".join(str(r.get(k, "")) for k in kinds) + f" | {rest:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
