@@ -143,44 +143,105 @@ def recurrent_kda_step(q, k, v, g, beta, state):
     return torch.einsum("bhk,bhkv->bhv", q, state)
 
 
+# Tokens whose chunks are batched together in one pass of `chunked_kda`: bounds the pass's
+# temporaries (the exact decay block of `_intra_chunk_products` is C x SUB x D fp32 a token-head,
+# 256 MB for 2048 tokens of 32 heads of 128) while keeping the batched products large.
+GROUP_TOKENS = 2048
+# Sub-block of a chunk whose pairwise decays are formed exactly (see `_intra_chunk_products`).
+SUB_BLOCK = 16
+
+
+def _intra_chunk_products(qc, kc, gc, sub: int):
+    """Per chunk, A_kk[t, i] = sum_c k_tc k_ic exp(G_tc - G_ic) for i < t and A_qk, the same with q_t
+    for i <= t. qc, kc, gc [X, N, C, D] (gc cumulative within the chunk). Returns both [X, N, C, C].
+
+    G never increases along a chunk (g <= 0), so exp(G_t - G_i) <= 1 for i <= t, but exp(G_t) and
+    exp(-G_i) alone over- and underflow once G reaches a few hundred. Pairs in different sub-blocks
+    of `sub` tokens factor through r, the last token of i's sub-block (i <= r < t):
+    exp(G_t - G_i) = exp(G_t - G_r) exp(G_r - G_i), both factors <= 1, so the pairs are one batched
+    matmul per reference block. Pairs inside one sub-block take the exact [sub, sub, D] decay."""
+    x, n, c, d = kc.shape
+    p = c // sub
+    block = torch.arange(c, device=kc.device) // sub
+    g_ref = gc[:, :, sub - 1::sub]                                        # [X, N, P, D]
+    k_in = kc * (g_ref.repeat_interleave(sub, dim=2) - gc).exp()          # relative to its block's end
+    later = block.unsqueeze(0) > torch.arange(p, device=kc.device).unsqueeze(1)   # [P, C]: t past block p
+    rel = (gc.unsqueeze(2) - g_ref.unsqueeze(3)).masked_fill(~later[..., None], float("-inf")).exp_()
+    k_in_t = k_in.view(x, n, p, sub, d).transpose(-1, -2)                 # [X, N, P, D, sub]
+    a_kk = ((kc.unsqueeze(2) * rel) @ k_in_t).permute(0, 1, 3, 2, 4).reshape(x, n, c, c)
+    a_qk = ((qc.unsqueeze(2) * rel) @ k_in_t).permute(0, 1, 3, 2, 4).reshape(x, n, c, c)
+    del rel
+    gb, kb, qb = (y.view(x, n, p, sub, d) for y in (gc, kc, qc))
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=kc.device).tril()
+    m = (gb.unsqueeze(4) - gb.unsqueeze(3)).masked_fill(~causal[..., None], float("-inf")).exp_()
+    m.mul_(kb.unsqueeze(3))                                               # [X, N, P, t, i, D]: k_i decayed to t
+    for a, y in ((a_kk, kb), (a_qk, qb)):
+        diag = (m @ y.unsqueeze(-1)).squeeze(-1)                          # [X, N, P, t, i]
+        a.view(x, n, p, sub, p, sub).diagonal(dim1=2, dim2=4).add_(diag.permute(0, 1, 3, 4, 2))
+    return a_kk.tril_(-1), a_qk
+
+
 def chunked_kda(q, k, v, g, beta, state, chunk_size: int = 64):
     """T tokens in chunks. q, k, v, g [B, H, T, D] fp32 (q, k normalised, q scaled), beta [B, H, T];
     state [B, H, Dk, Dv] updated in place to the state after the last token. Returns o [B, H, T, Dv].
 
     Within a chunk starting from state S0, with G_t = g_1 + ... + g_t (per channel, cumulative in the
     chunk), the per-token corrections d_t = beta_t (v_t - k_t^T S'_t), S'_t the decayed state just before
-    token t's write, satisfy a unit lower-triangular system
+    token t's write, satisfy a unit lower-triangular system L d = beta (v - (k * exp(G)) S0),
 
-        d_t + beta_t sum_{i<t} A_ti d_i = beta_t (v_t - (k_t * exp(G_t))^T S0),
-        A_ti = sum_c k_tc k_ic exp(G_tc - G_ic),
+        L = I + beta_t A_ti (i < t),   A_ti = sum_c k_tc k_ic exp(G_tc - G_ic),
 
-    solved with one triangular solve per chunk instead of t sequential steps. Then
-        o_t = (q_t * exp(G_t))^T S0 + sum_{i<=t} (sum_c q_tc k_ic exp(G_tc - G_ic)) d_i,
-        S_end = diag(exp(G_C)) S0 + sum_i (k_i * exp(G_C - G_i)) d_i^T.
-    The decay ratios are formed as exp of differences (never exp(G_t) / exp(G_i), which over- or
-    underflows once G reaches a few hundred in a long chunk), masked to i <= t before the exp.
-    The last chunk is simply shorter: no padding, shapes fixed by T alone.
+    so d = U - W S0 with U = L^-1 (beta v) and W = L^-1 (beta (k * exp(G))), which do not depend on
+    S0: every chunk's A, U and W come from one batched pass (triangular solves included). Only
+        S_end = diag(exp(G_C)) S0 + sum_i (k_i * exp(G_C - G_i)) d_i^T
+    runs chunk after chunk (two batched matmuls a chunk); then, for all chunks at once,
+        o_t = (q_t * exp(G_t))^T S0 + sum_{i<=t} (sum_c q_tc k_ic exp(G_tc - G_ic)) d_i.
+    Chunks are batched GROUP_TOKENS at a time; the last chunk is zero-padded (g = 0, beta = 0: no
+    decay, no write), so shapes follow from T alone and no value is read back to the host.
     """
-    b, h, t, dk = k.shape
-    out = torch.empty(b, h, t, v.shape[-1], dtype=torch.float32, device=q.device)
-    for s in range(0, t, chunk_size):
-        e = min(s + chunk_size, t)
-        n = e - s
-        qc, kc, vc, bc = q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e]
-        gc = g[:, :, s:e].cumsum(dim=2)                                   # [B, H, n, Dk]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        diff = (gc.unsqueeze(3) - gc.unsqueeze(2))                         # [B, H, n(t), n(i), Dk]
-        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-        a_kk = torch.einsum("bhtc,bhic,bhtic->bhti", kc, kc, decay)
-        a_qk = torch.einsum("bhtc,bhic,bhtic->bhti", qc, kc, decay)        # includes i == t
-        lower = (bc.unsqueeze(-1) * a_kk).tril(-1) + torch.eye(n, device=q.device)
-        rhs = bc.unsqueeze(-1) * (vc - (kc * gc.exp()) @ state)
-        d = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        out[:, :, s:e] = (qc * gc.exp()) @ state + a_qk @ d
-        g_end = gc[:, :, -1:]                                              # [B, H, 1, Dk]
-        state.mul_(g_end.exp().transpose(-1, -2))
-        state.add_((kc * (g_end - gc).exp()).transpose(-1, -2) @ d)
+    t = k.shape[2]
+    out = torch.empty(*v.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
+    step = max(chunk_size, GROUP_TOKENS // chunk_size * chunk_size)
+    for s in range(0, t, step):
+        e = min(s + step, t)
+        out[:, :, s:e] = _chunk_group(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e],
+                                      state, chunk_size)
     return out
+
+
+def _chunk_group(q, k, v, g, beta, state, chunk_size: int):
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    n = -(-t // c)
+    pad = n * c - t
+
+    def chunks(y):                                                        # [B, H, T, ...] -> [BH, N, C, ...]
+        if pad:
+            y = F.pad(y, (0, 0, 0, pad) if y.dim() == 4 else (0, pad))
+        return y.reshape(b * h, n, c, *y.shape[3:])
+
+    qc, kc, vc, bc = chunks(q), chunks(k), chunks(v), chunks(beta)
+    gc = chunks(g).cumsum(dim=2)                                          # [BH, N, C, Dk]
+    sub = SUB_BLOCK if c % SUB_BLOCK == 0 else c
+    a_kk, a_qk = _intra_chunk_products(qc, kc, gc, sub)
+    lower = bc.unsqueeze(-1) * a_kk + torch.eye(c, device=q.device)
+    rhs = bc.unsqueeze(-1) * torch.cat([vc, kc * gc.exp()], dim=-1)
+    u, w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
+    g_end = gc[:, :, -1:]                                                 # [BH, N, 1, Dk]
+    k_end_t = (kc * (g_end - gc).exp()).transpose(-1, -2)                # [BH, N, Dk, C]
+    decay_end = g_end.exp().transpose(-1, -2)                             # [BH, N, Dk, 1]
+    by_chunk = lambda y: y.transpose(0, 1).contiguous()                  # noqa: E731  [N, BH, ...]
+    u, w, k_end_t, decay_end = by_chunk(u), by_chunk(w), by_chunk(k_end_t), by_chunk(decay_end)
+    states = torch.empty(n + 1, b * h, dk, dv, dtype=torch.float32, device=q.device)  # [j]: before chunk j
+    states[0] = state.reshape(b * h, dk, dv)
+    d = torch.empty(n, b * h, c, dv, dtype=torch.float32, device=q.device)
+    for j in range(n):
+        torch.baddbmm(u[j], w[j], states[j], alpha=-1, out=d[j])
+        torch.baddbmm(states[j] * decay_end[j], k_end_t[j], d[j], out=states[j + 1])
+    state.copy_(states[n].view_as(state))
+    o = (qc * gc.exp()) @ states[:n].transpose(0, 1) + a_qk @ d.transpose(0, 1)
+    return o.reshape(b, h, n * c, dv)[:, :, :t]
 
 
 def _keep_flag(input_pos: torch.Tensor | None, device) -> torch.Tensor:
