@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from impl.moe.grouped import GROUPED_MIN_TOKENS, moe_grouped
+from impl.moe.grouped import GROUPED_MIN_TOKENS, experts_per_chunk_for, moe_grouped
 from impl.moe.reference import moe_reference
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import quantize_mxfp4
@@ -45,6 +45,18 @@ def test_grouped_matches_the_oracle_on_mxfp4_experts_in_bf16():
                          SharedExpert(*(t.bfloat16().float() for t in (shared.gate, shared.up, shared.down))))
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_chunk_of_experts_follows_the_dequantized_bytes():
+    """Ling-3.0-flash's experts ([1536, 2560] + [2560, 768]) are 11.8 MB each in bf16: 45 fit the
+    512 MiB chunk (45.5), 91 in one-byte elements, and a chunk never drops below one expert;
+    MXFP4 weights count by their logical (unpacked) shape."""
+    gu, dn = torch.empty(512, 1536, 2560, device="meta"), torch.empty(512, 2560, 768, device="meta")
+    assert experts_per_chunk_for(gu, dn, torch.bfloat16) == 45
+    assert experts_per_chunk_for(gu, dn, torch.float8_e4m3fn) == 91
+    assert experts_per_chunk_for(gu, dn, torch.float32, chunk_bytes=1) == 1
+    q = quantize_mxfp4(torch.randn(2, 64, 64))
+    assert experts_per_chunk_for(q, q, torch.bfloat16, chunk_bytes=4 * 64 * 64 * 2) == 2
 
 
 def test_grouped_detects_a_wrong_expert_weight():

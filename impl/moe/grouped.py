@@ -20,10 +20,12 @@ from impl import backends
 from impl.moe.shared import SharedExpert, shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
-# Experts dequantized together: 8 of Ling-3.0-flash's [1536, 2560] + [2560, 768] are 189 MB in bf16
-# (about 0.7 GB with the dequantization's int64 and fp32 temporaries): little beside a card that
-# also holds a second copy of the experts (Humming's), and still few launches a layer.
-EXPERTS_PER_CHUNK = 8
+# Bytes of experts dequantized together, in the activations' dtype: a chunk is about 18 launches
+# driven from Python, so a layer should be few chunks (at 8 experts a chunk, Ling-3.0-flash's 64
+# chunks x 40 layers took 1.2 s of a 1k-token prompt pass on the H200, against 0.1 s of its
+# dequantization's bytes), while the chunk stays small beside a card that also holds a second
+# copy of the experts (Humming's). 512 MiB: 45 of Ling-3.0-flash's 11.8 MB bf16 experts.
+CHUNK_BYTES = 512 * 2**20
 # Layers of more tokens than this take the grouped path in backends without their own prefill
 # (the Triton kernels' MXFP4 path, Humming's indexed GEMM: MAX_SLOTS slots / top-k).
 GROUPED_MIN_TOKENS = 32
@@ -41,8 +43,14 @@ def expert_slice(w, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     return w[start:stop].to(dtype)
 
 
+def experts_per_chunk_for(w_gate_up, w_down, dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Experts whose weights, dequantized to `dtype`, fit `chunk_bytes` (at least one)."""
+    per_expert = (w_gate_up.shape[1] * w_gate_up.shape[2] + w_down.shape[1] * w_down.shape[2]) * dtype.itemsize
+    return max(1, chunk_bytes // per_expert)
+
+
 def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up, w_down,
-                shared: SharedExpert | None = None, experts_per_chunk: int = EXPERTS_PER_CHUNK,
+                shared: SharedExpert | None = None, experts_per_chunk: int | None = None,
                 backend: str = "grouped") -> torch.Tensor:
     """x [T, H], routing weights / ids [T, k] -> [T, H] in x's dtype: the routed experts
     (w_gate_up [E, 2I, H], w_down [E, H, I], tensors or MXFP4Tensor) plus `shared`. Provenance
@@ -53,6 +61,8 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
     launches would dominate a prompt's time)."""
     tokens, top_k = ids.shape
     experts = w_gate_up.shape[0]
+    if experts_per_chunk is None:
+        experts_per_chunk = experts_per_chunk_for(w_gate_up, w_down, x.dtype)
     if experts_per_chunk < 1:
         raise ValueError(f"experts_per_chunk must be >= 1, got {experts_per_chunk}")
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -100,4 +110,4 @@ def moe_grouped_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: Shared
     return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend=backend)
 
 
-__all__ = ["EXPERTS_PER_CHUNK", "GROUPED_MIN_TOKENS", "expert_slice", "moe_grouped", "moe_grouped_layer"]
+__all__ = ["CHUNK_BYTES", "GROUPED_MIN_TOKENS", "expert_slice", "experts_per_chunk_for", "moe_grouped", "moe_grouped_layer"]
