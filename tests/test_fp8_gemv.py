@@ -95,6 +95,25 @@ def test_every_path_equals_reference(name, m):
     assert rel_err(out, fp8_gemv_reference(x, q.data, q.scale, torch.float32)) <= tolerance(cfg.path)
 
 
+@pytest.mark.skipif(INTERPRET, reason="CUDA only: a 4.3 GB output, far past what the interpreter can fill")
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "table"])
+def test_logits_past_2_31_elements_land_in_their_rows(name):
+    """A prompt's logits over a large vocabulary pass 2**31 elements (13,663 tokens of Ling's
+    157,184): row offsets computed in 32 bits wrapped there and wrote out of bounds (an illegal
+    address on the H200 at a 32k prompt). M x N = 8200 x 262144 = 2.15e9; the first and the last
+    rows (the last past 2**31) against the oracle, at the path's tolerance or bf16's output rounding
+    (half an ulp is 2e-3 relative: 4e-3), whichever is larger."""
+    gen = torch.Generator().manual_seed(31)
+    m, n, k = 8200, 262144, 32
+    q = weights(n, k, gen, "row")
+    x = activations(m, k, gen, torch.bfloat16)
+    out = fp8_gemv(x, q.data, q.scale, torch.bfloat16, config=CONFIGS.get(name))
+    for rows in (slice(0, 4), slice(m - 4, m)):
+        want = fp8_gemv_reference(x[rows], q.data, q.scale, torch.float32)
+        assert rel_err(out[rows], want) <= max(tolerance(CONFIGS[name].path if name in CONFIGS else "split"), 4e-3)
+    del out
+
+
 @given(m=st.integers(1, 20), n=st.integers(1, 160), k=st.integers(1, 300),
        granularity=st.sampled_from(["row", "tensor"]), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
        seed=st.integers(0, 2**31 - 1))

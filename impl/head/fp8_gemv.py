@@ -88,7 +88,8 @@ def _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om,
         acc = acc * tl.load(scale_ptr + rows_n)[:, None]
     else:
         acc = acc * tl.load(scale_ptr)
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    # 64-bit row offsets: a prompt's logits pass past 2**31 elements (13,663 tokens of a 157,184 vocabulary).
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & m_ok[None, :])
 
 
@@ -187,7 +188,7 @@ def fp8_gemv_kernel(
             acc = acc * tl.load(scale_ptr + rows_n)[None, :]
         else:
             acc = acc * tl.load(scale_ptr)
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < N))
 
 
