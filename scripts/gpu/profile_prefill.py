@@ -4,9 +4,11 @@ build the model with random weights (MXFP4 experts, FP8 head), prefill a prompt 
 twice to warm it up, then once with CUDA events around every layer's attention and MLP. Prints,
 per prompt length, the wall time of the pass and the device time of each component kind (KDA
 attention, MLA attention, routed MoE blocks, dense MLPs); the wall time past their sum is the
-norms, the head, the embedding and the host's own time between launches.
+norms, the head, the embedding and the host's own time between launches. With --kernels, one
+MoE layer's and one KDA layer's prompt pass at the first prompt length, kernel by kernel
+(torch.profiler): device time and launches per kernel name, and the layer's wall time.
 
-    PYTHONPATH=. python3 scripts/gpu/profile_prefill.py --out $OUT [--prompts 1024,8192]
+    PYTHONPATH=. python3 scripts/gpu/profile_prefill.py --out $OUT [--prompts 1024,8192] [--kernels]
 Writes DIR/prefill_profile.json with --out DIR. Exit status 0; 2 without a CUDA device.
 """
 
@@ -67,9 +69,32 @@ def profiled_prefill(model, prompt: torch.Tensor) -> dict:
     return dict(wall_ms=round(wall_ms, 1), **{k: round(v, 1) for k, v in sorted(by_kind.items())})
 
 
+def layer_kernels(title: str, module, x: torch.Tensor, call, top: int = 12) -> None:
+    """Print the kernels of `call(module, x)` (warmed up once): launches and device ms per name."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        call(module, x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            call(module, x)
+            torch.cuda.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - t0)
+    per: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:70]][0] += 1
+            per[ev.name[:70]][1] += ev.device_time_total / 1e3
+    total = sum(v[1] for v in per.values())
+    print(f"\n== {title}: wall {wall_ms:.1f} ms, {sum(v[0] for v in per.values())} kernels summing {total:.1f} ms")
+    for name, (n, ms) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {n:6d}x {ms:9.2f} ms  {name}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="1024,8192")
+    ap.add_argument("--kernels", action="store_true", help="kernel tables of one MoE and one KDA layer")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -89,6 +114,15 @@ def main(argv=None) -> int:
         row = dict(prompt=n, **profiled_prefill(model, prompt))
         rows.append(row)
         print(row, flush=True)
+    if args.kernels:
+        n = int(args.prompts.split(",")[0])
+        model.setup_caches(1, min(c.max_seq_len, n + 64))
+        x = torch.randn(1, n, c.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen) * 0.5
+        moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "backend"))
+        kda = next(layer.self_attn for layer in model.layers if type(layer.self_attn).__name__ == "KDAAttention")
+        layer_kernels(f"one MoE layer, {n}-token prompt", moe, x, lambda m, h: m(h))
+        layer_kernels(f"one KDA layer, {n}-token prompt", kda, x,
+                      lambda m, h: m(h, None, None, torch.arange(h.shape[1], device=h.device)))
     if args.out:
         atomic_write_text(Path(args.out) / "prefill_profile.json", json.dumps(rows, indent=2) + "\n")
     kinds = sorted({k for r in rows for k in r if k not in ("prompt", "wall_ms")})
