@@ -144,8 +144,8 @@ def recurrent_kda_step(q, k, v, g, beta, state):
 
 
 # Tokens whose chunks are batched together in one pass of `chunked_kda`: bounds the pass's
-# temporaries (the exact decay block of `_intra_chunk_products` is C x SUB x D fp32 a token-head,
-# 256 MB for 2048 tokens of 32 heads of 128) while keeping the batched products large.
+# temporaries (the largest, the exact decays of `_intra_chunk_products`, is SUB x D fp32 a token
+# and head: 512 MiB for 2048 tokens of 32 heads of 128) while keeping the batched products large.
 GROUP_TOKENS = 2048
 # Sub-block of a chunk whose pairwise decays are formed exactly (see `_intra_chunk_products`).
 SUB_BLOCK = 16
