@@ -101,8 +101,8 @@ def test_logits_past_2_31_elements_land_in_their_rows(name):
     """A prompt's logits over a large vocabulary pass 2**31 elements (13,663 tokens of Ling's
     157,184): row offsets computed in 32 bits wrapped there and wrote out of bounds (an illegal
     address on the H200 at a 32k prompt). M x N = 8200 x 262144 = 2.15e9; the first and the last
-    rows (the last past 2**31) against the oracle, at the path's tolerance or bf16's output rounding
-    (half an ulp is 2e-3 relative: 4e-3), whichever is larger."""
+    rows (the last past 2**31) against the oracle within bf16's output rounding (half an ulp is 2e-3
+    relative: 4e-3, above every path's own tolerance)."""
     gen = torch.Generator().manual_seed(31)
     m, n, k = 8200, 262144, 32
     q = weights(n, k, gen, "row")
@@ -110,7 +110,7 @@ def test_logits_past_2_31_elements_land_in_their_rows(name):
     out = fp8_gemv(x, q.data, q.scale, torch.bfloat16, config=CONFIGS.get(name))
     for rows in (slice(0, 4), slice(m - 4, m)):
         want = fp8_gemv_reference(x[rows], q.data, q.scale, torch.float32)
-        assert rel_err(out[rows], want) <= max(tolerance(CONFIGS[name].path if name in CONFIGS else "split"), 4e-3)
+        assert rel_err(out[rows], want) <= 4e-3
     del out
 
 

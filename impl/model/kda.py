@@ -226,21 +226,20 @@ def _chunk_group(q, k, v, g, beta, state, chunk_size: int):
     sub = SUB_BLOCK if c % SUB_BLOCK == 0 else c
     a_kk, a_qk = _intra_chunk_products(qc, kc, gc, sub)
     lower = bc.unsqueeze(-1) * a_kk + torch.eye(c, device=q.device)
-    rhs = bc.unsqueeze(-1) * torch.cat([vc, kc * gc.exp()], dim=-1)
+    decay = gc.exp()                                                      # exp(G_t) <= 1 from the chunk's start
+    rhs = bc.unsqueeze(-1) * torch.cat([vc, kc * decay], dim=-1)
     u, w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split([dv, dk], dim=-1)
     g_end = gc[:, :, -1:]                                                 # [BH, N, 1, Dk]
     k_end_t = (kc * (g_end - gc).exp()).transpose(-1, -2)                # [BH, N, Dk, C]
     decay_end = g_end.exp().transpose(-1, -2)                             # [BH, N, Dk, 1]
-    by_chunk = lambda y: y.transpose(0, 1).contiguous()                  # noqa: E731  [N, BH, ...]
-    u, w, k_end_t, decay_end = by_chunk(u), by_chunk(w), by_chunk(k_end_t), by_chunk(decay_end)
     states = torch.empty(n + 1, b * h, dk, dv, dtype=torch.float32, device=q.device)  # [j]: before chunk j
     states[0] = state.reshape(b * h, dk, dv)
     d = torch.empty(n, b * h, c, dv, dtype=torch.float32, device=q.device)
     for j in range(n):
-        torch.baddbmm(u[j], w[j], states[j], alpha=-1, out=d[j])
-        torch.baddbmm(states[j] * decay_end[j], k_end_t[j], d[j], out=states[j + 1])
+        torch.baddbmm(u[:, j], w[:, j], states[j], alpha=-1, out=d[j])
+        torch.baddbmm(states[j] * decay_end[:, j], k_end_t[:, j], d[j], out=states[j + 1])
     state.copy_(states[n].view_as(state))
-    o = (qc * gc.exp()) @ states[:n].transpose(0, 1) + a_qk @ d.transpose(0, 1)
+    o = (qc * decay) @ states[:n].transpose(0, 1) + a_qk @ d.transpose(0, 1)
     return o.reshape(b, h, n * c, dv)[:, :, :t]
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the prompt pass of the full-depth Ling-3.0-flash goes (the TTFT's bulk), on a CUDA GPU:
 build the model with random weights (MXFP4 experts, FP8 head), prefill a prompt of each length
-twice to warm it up, then once with CUDA events around every layer's attention and MLP. Prints,
+as serving does (the last position's logits only) twice to warm it up, then once with CUDA events around every layer's attention and MLP. Prints,
 per prompt length, the wall time of the pass and the device time of each component kind (KDA
 attention, MLA attention, routed MoE blocks, dense MLPs); the wall time past their sum is the
 norms, the head, the embedding and the host's own time between launches. With --kernels, one
@@ -24,8 +24,13 @@ from pathlib import Path
 
 import torch
 
-from impl.model.build import build_model
-from pytest_moeperf.baselines import atomic_write_text
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from impl.model.config import get_config  # noqa: E402
+from ling_flash import build_row3  # noqa: E402
+from pytest_moeperf.baselines import atomic_write_text  # noqa: E402
+
+CACHE_SLACK = 64  # cache rows past the prompt
 
 
 def _kind(layer, part: str) -> str:
@@ -57,7 +62,7 @@ def profiled_prefill(model, prompt: torch.Tensor) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model(prompt, torch.arange(prompt.shape[1], device=prompt.device))
+            model(prompt, torch.arange(prompt.shape[1], device=prompt.device), last_logits=True)
         torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t0)
     finally:
@@ -91,9 +96,24 @@ def layer_kernels(title: str, module, x: torch.Tensor, call, top: int = 12) -> N
         print(f"  {n:6d}x {ms:9.2f} ms  {name}")
 
 
+def parse_prompts(text: str) -> list[int]:
+    """`--prompts`: comma-separated token counts, each >= 2 (a prompt pass, not a decode step) and
+    small enough for Ling-3.0-flash's cache with CACHE_SLACK rows to spare."""
+    limit = get_config("ling-3.0-flash").max_seq_len - CACHE_SLACK
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompts takes comma-separated token counts, got {text!r}") from None
+    bad = [n for n in counts if not 2 <= n <= limit]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--prompts: {bad} outside 2..{limit} tokens (the model's context "
+                                         f"less {CACHE_SLACK})")
+    return counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", default="1024,8192")
+    ap.add_argument("--prompts", type=parse_prompts, default="1024,8192")
     ap.add_argument("--kernels", action="store_true", help="kernel tables of one MoE and one KDA layer")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
@@ -101,22 +121,22 @@ def main(argv=None) -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    model = build_model("ling-3.0-flash", dev, torch.bfloat16, moe_backend="triton", experts="mxfp4", head="fp8")
+    model = build_row3(dev)
     c = model.config
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for n in (int(x) for x in args.prompts.split(",")):
-        model.setup_caches(1, min(c.max_seq_len, n + 64))
+    for n in args.prompts:
+        model.setup_caches(1, n + CACHE_SLACK)
         prompt = torch.randint(0, c.vocab_size, (1, n), device=dev, generator=gen)
         with torch.inference_mode():
             for _ in range(2):
-                model(prompt, torch.arange(n, device=dev))
+                model(prompt, torch.arange(n, device=dev), last_logits=True)
         row = dict(prompt=n, **profiled_prefill(model, prompt))
         rows.append(row)
         print(row, flush=True)
     if args.kernels:
-        n = int(args.prompts.split(",")[0])
-        model.setup_caches(1, min(c.max_seq_len, n + 64))
+        n = args.prompts[0]
+        model.setup_caches(1, n + CACHE_SLACK)
         x = torch.randn(1, n, c.hidden_size, device=dev, dtype=torch.bfloat16, generator=gen) * 0.5
         moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "backend"))
         kda = next(layer.self_attn for layer in model.layers if type(layer.self_attn).__name__ == "KDAAttention")
