@@ -200,7 +200,7 @@ def chunked_kda(q, k, v, g, beta, state, chunk_size: int = 64):
     decay, no write), so shapes follow from T alone and no value is read back to the host.
     """
     t = k.shape[2]
-    out = torch.empty(*v.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     step = max(chunk_size, GROUP_TOKENS // chunk_size * chunk_size)
     for s in range(0, t, step):
         e = min(s + step, t)
