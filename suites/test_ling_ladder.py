@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from impl.model.roofline import Formats
 from pytest_moeperf.ab_run import fail_on_provenance, paired, row_config, run_suite_ladder
 from pytest_moeperf.baselines import atomic_write_text
 from pytest_moeperf.tolerances import tolerance_for
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.moe_bench
 LING_MODEL = "ling-3.0-flash"
 ASSUMED_ACCEPT = 3.90  # the reference result's mean accept length (k = 3)
 ROW3 = "+fp8-head=moe=triton,head=fp8"  # the row the roofline test times
+ROW3_FORMATS = Formats(experts="mxfp4", projections="bf16", head="fp8")  # its weights, as the byte floor counts them
 LING_LADDER = (f"humming=moe=humming,head=bf16;kernels=moe=triton,head=bf16;{ROW3};"
                f"+mtp=moe=triton,head=fp8,spec=mtp:3,accept={ASSUMED_ACCEPT}")
 # name -> (workload, requests per row, with the humming row). Requests are few at 32k: each takes
@@ -186,16 +188,17 @@ def test_rung_speed(ling_ladder, row, context, figure, key, direction, moe_gate,
     _gate_ratio(ling_ladder, row, previous, f"{figure}_rung", key, direction, moe_gate, moe_device)
 
 
-def test_verify_cost(ling_ladder, context, moe_gate, moe_device):
+def test_verify_cost(ling_ladder, moe_model, context, moe_gate, moe_device):
     """What speculation costs: per request, the speculative row's time per verify step (k drafts,
     the verify pass, the commit) over the TPOT of the row before it (the same model without MTP),
     paired. The row is faster only where its accept length beats this."""
     from pytest_moeperf.ab_summary import verify_step_s
     names = _names(ling_ladder)
-    spec = [a["name"] for a in ling_ladder.result["arms"] if a["speculative"]]
-    if not spec or names.index(spec[0]) == 0:
+    spec = [a for a in ling_ladder.result["arms"] if a["speculative"]]
+    if not spec or names.index(spec[0]["name"]) == 0:
         pytest.skip(f"no speculative row after a plain one in {names}")
-    row, plain = spec[0], names[names.index(spec[0]) - 1]
+    row, plain = spec[0]["name"], names[names.index(spec[0]["name"]) - 1]
+    k = spec[0]["provenance"]["drafts_per_step"]
     mine, ref = ling_ladder.records[row], ling_ladder.records[plain]
     costs = [verify_step_s(mine[i]) / ref[i]["tpot_s"] for i in mine
              if i in ref and verify_step_s(mine[i]) and ref[i]["tpot_s"]]
@@ -204,10 +207,22 @@ def test_verify_cost(ling_ladder, context, moe_gate, moe_device):
     accept = next(s["accept_length"]["mean"] for s in ling_ladder.summary["arms"] if s["name"] == row)
     cost = statistics.median(costs)
     print(f"\n{context}: a verify step of {row!r} costs {cost:.2f} plain steps of {plain!r} (median); at its "
-          f"accept length {accept:.2f} that is x{accept / cost:.2f}")
+          f"accept length {accept:.2f} that is x{accept / cost:.2f}; {_spec_bytes_line(moe_model.config, k, context)}")
     moe_gate.check("ab_verify_cost", costs, unit="plain steps", direction="lower",
                    tolerance=tolerance_for("ab_speed", moe_device.torch_device),
                    config=row_config(ling_ladder, row, plain), portable=True)
+
+
+def _spec_bytes_line(config, k: int, context: str) -> str:
+    """What a speculative step of k drafts reads next to a plain token (impl.model.roofline), at
+    the workload's context and the routing of random weights (independent, uniform)."""
+    from impl.data.workloads import parse_workload
+    from impl.model.roofline import expected_distinct_experts, spec_step_bytes, token_bytes
+    length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
+    spec = sum(spec_step_bytes(config, length, k, ROW3_FORMATS).values())
+    plain = sum(token_bytes(config, length, ROW3_FORMATS).values())
+    return (f"it reads {spec / 1e9:.2f} GB, {spec / plain:.2f} plain tokens' bytes "
+            f"({expected_distinct_experts(config, k + 1):.1f} distinct experts a MoE layer)")
 
 
 def _gate_ratio(ladder, row, reference, figure, key, direction, moe_gate, moe_device):
@@ -227,7 +242,7 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     from impl.generate import greedy_step_at
     from impl.gpu_timing import copy_bandwidth
     from impl.model.components import component_bytes, component_times
-    from impl.model.roofline import Formats, token_bytes
+    from impl.model.roofline import token_bytes
     from impl.data.text import tokenizer_for
     from impl.data.workloads import parse_workload
     from impl.serve import build_arm
@@ -249,8 +264,7 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     finally:
         moe_model.set_moe_backend(restore[0])
         moe_model.set_head(restore[1])
-    parts = component_bytes(token_bytes(moe_model.config, length, Formats(experts="mxfp4", projections="bf16",
-                                                                          head="fp8")))
+    parts = component_bytes(token_bytes(moe_model.config, length, ROW3_FORMATS))
     floor_us = {c: b / bandwidth * 1e6 for c, b in parts.items()}
     step_floor = sum(floor_us.values())
     timed = [c for c in parts if c in times]  # "other" (norms, the embedding row) is never left out

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from impl.model.config import get_config
-from impl.model.roofline import Formats, floor_ms, matrix_bytes, mtp_bytes, token_bytes
+from impl.model.roofline import (Formats, expected_distinct_experts, floor_ms, kda_verify_state_passes, matrix_bytes,
+                                  mtp_bytes, mtp_parts, spec_step_bytes, token_bytes)
 
 BF16 = Formats(experts="bf16", projections="bf16", head="bf16")
 REFERENCE = Formats(experts="mxfp4", projections="fp8", head="fp8")
@@ -79,6 +80,57 @@ def test_state_grows_with_context_only_for_the_caches():
 def test_mtp_layer_is_counted_apart():
     c = get_config("ling-3.0-tiny")
     assert 0 < mtp_bytes(c, 10, BF16) < sum(token_bytes(c, 10, BF16).values())
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])
+def test_distinct_experts_match_independent_uniform_routing(tokens):
+    """Against draws of top_k distinct experts per token, uniformly and independently (what random
+    router weights give, near enough). 4000 draws: the mean's standard error is below 0.1 expert
+    at every case here, so 2% (0.6 of Ling-3.0-flash's 31 at 4 tokens) is over 4 of them."""
+    import torch
+    c = get_config("ling-3.0-flash")
+    g = torch.Generator().manual_seed(tokens)
+    counts = [len({e for _ in range(tokens) for e in torch.randperm(c.num_experts, generator=g)[:c.top_k].tolist()})
+              for _ in range(4000)]
+    assert expected_distinct_experts(c, tokens) == pytest.approx(sum(counts) / len(counts), rel=0.02)
+    assert c.top_k <= expected_distinct_experts(c, tokens) <= min(c.num_experts, tokens * c.top_k)
+
+
+def test_spec_step_reads_the_plain_token_plus_its_extra_passes():
+    """At distinct experts = top_k a verify pass reads what a plain token does, except the KDA
+    states (2 passes a token and 4 more) and the draft: the MTP layer k times, the head k times."""
+    c, k, ctx = get_config("ling-3.0-tiny"), 3, 40
+    plain = token_bytes(c, ctx + k, BF16)
+    spec = spec_step_bytes(c, ctx, k, BF16, distinct_experts=c.top_k)
+    assert kda_verify_state_passes(k + 1) == 12
+    assert spec["kda state"] == pytest.approx(plain["kda state"] * 6)
+    assert spec["draft"] == pytest.approx(k * mtp_bytes(c, ctx, BF16) + k * plain["head"])
+    for name in set(plain) - {"kda state"}:
+        assert spec[name] == pytest.approx(plain[name]), name
+
+
+def test_spec_step_reads_more_experts_the_more_distinct_they_are():
+    c = get_config("ling-3.0-tiny")
+    low = spec_step_bytes(c, 40, 3, BF16, distinct_experts=c.top_k)
+    high = spec_step_bytes(c, 40, 3, BF16, distinct_experts=2 * c.top_k)
+    routed = mtp_parts(c, 40, BF16)["routed experts"]
+    assert high["routed experts"] == pytest.approx(2 * low["routed experts"])
+    assert high["draft"] - low["draft"] == pytest.approx(routed)  # only the MTP pass over the k+1 positions
+    default = spec_step_bytes(c, 40, 3, BF16)
+    assert default["routed experts"] == pytest.approx(
+        low["routed experts"] * expected_distinct_experts(c, 4) / c.top_k)
+
+
+def test_spec_step_rejects_impossible_steps():
+    c = get_config("ling-3.0-tiny")
+    with pytest.raises(ValueError, match="drafts k >= 1"):
+        spec_step_bytes(c, 10, 0)
+    with pytest.raises(ValueError, match="distinct experts a layer"):
+        spec_step_bytes(c, 10, 3, distinct_experts=c.top_k - 1)
+    with pytest.raises(ValueError, match="distinct experts a layer"):
+        spec_step_bytes(c, 10, 1, distinct_experts=2 * c.top_k + 1)
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        expected_distinct_experts(c, 0)
 
 
 def test_bad_formats_and_contexts_are_rejected():

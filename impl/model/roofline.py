@@ -139,25 +139,76 @@ def token_bytes(config: ModelConfig | str, context: int, formats: Formats = Form
     return out
 
 
-def mtp_bytes(config: ModelConfig | str, context: int, formats: Formats = Formats(), model=None) -> float:
-    """Bytes one pass of the MTP layer reads for one token (its own weights, its attention cache;
-    the head it shares with the target is counted with the target)."""
+def mtp_parts(config: ModelConfig | str, context: int, formats: Formats = Formats(), model=None) -> dict[str, float]:
+    """Bytes by component that one pass of the MTP layer reads for one token (its own weights, its
+    attention cache; the head it shares with the target is counted with the target)."""
     config = get_config(config) if isinstance(config, str) else config
     model = meta_model(config) if model is None else model
-    total = 0.0
+    parts: dict[str, float] = {}
     for mtp in getattr(model, "mtp", []):
-        parts: dict[str, float] = {}
         _layer_bytes(mtp.block, config.mtp_attention, False, config, formats, parts)
         for name, p in mtp.named_parameters():
             if not name.startswith("block."):
                 parts["mtp"] = parts.get("mtp", 0.0) + _param_bytes(name, tuple(p.shape), "mtp", config, formats)
-        total += sum(parts.values()) + state_bytes(config, config.mtp_attention, context)
-    return total
+        comp = STATE_COMPONENT[config.mtp_attention]
+        parts[comp] = parts.get(comp, 0.0) + state_bytes(config, config.mtp_attention, context)
+    return parts
+
+
+def mtp_bytes(config: ModelConfig | str, context: int, formats: Formats = Formats(), model=None) -> float:
+    """`mtp_parts` summed: one MTP pass of one token."""
+    return sum(mtp_parts(config, context, formats, model).values())
+
+
+def expected_distinct_experts(config: ModelConfig | str, tokens: int) -> float:
+    """Experts one MoE layer reads for `tokens` tokens, each routed to top_k of E experts
+    independently and uniformly (as random weights route, near enough): E (1 - (1 - top_k/E)**tokens).
+    At Ling-3.0-flash's 8 of 512 and 4 tokens: 31.5 (the MoE gate's seeded inputs read 30.9)."""
+    config = get_config(config) if isinstance(config, str) else config
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    e, k = config.num_experts, config.top_k
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def kda_verify_state_passes(tokens: int) -> int:
+    """Passes over a KDA layer's recurrent state in a verify pass of `tokens` tokens as impl.model.kda
+    runs it: each token reads the state before it and writes its own into the track (2 a token),
+    the live state takes the last one (2), keep_verified copies the accepted one back (2)."""
+    return 2 * tokens + 4
+
+
+def spec_step_bytes(config: ModelConfig | str, context: int, k: int, formats: Formats = Formats(), model=None,
+                    distinct_experts: float | None = None) -> dict[str, float]:
+    """Bytes by component of one speculative step at `context` committed positions, as impl.spec
+    runs it: the MTP layer over the k+1 verified positions, then k-1 chained one-token passes, each
+    pass with the shared head's logits ("draft"); the target's verify pass over k+1 tokens, which
+    reads every weight once, the routed experts its tokens route to (`distinct_experts` a layer,
+    else `expected_distinct_experts`), the head once, and the KDA states `kda_verify_state_passes`
+    times. The commit's bytes are a few dozen and not counted."""
+    config = get_config(config) if isinstance(config, str) else config
+    if k < 1:
+        raise ValueError(f"a speculative step drafts k >= 1 tokens, got k={k}")
+    model = meta_model(config) if model is None else model
+    tokens = k + 1
+    d = expected_distinct_experts(config, tokens) if distinct_experts is None else distinct_experts
+    if not config.top_k <= d <= min(config.num_experts, tokens * config.top_k):
+        raise ValueError(f"{tokens} tokens routed to {config.top_k} experts each read between {config.top_k} and "
+                         f"{min(config.num_experts, tokens * config.top_k)} distinct experts a layer, got {d}")
+    out = token_bytes(config, context + k, formats, model)
+    out["routed experts"] *= d / config.top_k
+    if "kda state" in out:
+        out["kda state"] *= kda_verify_state_passes(tokens) / 2  # token_bytes counts one read and one write
+    span = mtp_parts(config, context, formats, model)
+    span["routed experts"] = span.get("routed experts", 0.0) * d / config.top_k
+    out["draft"] = sum(span.values()) + (k - 1) * mtp_bytes(config, context, formats, model) + k * out["head"]
+    return out
 
 
 def floor_ms(nbytes: float, bytes_per_s: float) -> float:
     return nbytes / bytes_per_s * 1e3
 
 
-__all__ = ["EXPERT_FORMATS", "Formats", "MXFP4_BYTES", "WEIGHT_FORMATS", "floor_ms", "matrix_bytes", "meta_model",
-           "mtp_bytes", "state_bytes", "token_bytes"]
+__all__ = ["EXPERT_FORMATS", "Formats", "MXFP4_BYTES", "WEIGHT_FORMATS", "expected_distinct_experts", "floor_ms",
+           "kda_verify_state_passes", "matrix_bytes", "meta_model", "mtp_bytes", "mtp_parts", "spec_step_bytes",
+           "state_bytes", "token_bytes"]
