@@ -40,17 +40,21 @@ def e8m0_to_fp32(code):
 def mxfp4_dequant_kernel(packed_ptr, scales_ptr, out_ptr, ROWS, BYTES, SCALES,
                          BLOCK_ROWS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """MXFP4 rows [ROWS, 2 * BYTES] -> bf16: byte i of a row holds elements 2i (low nibble) and
-    2i + 1 (high), scaled by the row's E8M0 code for its 32 elements (byte // 16)."""
+    2i + 1 (high), scaled by the row's E8M0 code for its 32 elements (byte // 16). The two halves
+    are interleaved in registers and stored as one contiguous tile: stored apart, each at a
+    2-element stride, they ran at about 0.27 TB/s on the H200 (22.8 ms of a 30.5 ms MoE layer of a
+    1024-token prompt, every expert of the layer dequantized)."""
     offs_r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     offs_b = tl.program_id(1) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    offs_e = tl.program_id(1) * (2 * BLOCK_BYTES) + tl.arange(0, 2 * BLOCK_BYTES)
+    rows = offs_r[:, None].to(tl.int64)  # past 4 GiB of bf16 out, offsets pass 2**31 (a layer's experts: 6 GB)
     ok = (offs_r[:, None] < ROWS) & (offs_b[None, :] < BYTES)
-    p = tl.load(packed_ptr + offs_r[:, None] * BYTES + offs_b[None, :], mask=ok, other=0)
-    s = e8m0_to_fp32(tl.load(scales_ptr + offs_r[:, None] * SCALES + offs_b[None, :] // 16, mask=ok, other=127))
+    p = tl.load(packed_ptr + rows * BYTES + offs_b[None, :], mask=ok, other=0)
+    s = e8m0_to_fp32(tl.load(scales_ptr + rows * SCALES + offs_b[None, :] // 16, mask=ok, other=127))
     lo = (e2m1_to_bf16(p & 0xF).to(tl.float32) * s).to(tl.bfloat16)
     hi = (e2m1_to_bf16(p >> 4).to(tl.float32) * s).to(tl.bfloat16)
-    row = out_ptr + offs_r[:, None] * (2 * BYTES) + 2 * offs_b[None, :]
-    tl.store(row, lo, mask=ok)
-    tl.store(row + 1, hi, mask=ok)
+    tl.store(out_ptr + rows * (2 * BYTES) + offs_e[None, :], tl.interleave(lo, hi),
+             mask=(offs_r[:, None] < ROWS) & (offs_e[None, :] < 2 * BYTES))
 
 
 # Tile of the dequantization: 16 rows x 256 bytes (512 elements, 16 scale groups) a program.
