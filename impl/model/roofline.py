@@ -8,7 +8,8 @@ memory), each in the format a deployment holds it: routed experts in MXFP4 (4-bi
 bf16 or FP8 (e4m3, one fp32 scale per row); the LM head likewise; one embedding row; the router
 and the parameters the reference keeps in fp32 (KDA's convolution and forget-gate constants) at
 4 B; norm weights at 2 B. The MTP layer is not part of a plain decode step (its own component,
-read once per speculative step).
+read once per draft pass); `spec_step_bytes` counts a whole speculative step: its draft passes,
+and the verify pass reading every distinct expert its k+1 tokens route to.
 
 Per-token state at context L (positions 0..L-1 cached, the token at L): an MLA layer reads L + 1
 cache rows of (kv_lora_rank + rope) bf16 values and writes one; a softmax (MHA/GQA) layer reads
@@ -163,7 +164,7 @@ def mtp_bytes(config: ModelConfig | str, context: int, formats: Formats = Format
 def expected_distinct_experts(config: ModelConfig | str, tokens: int) -> float:
     """Experts one MoE layer reads for `tokens` tokens, each routed to top_k of E experts
     independently and uniformly (as random weights route, near enough): E (1 - (1 - top_k/E)**tokens).
-    At Ling-3.0-flash's 8 of 512 and 4 tokens: 31.5 (the MoE gate's seeded inputs read 30.9)."""
+    At Ling-3.0-flash's 8 of 512 and 4 tokens: 31.3 (the MoE gate's seeded inputs read 30.9)."""
     config = get_config(config) if isinstance(config, str) else config
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
