@@ -253,6 +253,23 @@ def test_an_assumed_acceptance_row_serves_at_its_stated_mean():
         assert set(rec["accept_lengths"][:-1]) == {length}, accept  # the last step may be cut by the length
 
 
+def test_assumed_acceptance_draws_follow_the_request_seed():
+    """An assumed-acceptance row's accept lengths come from the request's seed, not from wherever
+    the generator stood: the same request gives the same lengths after other requests ran, and
+    another request id other lengths (at a mean of 2.5 of 4 every step's length varies)."""
+    from impl.model.build import build_model
+    model = build_model("tiny", seed=3)
+    arm = arm_of(model, "+mtp,accept=2.5,seed=11")
+
+    def lengths(rid):
+        return run_request(arm, request("12+30=", 60, rid=rid, ignore_eos=True))["accept_lengths"]
+
+    first = lengths("a")
+    other = lengths("b")
+    assert lengths("a") == first and lengths("b") == other
+    assert first != other
+
+
 def test_a_model_without_a_tokenizer_serves_ids_with_no_text():
     """Random-weight presets without a tokenizer (NoTokenizer) serve synthetic requests: their
     records hold the output ids' count and an empty text, not a TokenizerError."""

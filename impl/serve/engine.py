@@ -43,10 +43,13 @@ prefill step too, so their MTP TTFT includes it); latency when the host holds th
 ends the request. TPOT = (latency - TTFT) / (output_tokens - 1) (None for one token); decode tokens/s =
 (output_tokens - 1) / (latency - TTFT).
 
-Sampling: each request draws from its own seed (`request_seed`: the row's seed and the request
-id), the same in every row. On CUDA the captured steps draw from the device's default generator
-(CUDA graphs replay it safely; a private generator would need registering with each graph), which
-is reseeded per request; on a CPU each arm has its own torch.Generator.
+Sampling, and an assumed-acceptance row's accept lengths (impl.spec.assumed): each request draws
+from its own seed (`request_seed`: the row's seed and the request id), the same in every row, so
+a request's accept lengths are the same in every run (drawn from wherever the generator stood,
+they had moved a row's mean by up to 1% between runs). On CUDA the captured steps draw from the
+device's default generator (CUDA graphs replay it safely; a private generator would need
+registering with each graph), which is reseeded per request; on a CPU each arm has its own
+torch.Generator.
 """
 
 from __future__ import annotations
@@ -423,7 +426,7 @@ def run_request(arm, request) -> dict:
         raise ValueError(f"request {request.request_id!r}: prompt ({t}) + max_tokens ({request.max_tokens}){extra} "
                          f"exceeds the model's context of {loop.capacity} tokens (at most {room} new tokens fit)")
     sampling = arm.config.sampling
-    if not sampling.greedy:
+    if not sampling.greedy or (arm.decoder is not None and arm.decoder.assumed is not None):
         seed = request_seed(arm.config.seed, request.request_id)
         if loop.generator is not None:
             loop.generator.manual_seed(seed)
