@@ -217,10 +217,11 @@ def _spec_bytes_line(config, k: int, context: str) -> str:
     """What a speculative step of k drafts reads next to a plain token (impl.model.roofline), at
     the workload's context and the routing of random weights (independent, uniform)."""
     from impl.data.workloads import parse_workload
-    from impl.model.roofline import expected_distinct_experts, spec_step_bytes, token_bytes
+    from impl.model.roofline import expected_distinct_experts, meta_model, spec_step_bytes, token_bytes
     length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
-    spec = sum(spec_step_bytes(config, length, k, ROW3_FORMATS).values())
-    plain = sum(token_bytes(config, length, ROW3_FORMATS).values())
+    shapes = meta_model(config)
+    spec = sum(spec_step_bytes(config, length, k, ROW3_FORMATS, shapes).values())
+    plain = sum(token_bytes(config, length, ROW3_FORMATS, shapes).values())
     return (f"it reads {spec / 1e9:.2f} GB, {spec / plain:.2f} plain tokens' bytes "
             f"({expected_distinct_experts(config, k + 1):.1f} distinct experts a MoE layer)")
 

@@ -201,8 +201,9 @@ def spec_step_bytes(config: ModelConfig | str, context: int, k: int, formats: Fo
     if "kda state" in out:
         out["kda state"] *= kda_verify_state_passes(tokens) / 2  # token_bytes counts one read and one write
     span = mtp_parts(config, context, formats, model)
+    one_token = sum(span.values())  # each chained draft pass
     span["routed experts"] = span.get("routed experts", 0.0) * d / config.top_k
-    out["draft"] = sum(span.values()) + (k - 1) * mtp_bytes(config, context, formats, model) + k * out["head"]
+    out["draft"] = sum(span.values()) + (k - 1) * one_token + k * out["head"]
     return out
 
 

@@ -22,9 +22,9 @@ from impl.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
 # Bytes of experts dequantized together, in the activations' dtype: a chunk is about 18 launches
 # driven from Python, so a layer should be few chunks (at 8 experts a chunk, Ling-3.0-flash's 64
-# chunks x 40 layers took 1.2 s of a 1k-token prompt pass on the H200, against 0.1 s of its
-# dequantization's bytes), while the chunk stays small beside a card that also holds a second
-# copy of the experts (Humming's). 512 MiB: 45 of Ling-3.0-flash's 11.8 MB bf16 experts.
+# chunks a layer cost 0.16 s more of a 1k-token prompt pass on the H200 than 12 chunks), while the
+# chunk stays small beside a card that also holds a second copy of the experts (Humming's).
+# 512 MiB: 45 of Ling-3.0-flash's 11.8 MB bf16 experts.
 CHUNK_BYTES = 512 * 2**20
 # Layers of more tokens than this take the grouped path in backends without their own prefill
 # (the Triton kernels' MXFP4 path, Humming's indexed GEMM: MAX_SLOTS slots / top-k).

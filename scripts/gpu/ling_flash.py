@@ -24,7 +24,16 @@ from impl.gpu_timing import copy_bandwidth, graph_us
 from impl.model.build import build_model, weight_bytes
 from pytest_moeperf.baselines import atomic_write_text
 
-CACHE_SLACK = 64  # cache rows past the context a timed step sits at
+CACHE_SLACK = 64  # cache rows past the last position used (a timed step's context, a profiled prompt)
+
+
+def cuda_device() -> torch.device | None:
+    """The CUDA device the Ling scripts run on; None, saying so on stderr, where there is none
+    (their mains then exit 2)."""
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return None
+    return torch.device("cuda")
 
 
 def build_row3(dev: torch.device):
@@ -39,10 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024, help="tokens prefilled before the timed steps")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    dev = cuda_device()
+    if dev is None:
         return 2
-    dev = torch.device("cuda")
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = build_row3(dev)

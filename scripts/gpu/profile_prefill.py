@@ -27,11 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from impl.model.config import get_config  # noqa: E402
-from ling_flash import build_row3  # noqa: E402
+from ling_flash import CACHE_SLACK, build_row3, cuda_device  # noqa: E402
 from pytest_moeperf.baselines import atomic_write_text  # noqa: E402
-
-CACHE_SLACK = 64  # cache rows past the prompt
-
 
 def _kind(layer, part: str) -> str:
     if part == "attention":
@@ -117,10 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true", help="kernel tables of one MoE and one KDA layer")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    dev = cuda_device()
+    if dev is None:
         return 2
-    dev = torch.device("cuda")
     model = build_row3(dev)
     c = model.config
     gen = torch.Generator(device=dev).manual_seed(0)
