@@ -1,7 +1,7 @@
 """scripts/gpu/bench_gemv.py on CPU: the projection shapes it times are the Ling-3.0-flash
-modules' own (hand-counted), and the kernel call it times, the FP8 head's GEMV kernel on its
-16-bit path with a bf16 weight and a unit scale, computes x @ w.T (Triton's interpreter, fp32
-math; relative error 1e-2, the bench's own acceptance: bf16 output rounding is 4e-3)."""
+modules' own (hand-counted), and each projection it times computes x @ w.T of the x its producer
+made just before it (Triton's interpreter; relative error 1e-2, the bench's own acceptance: bf16
+output rounding is 4e-3)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,27 @@ def test_the_projection_shapes_are_the_models():
     assert shapes["mla o_proj"] == (H, HEADS * D)
 
 
-def test_the_timed_kernel_call_is_the_product():
+def test_each_timed_projection_reads_what_its_producer_made():
+    """The chain the bench captures, run eagerly: every projection's output is x @ w.T for the x
+    its producer wrote just before it, with the launches the sweep times (Triton's interpreter)."""
+    from impl.model.gemv import gemv
     g = torch.Generator().manual_seed(0)
     n, k = 48, 512
-    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
-    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    cfg = bg.GemvConfig(16, 256, 4, 1, path="dot")
-    bg.kernel_call(x, w, out, torch.ones(()), cfg)()
-    ref = x.float() @ w.float().t()
-    assert float((out.float() - ref).norm() / ref.norm()) <= bg.MAX_REL
-    assert len(bg.configs()) == 32 and all(c.path == "dot" for c in bg.configs())
+    ws = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for _ in range(3)]
+    outs = [torch.full((1, n), float("nan"), dtype=torch.bfloat16) for _ in ws]
+    made = []
+    xs = [torch.zeros(1, k, dtype=torch.bfloat16)]
+
+    def producer():
+        xs[0] = torch.randn(1, k, generator=g).to(torch.bfloat16)
+        made.append(xs[0])
+
+    launch = bg.launches()[0]
+    for call in bg.chain(producer, lambda x, w, o: gemv(x, w, launch, out=o), xs, ws, outs):
+        call()
+    assert len(made) == len(ws)
+    for x, w, out in zip(made, ws, outs):
+        ref = x.float() @ w.float().t()
+        assert float((out.float() - ref).norm() / ref.norm()) <= bg.MAX_REL
+    assert len(bg.launches()) == len(bg.BLOCK_N) * len(bg.BLOCK_K) * len(bg.WARPS)
+    assert all(lc.pdl and lc.prefetch for lc in bg.launches())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from impl.moe.triton_pdl import pdl_release, pdl_wait, use_pdl
 from impl.triton_env import tl, triton
 
 # Warps for one row: 2560 values of Ling-3.0-flash fit one program of 4 warps, 8 elements a thread.
@@ -24,8 +25,11 @@ NUM_WARPS = 4
 
 @triton.jit
 def add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps,
-                        stride_delta, stride_residual, stride_out, stride_sum, BLOCK_H: tl.constexpr):
+                        stride_delta, stride_residual, stride_out, stride_sum, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One program a row: sum = round(residual + delta); out = sum * rsqrt(mean(sum^2) + eps) * w."""
+    pdl_wait(PDL)  # delta comes from the launch before this one
+    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     ok = offs_h < H
@@ -60,9 +64,11 @@ def _check(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) ->
 
 
 def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_reference` in one launch of `add_rms_norm_kernel`."""
+                        eps: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` in one launch of `add_rms_norm_kernel` (`pdl`: launched to start
+    while the kernel before it finishes, and letting the next one start early)."""
     _check(delta, residual, weight)
+    pdl = use_pdl(pdl, residual.device)
     h = residual.shape[-1]
     d, r = delta.reshape(-1, h), residual.reshape(-1, h)
     if d.stride(-1) != 1:
@@ -72,7 +78,8 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, weight: tor
     out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
     total = torch.empty_like(out)
     add_rms_norm_kernel[(r.shape[0],)](d, r, weight, out, total, h, eps, d.stride(0), r.stride(0), out.stride(0),
-                                       total.stride(0), BLOCK_H=triton.next_power_of_2(h), num_warps=NUM_WARPS)
+                                       total.stride(0), BLOCK_H=triton.next_power_of_2(h), PDL=pdl, launch_pdl=pdl,
+                                       num_warps=NUM_WARPS)
     return out.view(residual.shape), total.view(residual.shape)
 
 

@@ -1,22 +1,24 @@
 #!/usr/bin/env python3
-"""The decode step's bf16 projections (one token) through cuBLAS and through the FP8 head's GEMV
-kernel on its 16-bit tensor-core path, side by side on a CUDA GPU, against their byte floor.
+"""The decode step's bf16 projections (one token) through cuBLAS and through impl.model.gemv's
+Triton GEMV, each after the kernel that feeds it, side by side on a CUDA GPU, against their byte
+floor.
 
 Why: at Ling-3.0-flash shapes cuBLAS reads KDA's fused input projection at 63% of the copy
-bandwidth and o_proj at 32% (notes/ling.md); those GEMVs are most of the step's distance from its
-floor (notes/ling-ladder.md). `impl.head.fp8_gemv.fp8_gemv_kernel` with PATH 1 ("dot") upcasts its
-weight tile to the activations' dtype before a 16-bit tensor-core dot: for a bf16 weight that
-upcast is the identity, so the tile goes from memory to the tensor cores unconverted, as the FP8
-head's own path does at 97% of its floor. Its scale is one fp32 1.0 (per tensor): exact.
+bandwidth and o_proj at 32-40% (notes/ling.md); those GEMVs are most of the step's distance from
+its floor (notes/ling-ladder.md). In the step every projection follows a short kernel that makes
+its input (a norm, the attention kernel); `gemv_kernel` launched with programmatic dependent launch
+starts streaming its weight while that kernel still runs. So each contender is timed as a chain:
+the producer (`add_rms_norm`, PDL-launched before a PDL GEMV) then the projection, COPIES pairs
+cycled inside one captured graph so that every call reads its weight from HBM (o_proj's 21 MB
+would otherwise sit in the 50 MB L2); the producer alone is timed the same way and subtracted.
 
 Weights: each projection of one KDA and one MLA layer at Ling-3.0-flash shapes (the fused input
 projections as build_model leaves them, and o_proj) and the dense MLP's, random normal * 0.02 in
-bf16; COPIES copies of each, cycled inside one captured graph so that every call reads its weight
-from HBM (o_proj's 21 MB would otherwise sit in the 50 MB L2). Each variant is checked against an
-fp32 product first (relative error <= 1e-2: bf16 output rounding is 4e-3) and skipped, saying so,
-where it is wrong. Timing: `impl.gpu_timing.interleaved_replay_us` (cuBLAS and every kernel
-config take turns, ROUNDS rounds), microseconds per call, as a fraction of the weight's bytes at
-the copy bandwidth measured in the same process.
+bf16. Each contender is checked against an fp32 product first (relative error <= 1e-2: bf16 output
+rounding is 4e-3) and skipped, saying so, where it is wrong. Timing:
+`impl.gpu_timing.interleaved_replay_us` (every chain takes turns, ROUNDS rounds), microseconds
+per projection, as a fraction of the weight's bytes at the copy bandwidth measured in the same
+process.
 
     PYTHONPATH=. python3 scripts/gpu/bench_gemv.py --out $OUT      # from the repository root
 Prints a table last; writes DIR/gemv_bench.json. Exit status 0; 2 without a CUDA device.
@@ -36,16 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import build_kda, build_mla  # noqa: E402
-from impl.head.configs import DOT_ROWS, GemvConfig  # noqa: E402
+from impl.model.gemv import GemvLaunch  # noqa: E402
 
 COPIES = 6  # weights cycled per replay: 6 x 21 MB > 2 x the H200's 50 MB L2
 ROUNDS, REP_MS = 3, 50
-# The sweep: rows a program, hidden elements a loop step, warps, pipeline stages (32 configs, each
-# compiled once: N and K are not constexprs, and every K here is a multiple of BLOCK_K).
-BLOCK_N = (16, 32, 64, 128)
-BLOCK_K = (256, 512)
+# The sweep: rows a program, hidden elements a loop step, warps, with PDL and the L2 prefetch;
+# the best tile is also run without PDL (is it the early start, or the kernel?).
+BLOCK_N = (2, 4, 8, 16)
+BLOCK_K = (256, 512, 1024)
 WARPS = (4, 8)
-STAGES = (3, 5)
 MAX_REL = 1e-2
 
 
@@ -60,53 +61,80 @@ def projections() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def configs() -> list[GemvConfig]:
-    return [GemvConfig(bn, bk, w, s, path="dot") for bn, bk, w, s in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES)]
+def launches() -> list[GemvLaunch]:
+    return [GemvLaunch(bn, bk, w) for bn, bk, w in itertools.product(BLOCK_N, BLOCK_K, WARPS)]
 
 
-def kernel_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, one: torch.Tensor, cfg: GemvConfig):
-    from impl.head.fp8_gemv import fp8_gemv_kernel
-    from impl.triton_env import FP32_MATH, triton
-    n, k = w.shape
-    grid = (triton.cdiv(n, cfg.block_n), 1)
-    return lambda: fp8_gemv_kernel[grid](
-        x, w, one, out, 1, n, k, x.stride(0), w.stride(0), out.stride(0), PER_ROW=False, BLOCK_M=DOT_ROWS,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PATH=1, EVEN_K=k % cfg.block_k == 0, IEEE_DOT=False,
-        FP32_MATH=FP32_MATH, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def label(launch: GemvLaunch) -> str:
+    suffix = " no-pdl" if not launch.pdl else "" if launch.prefetch else " no-prefetch"
+    return f"{launch.block_n}x{launch.block_k} w{launch.num_warps}{suffix}"
+
+
+def chain(producer, project, xs, ws, outs):
+    """COPIES (producer, projection) pairs: the producer writes x, the projection reads it."""
+    calls = []
+    for w, o in zip(ws, outs):
+        calls += [producer, lambda w=w, o=o: project(xs[0], w, o)]
+    return calls
 
 
 def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generator) -> dict:
     from impl.gpu_timing import interleaved_replay_us
     from impl.graphs import capture_graph
+    from impl.model.add_rms_norm import add_rms_norm_triton
+    from impl.model.gemv import gemv
     dev = torch.device("cuda")
     ws = [torch.empty(n, k, device=dev, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen) for _ in range(COPIES)]
-    x = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
-    one = torch.ones((), device=dev)
-    ref = (x.float() @ ws[0].float().t())
+    delta, residual = (torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm_w = torch.rand(k, device=dev, generator=gen).to(torch.bfloat16) + 0.5
+    xs: list[torch.Tensor] = [add_rms_norm_triton(delta, residual, norm_w, 1e-6)[0]]
+
+    def producer(pdl: bool):
+        def call():  # the projection after it reads what this launch made
+            xs[0] = add_rms_norm_triton(delta, residual, norm_w, 1e-6, pdl=pdl)[0]
+        return call
+
+    ref = xs[0].float() @ ws[0].float().t()
     outs = [torch.empty(1, n, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
-    calls = {"cublas": [lambda w=w, o=o: torch.mm(x, w.t(), out=o) for w, o in zip(ws, outs)]}
+    calls = {"producer alone": [producer(False)] * COPIES,
+             "producer + PDL alone": [producer(True)] * COPIES,
+             "cublas": chain(producer(False), lambda x, w, o: torch.mm(x, w.t(), out=o), xs, ws, outs)}
     rejected = {}
-    for cfg in configs():
-        label = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    for launch in launches():
         try:
             outs[0].fill_(float("nan"))
-            kernel_call(x, ws[0], outs[0], one, cfg)()
+            gemv(xs[0], ws[0], launch, out=outs[0])
             rel = float((outs[0].float() - ref).norm() / ref.norm())
             if not rel <= MAX_REL:
-                rejected[label] = f"relative error {rel:.2e}"
+                rejected[label(launch)] = f"relative error {rel:.2e}"
                 continue
-        except Exception as e:  # a config the compiler refuses (shared memory, registers)
-            rejected[label] = f"{type(e).__name__}: {str(e)[:120]}"
+        except Exception as e:  # a config the compiler refuses (registers)
+            rejected[label(launch)] = f"{type(e).__name__}: {str(e)[:120]}"
             continue
-        calls[label] = [kernel_call(x, w, o, one, cfg) for w, o in zip(ws, outs)]
+        calls[label(launch)] = chain(producer(True), lambda x, w, o, launch=launch: gemv(x, w, launch, out=o),
+                                     xs, ws, outs)
     with torch.inference_mode():
-        graphs = {label: capture_graph(fns) for label, fns in calls.items()}
+        graphs = {lab: capture_graph(fns) for lab, fns in calls.items()}
         times = interleaved_replay_us(graphs, rounds=ROUNDS, rep=REP_MS)
-    per_call = {label: sorted(t)[len(t) // 2] / COPIES for label, t in times.items()}
+    pair = {lab: sorted(t)[len(t) // 2] / COPIES for lab, t in times.items()}
+    tiles = [lab for lab in pair if lab not in ("producer alone", "producer + PDL alone", "cublas")]
+    best = min(tiles, key=pair.get, default=None)
+    if best is not None:  # the best tile again, launched without PDL and without the prefetch
+        bn, bk, w = best.replace("x", " ").replace("w", "").split()[:3]
+        plain = GemvLaunch(int(bn), int(bk), int(w), pdl=False, prefetch=False)
+        early = GemvLaunch(int(bn), int(bk), int(w), pdl=True, prefetch=False)
+        calls = {"cublas": calls["cublas"], best: calls[best], "producer alone": calls["producer alone"],
+                 label(plain): chain(producer(False), lambda x, w_, o: gemv(x, w_, plain, out=o), xs, ws, outs),
+                 label(early): chain(producer(True), lambda x, w_, o: gemv(x, w_, early, out=o), xs, ws, outs)}
+        with torch.inference_mode():
+            graphs = {lab: capture_graph(fns) for lab, fns in calls.items()}
+            again = interleaved_replay_us(graphs, rounds=ROUNDS, rep=REP_MS)
+        pair.update({lab: sorted(t)[len(t) // 2] / COPIES for lab, t in again.items()})
+    alone = pair["producer alone"]
+    us = {lab: t - alone for lab, t in pair.items() if not lab.startswith("producer")}
     floor = n * k * 2 / bandwidth * 1e6
-    best = min((label for label in per_call if label != "cublas"), key=per_call.get, default=None)
-    return {"name": name, "n": n, "k": k, "mbytes": n * k * 2 / 1e6, "floor_us": floor, "us": per_call,
-            "best": best, "rejected": rejected}
+    return {"name": name, "n": n, "k": k, "mbytes": n * k * 2 / 1e6, "floor_us": floor, "pair_us": pair,
+            "us": us, "best": best, "rejected": rejected}
 
 
 def main(argv=None) -> int:
@@ -124,13 +152,15 @@ def main(argv=None) -> int:
     atomic_write_text(Path(args.out) / "gemv_bench.json",
                       json.dumps({"bandwidth_tb_s": bandwidth / 1e12, "rows": rows}, indent=2) + "\n")
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; us a call (fraction of the byte floor)")
-    print(f"{'projection':28s} {'N x K':>12s} {'MB':>6s} {'cuBLAS':>14s} {'best kernel':>14s}  config   kernel/cuBLAS")
+    print(f"{'projection':28s} {'N x K':>12s} {'MB':>6s} {'cuBLAS':>14s} {'best gemv':>14s}  config   gemv/cuBLAS")
+    print("(each after its producer kernel, the producer's own time subtracted)")
     for r in rows:
-        cb = r["us"]["cublas"]
-        best = r["best"]
+        cb, best = r["us"]["cublas"], r["best"]
         kb = r["us"][best] if best else float("nan")
+        nopdl = next((t for lab, t in r["us"].items() if lab.endswith("no-pdl")), float("nan"))
+        nopf = next((t for lab, t in r["us"].items() if lab.endswith("no-prefetch")), float("nan"))
         print(f"{r['name']:28s} {r['n']:>6d}x{r['k']:<5d} {r['mbytes']:6.1f} {cb:7.1f} ({r['floor_us'] / cb:4.0%}) "
-              f"{kb:7.1f} ({r['floor_us'] / kb:4.0%})  {best}  {kb / cb:.3f}")
+              f"{kb:7.1f} ({r['floor_us'] / kb:4.0%})  {best}  {kb / cb:.3f}  no-pdl {nopdl:.1f} no-prefetch {nopf:.1f}")
     return 0
 
 
