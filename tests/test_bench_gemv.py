@@ -49,4 +49,6 @@ def test_each_timed_projection_reads_what_its_producer_made():
         ref = x.float() @ w.float().t()
         assert float((out.float() - ref).norm() / ref.norm()) <= bg.MAX_REL
     assert len(bg.launches()) == len(bg.BLOCK_N) * len(bg.BLOCK_K) * len(bg.WARPS)
-    assert all(lc.pdl and lc.prefetch for lc in bg.launches())
+    assert all(lc.pdl for lc in bg.launches())
+    from impl.model.gemv import launch_for
+    assert bg.launches(2560, 4096) == [launch_for(2560, 4096)]

@@ -1,6 +1,7 @@
 """impl.model.gemv: one token's projection as a Triton GEMV, against the fp32 product, on the CPU
-through Triton's interpreter and on a GPU compiled (there with PDL and the L2 prefetch as launched
-in a decode step).
+through Triton's interpreter and on a GPU compiled (there with PDL as launched in a decode step);
+`linear`'s choice between it and F.linear; and on a GPU a Ling decode step through it against the
+same step through cuBLAS.
 
 Tolerances: fp32 inputs 1e-6 relative (the same products summed in another order over at most
 6144 terms); bf16 on a GPU 2^-7 relative (the one final rounding to bf16: the sums are fp32 in
@@ -13,7 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl.model.gemv import GemvLaunch, gemv, gemv_reference
+from types import SimpleNamespace
+
+import impl.model.gemv as gemv_module
+from impl import backends
+from impl.model.gemv import GemvLaunch, gemv, gemv_applies, gemv_reference, launch_for, linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,7 +37,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     (64, 256, GemvLaunch(block_n=8, block_k=64)),
     (37, 200, GemvLaunch(block_n=8, block_k=64)),      # N and K past the last full tile
     (130, 96, GemvLaunch(block_n=16, block_k=128)),    # K shorter than one tile
-    (24, 520, GemvLaunch(block_n=4, block_k=256, pdl=False, prefetch=False)),
+    (24, 520, GemvLaunch(block_n=4, block_k=256, pdl=False)),
 ])
 def test_the_kernel_matches_the_fp32_product(n, k, launch):
     x, w = inputs(n, k, torch.float32, seed=n + k)
@@ -64,5 +69,62 @@ def test_bad_inputs_name_the_problem():
         gemv(x[:, :16], w.t().contiguous().t()[:16, :16])
     with pytest.raises(ValueError, match="power of two"):
         GemvLaunch(block_n=12)
-    with pytest.raises(ValueError, match="prefetch needs pdl"):
-        GemvLaunch(pdl=False, prefetch=True)
+    with pytest.raises(ValueError, match="num_warps"):
+        GemvLaunch(num_warps=3)
+
+
+def fake_cuda(x: torch.Tensor):
+    """x as `gemv_applies` sees it on a GPU: only is_cuda differs."""
+    return SimpleNamespace(is_cuda=True, dtype=x.dtype, numel=x.numel)
+
+
+def test_the_kernel_takes_one_16_bit_row_on_a_gpu_and_nothing_else():
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    one = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    assert gemv_applies(fake_cuda(one), w, None)
+    assert gemv_applies(fake_cuda(one.half()), w.half(), None)
+    assert not gemv_applies(one, w, None)                                   # on the CPU
+    assert not gemv_applies(fake_cuda(torch.zeros(1, 4, 64, dtype=torch.bfloat16)), w, None)  # a verify pass
+    assert not gemv_applies(fake_cuda(one.float()), w.float(), None)        # fp32
+    assert not gemv_applies(fake_cuda(one), w, torch.zeros(8, dtype=torch.bfloat16))  # a bias
+    assert not gemv_applies(fake_cuda(one), w.t().contiguous().t(), None)   # strided rows
+
+
+def test_linear_off_the_kernel_is_f_linear_and_notes_nothing():
+    x, w = inputs(24, 64, torch.float32, seed=3)
+    with backends.record_provenance() as prov:
+        out = linear(x, w)
+    assert torch.equal(out, torch.nn.functional.linear(x, w))
+    assert not prov.events
+
+
+def test_launches_are_data_keyed_by_shape():
+    assert launch_for(2560, 4096) == gemv_module.TUNED[(2560, 4096)]
+    assert launch_for(123, 456) == gemv_module.DEFAULT_LAUNCH
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the decode step's projections take the kernel on a GPU only")
+def test_a_ling_decode_step_through_the_kernel_matches_cublas(monkeypatch):
+    """ling-3.0-tiny in bf16 on the GPU: one decode token's logits with every one-row projection
+    through gemv_kernel (noted as provenance) against the same token through F.linear. Tolerance
+    2e-2 relative: each of the step's projections rounds its bf16 output once in either path, but
+    the two sum in another order, and 6 layers of bf16 activations carry the difference on."""
+    from impl.model.build import build_model
+    model = build_model("ling-3.0-tiny", device=DEVICE, dtype=torch.bfloat16, moe_backend="triton")
+    tokens = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(DEVICE)
+
+    def last_logits():
+        model.setup_caches(1, 16)
+        with torch.inference_mode():
+            model(tokens[:, :8], torch.arange(8, device=DEVICE))
+            with backends.record_provenance() as prov:
+                out = model(tokens[:, 8:], torch.tensor([8], device=DEVICE))
+        return out.float(), {(e.kind, e.backend) for e in prov.events}
+
+    got, kinds = last_logits()
+    assert ("projection", "gemv") in kinds
+    monkeypatch.setattr(gemv_module, "gemv_applies", lambda *a: False)
+    want, kinds = last_logits()
+    assert ("projection", "gemv") not in kinds
+    assert rel(got, want) <= 2e-2

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from impl.moe.triton_pdl import pdl_release, pdl_wait, use_pdl
+from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait, use_pdl
 from impl.triton_env import tl, triton
 
 # Warps for one row: 2560 values of Ling-3.0-flash fit one program of 4 warps, 8 elements a thread.
@@ -88,8 +88,8 @@ def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, norm) -> tu
     (norm(residual), residual). One Triton launch on CUDA, torch elsewhere."""
     if delta is None:
         return norm(residual), residual
-    if residual.is_cuda:
-        return add_rms_norm_triton(delta, residual, norm.weight, norm.eps)
+    if residual.is_cuda:  # launched with PDL where there is PDL: the projection after it starts early
+        return add_rms_norm_triton(delta, residual, norm.weight, norm.eps, pdl=pdl_supported(residual.device))
     _check(delta, residual, norm.weight)
     return add_rms_norm_reference(delta, residual, norm.weight, norm.eps)
 

@@ -6,8 +6,9 @@ per projection (on the H200 a bf16 GEMV of a few MB is launch- and tail-bound)."
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from impl.model.gemv import linear
 
 
 @torch.no_grad()
@@ -39,5 +40,5 @@ def fused_linear(module: nn.Module, names: tuple[str, ...], fused: torch.Tensor 
                 break
             offset += w.shape[0]
         else:
-            return F.linear(x, fused)
+            return linear(x, fused)
     return torch.cat([module.get_submodule(n)(x) for n in names], dim=-1)

@@ -3,13 +3,19 @@ streaming its weight before the kernel ahead of it has finished.
 
 Why: a decode step is a chain of short dependent launches, and a projection's weight (the bytes
 that matter) does not depend on the launch before it; only x does. Launched with programmatic
-dependent launch (PDL; impl/moe/triton_pdl.py's rules) each program asks for its weight rows in
-L2 and loads its first K tile into registers, then waits for x. cuBLAS cannot start before its
-input is ready, and at Ling-3.0-flash's shapes it reads o_proj's 21 MB at 40% of the copy
-bandwidth (notes/ling-ladder.md).
+dependent launch (PDL; impl/moe/triton_pdl.py's rules) each program loads its first K tile of
+weights into registers, then waits for x. Each program owns BLOCK_N weight rows and walks K in
+BLOCK_K steps, fp32 products summed per row at the end.
 
-Each program owns BLOCK_N weight rows and walks K in BLOCK_K steps, fp32 products summed per row
-at the end. `gemv_reference` is the fp32 product rounded to the output dtype.
+Measured on the H200 (scripts/gpu/bench_gemv.py, each projection after the norm kernel that feeds
+it, weights from HBM; notes/runs/2026-12-04-gemv-bench-h200.log): o_proj (2560 x 4096, 21 MB)
+6.3 us against cuBLAS's 11.5 (78% of the copy bandwidth against 43%), KDA's fused input
+projection 27.9 against 30.3 us, MLA's 11.2 against 13.2, the dense MLP's 9.3-9.6 against
+12.5-14.4. Without PDL the same tiles take 1.3-1.6 us more; asking for the rows in L2 before the
+wait (`prefetch.global.L2`) cost 0.5-3.3 us more than not, and is not done.
+
+`linear` is the models' projection call: this kernel for one row of 16-bit activations on a GPU,
+F.linear otherwise. `gemv_reference` is the fp32 product rounded to the output dtype.
 """
 
 from __future__ import annotations
@@ -17,20 +23,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl
-from impl.triton_env import ASM, tl, triton
+from impl import backends
+from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
+from impl.triton_env import tl, triton
 
 
 @dataclass(frozen=True)
 class GemvLaunch:
-    """A launch configuration: weight rows a program, hidden elements a loop step, warps; `pdl`
-    (start early, wait for x) and `prefetch` (ask for the program's rows in L2 before the wait)."""
-    block_n: int = 8
-    block_k: int = 512
+    """A launch configuration: weight rows a program, hidden elements a loop step, warps, and
+    `pdl` (start while the launch before runs, wait for x)."""
+    block_n: int = 2
+    block_k: int = 1024
     num_warps: int = 4
     pdl: bool = True
-    prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -39,22 +46,28 @@ class GemvLaunch:
                 raise ValueError(f"GemvLaunch.{name} must be a power of two, got {v}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemvLaunch.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.prefetch and not self.pdl:
-            raise ValueError("GemvLaunch.prefetch needs pdl (it fills the time spent waiting)")
+
+
+# (N, K) -> launch, from scripts/gpu/bench_gemv.py's sweep on the H200 (best of 24 tiles each);
+# every other shape takes DEFAULT_LAUNCH, the best tile at all the others measured.
+TUNED = {(2560, 4096): GemvLaunch(block_n=4, block_k=1024, num_warps=8)}
+DEFAULT_LAUNCH = GemvLaunch()
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def launch_for(n: int, k: int) -> GemvLaunch:
+    return TUNED.get((n, k), DEFAULT_LAUNCH)
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PDL: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
+                PDL: tl.constexpr):
     """out[n] = sum_k x[k] * w[n, k] for this program's BLOCK_N rows."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    if PREFETCH:  # rows are contiguous: one range from the first row to past the last
-        last = tl.minimum(pid * BLOCK_N + BLOCK_N, N)
-        prefetch_l2(w_ptr + pid.to(tl.int64) * BLOCK_N * stride_wn, w_ptr + last.to(tl.int64) * stride_wn, ASM)
     # The first tile is read before the wait: weights were written long before this launch.
     w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
                 eviction_policy="evict_first")
@@ -98,11 +111,29 @@ def gemv(x: torch.Tensor, w: torch.Tensor, launch: GemvLaunch = GemvLaunch(),
         xc = xc.contiguous()
     if out is None:
         out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
-    pdl = use_pdl(launch.pdl, x.device) if x.is_cuda else False
+    pdl = launch.pdl and pdl_supported(x.device)
     gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         xc, w, out, n, k, w.stride(0), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, PDL=pdl,
-        PREFETCH=pdl and launch.prefetch, ASM=ASM, launch_pdl=pdl, num_warps=launch.num_warps)
+        launch_pdl=pdl, num_warps=launch.num_warps)
     return out
 
 
-__all__ = ["GemvLaunch", "gemv", "gemv_kernel", "gemv_reference"]
+def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` takes the kernel: one row of 16-bit activations and a weight of the same
+    dtype with contiguous rows, on a GPU, no bias. (More rows, a verify pass's or a prompt's,
+    stay with cuBLAS: the kernel reads x once a program, measured at one row only.)"""
+    return (bias is None and x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and w.dim() == 2
+            and x.numel() == w.shape[1] and w.stride(1) == 1)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), through `gemv_kernel` where `gemv_applies` (noted as provenance)."""
+    if not gemv_applies(x, w, bias):
+        return F.linear(x, w, bias)
+    n, k = w.shape
+    backends.note("projection", "gemv", "gemv_kernel", n=n, k=k)
+    return gemv(x, w, launch_for(n, k))
+
+
+__all__ = ["DEFAULT_LAUNCH", "TUNED", "GemvLaunch", "gemv", "gemv_applies", "gemv_kernel", "gemv_reference",
+           "launch_for", "linear"]

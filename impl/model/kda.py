@@ -36,6 +36,7 @@ from torch import nn
 
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear
+from impl.model.gemv import linear
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
 # reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.
@@ -311,7 +312,7 @@ class KDAAttention(nn.Module):
                        self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
                        keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
                        self.o_norm.eps)
-        return self.o_proj(o).unsqueeze(1)
+        return linear(o, self.o_proj.weight, self.o_proj.bias).unsqueeze(1)
 
     def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """A verify pass of T tokens (2..track.tokens) through the decode kernel token by token:

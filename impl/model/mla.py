@@ -38,6 +38,7 @@ from torch import nn
 
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear
+from impl.model.gemv import linear
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
 # transformers builds kv_a_layernorm and q_a_layernorm with the RMSNorm's default eps (1e-6),
@@ -268,7 +269,7 @@ class MLAAttention(nn.Module):
         # dtype, scaling each head's attention output before o_proj.
         gate = torch.sigmoid(g.float()).to(x.dtype)
         y = y.transpose(1, 2) * gate.unsqueeze(-1)
-        return self.o_proj(y.reshape(b, t, nh * c.v_head_dim))
+        return linear(y.reshape(b, t, nh * c.v_head_dim), self.o_proj.weight, self.o_proj.bias)
 
     @staticmethod
     def _valid_prefix(rows: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor):

@@ -50,6 +50,14 @@ def use_pdl(requested: bool, device: torch.device) -> bool:
     return True
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL (an sm_90 or newer GPU, not the interpreter):
+    for kernels that take it where it is there and run plainly elsewhere."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait until the previous launch has completed and its writes are visible."""

@@ -68,6 +68,8 @@ class RowProvenance:
     moe: set[tuple[str, str]] = field(default_factory=set)  # (backend, kernel), target and draft
     # Attention decode kernels that ran (impl.model.kda / mla), target and draft
     attention: set[tuple[str, str]] = field(default_factory=set)
+    # Projection kernels that ran (impl.model.gemv), target and draft; cuBLAS calls note nothing
+    projection: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
     head_class: set[str] = field(default_factory=set)
@@ -91,6 +93,8 @@ class RowProvenance:
                 self.moe.add((backend, kernel))
             elif kind == "attention":
                 self.attention.add((backend, kernel))
+            elif kind == "projection":
+                self.projection.add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
         head = arm.model.lm_head

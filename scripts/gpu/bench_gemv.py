@@ -42,8 +42,9 @@ from impl.model.gemv import GemvLaunch  # noqa: E402
 
 COPIES = 6  # weights cycled per replay: 6 x 21 MB > 2 x the H200's 50 MB L2
 ROUNDS, REP_MS = 3, 50
-# The sweep: rows a program, hidden elements a loop step, warps, with PDL and the L2 prefetch;
-# the best tile is also run without PDL (is it the early start, or the kernel?).
+# The sweep: rows a program, hidden elements a loop step, warps, launched with PDL; the best tile
+# is also run without PDL (is it the early start, or the kernel?). --committed times only the
+# tile impl.model.gemv.launch_for picks.
 BLOCK_N = (2, 4, 8, 16)
 BLOCK_K = (256, 512, 1024)
 WARPS = (4, 8)
@@ -61,13 +62,16 @@ def projections() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def launches() -> list[GemvLaunch]:
+def launches(n: int | None = None, k: int | None = None) -> list[GemvLaunch]:
+    """The sweep's tiles; with n and k, the committed one for that shape alone."""
+    if n is not None:
+        from impl.model.gemv import launch_for
+        return [launch_for(n, k)]
     return [GemvLaunch(bn, bk, w) for bn, bk, w in itertools.product(BLOCK_N, BLOCK_K, WARPS)]
 
 
 def label(launch: GemvLaunch) -> str:
-    suffix = " no-pdl" if not launch.pdl else "" if launch.prefetch else " no-prefetch"
-    return f"{launch.block_n}x{launch.block_k} w{launch.num_warps}{suffix}"
+    return f"{launch.block_n}x{launch.block_k} w{launch.num_warps}" + ("" if launch.pdl else " no-pdl")
 
 
 def chain(producer, project, xs, ws, outs):
@@ -78,7 +82,7 @@ def chain(producer, project, xs, ws, outs):
     return calls
 
 
-def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generator) -> dict:
+def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generator, committed: bool) -> dict:
     from impl.gpu_timing import interleaved_replay_us
     from impl.graphs import capture_graph
     from impl.model.add_rms_norm import add_rms_norm_triton
@@ -100,7 +104,7 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
              "producer + PDL alone": [producer(True)] * COPIES,
              "cublas": chain(producer(False), lambda x, w, o: torch.mm(x, w.t(), out=o), xs, ws, outs)}
     rejected = {}
-    for launch in launches():
+    for launch in (launches(n, k) if committed else launches()):
         try:
             outs[0].fill_(float("nan"))
             gemv(xs[0], ws[0], launch, out=outs[0])
@@ -119,13 +123,11 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
     pair = {lab: sorted(t)[len(t) // 2] / COPIES for lab, t in times.items()}
     tiles = [lab for lab in pair if lab not in ("producer alone", "producer + PDL alone", "cublas")]
     best = min(tiles, key=pair.get, default=None)
-    if best is not None:  # the best tile again, launched without PDL and without the prefetch
+    if best is not None:  # the best tile again, launched without PDL
         bn, bk, w = best.replace("x", " ").replace("w", "").split()[:3]
-        plain = GemvLaunch(int(bn), int(bk), int(w), pdl=False, prefetch=False)
-        early = GemvLaunch(int(bn), int(bk), int(w), pdl=True, prefetch=False)
+        plain = GemvLaunch(int(bn), int(bk), int(w), pdl=False)
         calls = {"cublas": calls["cublas"], best: calls[best], "producer alone": calls["producer alone"],
-                 label(plain): chain(producer(False), lambda x, w_, o: gemv(x, w_, plain, out=o), xs, ws, outs),
-                 label(early): chain(producer(True), lambda x, w_, o: gemv(x, w_, early, out=o), xs, ws, outs)}
+                 label(plain): chain(producer(False), lambda x, w_, o: gemv(x, w_, plain, out=o), xs, ws, outs)}
         with torch.inference_mode():
             graphs = {lab: capture_graph(fns) for lab, fns in calls.items()}
             again = interleaved_replay_us(graphs, rounds=ROUNDS, rep=REP_MS)
@@ -140,6 +142,7 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gemv_bench.json")
+    p.add_argument("--committed", action="store_true", help="time only the tile impl.model.gemv commits per shape")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA device", file=sys.stderr)
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
     from pytest_moeperf.baselines import atomic_write_text
     bandwidth = copy_bandwidth("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [bench_shape(name, n, k, bandwidth, gen) for name, (n, k) in projections().items()]
+    rows = [bench_shape(name, n, k, bandwidth, gen, args.committed) for name, (n, k) in projections().items()]
     atomic_write_text(Path(args.out) / "gemv_bench.json",
                       json.dumps({"bandwidth_tb_s": bandwidth / 1e12, "rows": rows}, indent=2) + "\n")
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; us a call (fraction of the byte floor)")
@@ -158,9 +161,8 @@ def main(argv=None) -> int:
         cb, best = r["us"]["cublas"], r["best"]
         kb = r["us"][best] if best else float("nan")
         nopdl = next((t for lab, t in r["us"].items() if lab.endswith("no-pdl")), float("nan"))
-        nopf = next((t for lab, t in r["us"].items() if lab.endswith("no-prefetch")), float("nan"))
         print(f"{r['name']:28s} {r['n']:>6d}x{r['k']:<5d} {r['mbytes']:6.1f} {cb:7.1f} ({r['floor_us'] / cb:4.0%}) "
-              f"{kb:7.1f} ({r['floor_us'] / kb:4.0%})  {best}  {kb / cb:.3f}  no-pdl {nopdl:.1f} no-prefetch {nopf:.1f}")
+              f"{kb:7.1f} ({r['floor_us'] / kb:4.0%})  {best}  {kb / cb:.3f}  no-pdl {nopdl:.1f}")
     return 0
 
 
