@@ -29,7 +29,7 @@ def add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H
                         PDL: tl.constexpr = False):
     """One program a row: sum = round(residual + delta); out = sum * rsqrt(mean(sum^2) + eps) * w."""
     pdl_wait(PDL)  # delta comes from the launch before this one
-    pdl_release(PDL)
+    pdl_release(PDL)  # the next launch may start now: PDL kernels read this one's outputs after their wait
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     ok = offs_h < H

@@ -101,7 +101,7 @@ def _check(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"gemv: w's rows must be contiguous, strides {w.stride()}")
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, launch: GemvLaunch = GemvLaunch(),
+def gemv(x: torch.Tensor, w: torch.Tensor, launch: GemvLaunch = DEFAULT_LAUNCH,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T for one row x (shape [..., K] with one row in all) in one launch of `gemv_kernel`."""
     _check(x, w)

@@ -27,6 +27,7 @@ Prints a table last; writes DIR/gemv_bench.json. Exit status 0; 2 without a CUDA
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -103,7 +104,7 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
     calls = {"producer alone": [producer(False)] * COPIES,
              "producer + PDL alone": [producer(True)] * COPIES,
              "cublas": chain(producer(False), lambda x, w, o: torch.mm(x, w.t(), out=o), xs, ws, outs)}
-    rejected = {}
+    rejected, tiles = {}, {}
     for launch in (launches(n, k) if committed else launches()):
         try:
             outs[0].fill_(float("nan"))
@@ -115,17 +116,16 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
         except Exception as e:  # a config the compiler refuses (registers)
             rejected[label(launch)] = f"{type(e).__name__}: {str(e)[:120]}"
             continue
+        tiles[label(launch)] = launch
         calls[label(launch)] = chain(producer(True), lambda x, w, o, launch=launch: gemv(x, w, launch, out=o),
                                      xs, ws, outs)
     with torch.inference_mode():
         graphs = {lab: capture_graph(fns) for lab, fns in calls.items()}
         times = interleaved_replay_us(graphs, rounds=ROUNDS, rep=REP_MS)
     pair = {lab: sorted(t)[len(t) // 2] / COPIES for lab, t in times.items()}
-    tiles = [lab for lab in pair if lab not in ("producer alone", "producer + PDL alone", "cublas")]
     best = min(tiles, key=pair.get, default=None)
     if best is not None:  # the best tile again, launched without PDL
-        bn, bk, w = best.replace("x", " ").replace("w", "").split()[:3]
-        plain = GemvLaunch(int(bn), int(bk), int(w), pdl=False)
+        plain = dataclasses.replace(tiles[best], pdl=False)
         calls = {"cublas": calls["cublas"], best: calls[best], "producer alone": calls["producer alone"],
                  label(plain): chain(producer(False), lambda x, w_, o: gemv(x, w_, plain, out=o), xs, ws, outs)}
         with torch.inference_mode():
