@@ -67,6 +67,10 @@ def test_bad_inputs_name_the_problem():
         gemv(x.to(torch.bfloat16), w)
     with pytest.raises(ValueError, match="contiguous"):
         gemv(x[:, :16], w.t().contiguous().t()[:16, :16])
+    with pytest.raises(ValueError, match="out must hold 16"):
+        gemv(x, w, out=torch.empty(1, 8))
+    with pytest.raises(ValueError, match="out must hold 16"):
+        gemv(x, w, out=torch.empty(1, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="power of two"):
         GemvLaunch(block_n=12)
     with pytest.raises(ValueError, match="num_warps"):

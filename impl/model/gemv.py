@@ -33,7 +33,7 @@ from impl.triton_env import tl, triton
 @dataclass(frozen=True)
 class GemvLaunch:
     """A launch configuration: weight rows a program, hidden elements a loop step, warps, and
-    `pdl` (start while the launch before runs, wait for x)."""
+    `pdl` (start while the launch before runs, wait for x; where the GPU has PDL, sm_90 on)."""
     block_n: int = 2
     block_k: int = 1024
     num_warps: int = 4
@@ -111,6 +111,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, launch: GemvLaunch = DEFAULT_LAUNCH,
         xc = xc.contiguous()
     if out is None:
         out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    elif out.numel() != n or out.dtype != x.dtype or out.device != x.device or (n > 1 and out.stride(-1) != 1):
+        raise ValueError(f"gemv: out must hold {n} contiguous {x.dtype} values on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
     pdl = launch.pdl and pdl_supported(x.device)
     gemv_kernel[(triton.cdiv(n, launch.block_n),)](
         xc, w, out, n, k, w.stride(0), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, PDL=pdl,

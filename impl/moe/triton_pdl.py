@@ -41,12 +41,9 @@ def use_pdl(requested: bool, device: torch.device) -> bool:
     newer (a clear error otherwise); never under the interpreter (launches run in order there)."""
     if not requested or INTERPRET:
         return False
-    if device.type != "cuda":
-        raise ValueError(f"pdl needs an sm_90 or newer GPU (programmatic dependent launch), got {device}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if _capability(index) < (9, 0):
-        raise ValueError(f"pdl needs an sm_90 or newer GPU (programmatic dependent launch), got "
-                         f"{torch.cuda.get_device_name(index)}")
+    if not pdl_supported(device):
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device
+        raise ValueError(f"pdl needs an sm_90 or newer GPU (programmatic dependent launch), got {name}")
     return True
 
 

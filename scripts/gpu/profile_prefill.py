@@ -30,6 +30,7 @@ from impl.model.config import get_config  # noqa: E402
 from ling_flash import CACHE_SLACK, build_row3, cuda_device  # noqa: E402
 from pytest_moeperf.baselines import atomic_write_text  # noqa: E402
 
+
 def _kind(layer, part: str) -> str:
     if part == "attention":
         return f"{type(layer.self_attn).__name__}"
