@@ -245,6 +245,9 @@ class MLAAttention(nn.Module):
             absorb = t <= self.absorb_max_tokens
 
         q, kv_a, g = self._projections(x)
+        if (absorb and (t == 1 or b == 1) and self.kv_cache is not None and x.is_cuda and self.decode_kernel
+                and self._kernel_shapes_ok()):
+            return self._decode_kernels(q, kv_a, g, cos, sin, input_pos)
         q = q.view(b, t, nh, c.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = q[..., :dn], apply_interleaved_rope(q[..., dn:], cos, sin)
 
@@ -259,11 +262,8 @@ class MLAAttention(nn.Module):
                 rows, attn = self._valid_prefix(rows, mask, input_pos)
         else:
             attn = dict(is_causal=t > 1)
-        if absorb and (t == 1 or b == 1) and self.kv_cache is not None and x.is_cuda and self.decode_kernel:
-            y = self._absorbed_kernel(q_nope, q_rope, rows, input_pos)
-        else:
-            y = (self._absorbed(q_nope, q_rope, rows, attn) if absorb
-                 else self._expanded(q_nope, q_rope, rows, attn))  # [B, H, T, dv]
+        y = (self._absorbed(q_nope, q_rope, rows, attn) if absorb
+             else self._expanded(q_nope, q_rope, rows, attn))  # [B, H, T, dv]
 
         # The head-wise output gate: sigmoid in fp32 of g_proj(x), cast back to the activation
         # dtype, scaling each head's attention output before o_proj.
@@ -305,27 +305,34 @@ class MLAAttention(nn.Module):
         o_lat = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=c.scaling)
         return torch.einsum("bhtr,hvr->bhtv", o_lat.view(b, nh, t, -1), w_uv.to(o_lat.dtype))
 
-    def _absorbed_kernel(self, q_nope, q_rope, rows, input_pos) -> torch.Tensor:
-        """The absorbed form with the attention in one split-K kernel that reads the cache rows up
-        to each token's position once, for all heads (impl.model.mla_decode): one token of a
-        batch, or the T tokens of one sequence's verify step (each a kernel row over the one
-        cache, attending up to its own position; the SDPA form would read the whole static
-        cache, masked: at 36,864 rows that made a Ling-3.0-flash verify step 40 ms)."""
+    def _kernel_shapes_ok(self) -> bool:
+        """The decode kernels' tiles: latent and rope widths powers of two."""
+        r, dr = self.config.kv_lora_rank, self.config.qk_rope_head_dim
+        return not (r & (r - 1) or dr & (dr - 1))
+
+    def _decode_kernels(self, q, kv_a, g, cos, sin, input_pos) -> torch.Tensor:
+        """The absorbed form in four kernels and o_proj: impl.model.mla_absorb's query kernel (the
+        latent queries, the cache rows written), impl.model.mla_decode's split-K attention over
+        the rows up to each token's position, read once for all heads, and its combine, then
+        mla_absorb's output kernel (W_uv, the gate). For one token of a batch, or the T tokens of
+        one sequence's verify step, each a row of the kernels over the one cache (the SDPA form
+        reads the whole static cache, masked: at 36,864 rows that made a Ling-3.0-flash verify
+        step 40 ms)."""
+        from impl.model.mla_absorb import mla_output, mla_query
         from impl.model.mla_decode import mla_decode_attention
-        backends.note("attention", "mla", "mla_decode_kernel", heads=self.config.num_heads,
-                      kv_lora_rank=self.config.kv_lora_rank)
+        backends.note("attention", "mla", "mla_query_kernel+mla_decode_kernel+mla_output_kernel",
+                      heads=self.config.num_heads, kv_lora_rank=self.config.kv_lora_rank)
         c = self.config
-        b, nh, t, _ = q_nope.shape
+        b, t, _ = q.shape
         w_uk, w_uv = self._up_weights()
-        q_lat = torch.einsum("bhtd,hdr->bthr", q_nope, w_uk.to(q_nope.dtype))
-        query = torch.cat((q_lat, q_rope.transpose(1, 2)), dim=-1).reshape(b * t, nh, -1)  # [B*T, H, r + dr]
-        if t == 1:
-            kv, length = rows, input_pos[:1] + 1
-        else:  # b == 1: the T tokens share the cache (batch stride 0), each up to its position
-            kv, length = rows.expand(t, *rows.shape[1:]), input_pos + 1
+        cache = self.kv_cache.kv
+        query, length = mla_query(q.reshape(b * t, -1), kv_a.reshape(b * t, -1), w_uk, cos, sin,
+                                  self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache)
+        # b == 1 with T tokens: the T rows share the cache (batch stride 0), each up to its position.
+        kv = cache[:b] if t == 1 else cache[:1].expand(t, *cache.shape[1:])
         o_lat = mla_decode_attention(query, kv, length, c.kv_lora_rank, c.scaling)
-        out = torch.einsum("bhr,hvr->bhv", o_lat, w_uv.to(o_lat.dtype))        # [B*T, H, dv]
-        return out.view(b, t, nh, -1).transpose(1, 2)                           # [B, H, T, dv]
+        y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
+        return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import FP32_MATH, device_name, tl, triton
 
 
@@ -84,9 +85,11 @@ def _latent_and_rope(row_ptrs, offs_r, offs_dr, ok, R: tl.constexpr, FP32: tl.co
 def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
                       H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, stride_len, scale,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                      MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr):
+                      MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     split = tl.program_id(1)
+    pdl_wait(PDL)  # the query, the length and the newest cache row come from the launch before
+    pdl_release(PDL)
     n = tl.load(length_ptr + b * stride_len)
     chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
     start = split * chunk
@@ -129,11 +132,13 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
 @triton.jit
 def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh, stride_len,
                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_SPLITS)
+    pdl_wait(PDL)  # the partials come from the launch before
+    pdl_release(PDL)
     n = tl.load(length_ptr + b * stride_len)
     used = tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # chunks that saw rows
     m_max = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
@@ -176,6 +181,7 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
         raise ValueError(f"mla_decode_attention: kv_lora_rank ({r}) and the rope dim ({dr}) must be powers of two "
                          "(the kernel's tiles)")
     cfg = config if config is not None else launch_config(query.device)
+    pdl = pdl_supported(query.device)  # each launch starts while the one before finishes (impl/moe/triton_pdl.py)
     # No more programs than chunks of the whole cache could fill.
     nsplit = max(1, min(cfg.splits, triton.cdiv(kv.shape[1], max(cfg.min_chunk_rows, cfg.block_rows))))
     block_h = max(16, triton.next_power_of_2(h))
@@ -187,10 +193,11 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     mla_decode_kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1),
                                    kv.stride(0), kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h,
                                    BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH,
-                                   IEEE=(query.dtype == torch.float32 and not FP32_MATH),
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                   IEEE=(query.dtype == torch.float32 and not FP32_MATH), PDL=pdl,
+                                   launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
         m, lse, acc, length, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h, BLOCK_R=block_r,
-        BLOCK_SPLITS=COMBINE_SPLITS, BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, num_warps=4)
+        BLOCK_SPLITS=COMBINE_SPLITS, BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, PDL=pdl,
+        launch_pdl=pdl, num_warps=4)
     return out
