@@ -83,15 +83,14 @@ def chain(producer, project, xs, ws, outs):
     return calls
 
 
-def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generator, committed: bool,
-                rows: int = 1) -> dict:
+def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generator, committed: bool) -> dict:
     from impl.gpu_timing import interleaved_replay_us
     from impl.graphs import capture_graph
     from impl.model.add_rms_norm import add_rms_norm_triton
     from impl.model.gemv import gemv
     dev = torch.device("cuda")
     ws = [torch.empty(n, k, device=dev, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen) for _ in range(COPIES)]
-    delta, residual = (torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+    delta, residual = (torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
     norm_w = torch.rand(k, device=dev, generator=gen).to(torch.bfloat16) + 0.5
     xs: list[torch.Tensor] = [add_rms_norm_triton(delta, residual, norm_w, 1e-6)[0]]
 
@@ -101,7 +100,7 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
         return call
 
     ref = xs[0].float() @ ws[0].float().t()
-    outs = [torch.empty(rows, n, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
+    outs = [torch.empty(1, n, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
     calls = {"producer alone": [producer(False)] * COPIES,
              "producer + PDL alone": [producer(True)] * COPIES,
              "cublas": chain(producer(False), lambda x, w, o: torch.mm(x, w.t(), out=o), xs, ws, outs)}
@@ -136,7 +135,7 @@ def bench_shape(name: str, n: int, k: int, bandwidth: float, gen: torch.Generato
     alone = pair["producer alone"]
     us = {lab: t - alone for lab, t in pair.items() if not lab.startswith("producer")}
     floor = n * k * 2 / bandwidth * 1e6
-    return {"name": name, "rows": rows, "n": n, "k": k, "mbytes": n * k * 2 / 1e6, "floor_us": floor, "pair_us": pair,
+    return {"name": name, "n": n, "k": k, "mbytes": n * k * 2 / 1e6, "floor_us": floor, "pair_us": pair,
             "us": us, "best": best, "rejected": rejected}
 
 
@@ -144,10 +143,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gemv_bench.json")
     p.add_argument("--committed", action="store_true", help="time only the tile impl.model.gemv commits per shape")
-    p.add_argument("--rows", default="1", help="activation rows, comma-separated (1: a decode token; 4: an MTP "
-                                               "verify step's tokens at k = 3)")
     args = p.parse_args(argv)
-    row_counts = [int(r) for r in args.rows.split(",")]
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA device", file=sys.stderr)
         return 2
@@ -155,19 +151,17 @@ def main(argv=None) -> int:
     from pytest_moeperf.baselines import atomic_write_text
     bandwidth = copy_bandwidth("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [bench_shape(name, n, k, bandwidth, gen, args.committed, m) for m in row_counts
-            for name, (n, k) in projections().items()]
+    rows = [bench_shape(name, n, k, bandwidth, gen, args.committed) for name, (n, k) in projections().items()]
     atomic_write_text(Path(args.out) / "gemv_bench.json",
                       json.dumps({"bandwidth_tb_s": bandwidth / 1e12, "rows": rows}, indent=2) + "\n")
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s; us a call (fraction of the byte floor)")
-    print(f"{'projection':28s} {'rows':>4s} {'N x K':>12s} {'MB':>6s} {'cuBLAS':>14s} {'best gemv':>14s}  config   "
-          "gemv/cuBLAS")
+    print(f"{'projection':28s} {'N x K':>12s} {'MB':>6s} {'cuBLAS':>14s} {'best gemv':>14s}  config   gemv/cuBLAS")
     print("(each after its producer kernel, the producer's own time subtracted)")
     for r in rows:
         cb, best = r["us"]["cublas"], r["best"]
         kb = r["us"][best] if best else float("nan")
         nopdl = next((t for lab, t in r["us"].items() if lab.endswith("no-pdl")), float("nan"))
-        print(f"{r['name']:28s} {r['rows']:>4d} {r['n']:>6d}x{r['k']:<5d} {r['mbytes']:6.1f} {cb:7.1f} ({r['floor_us'] / cb:4.0%}) "
+        print(f"{r['name']:28s} {r['n']:>6d}x{r['k']:<5d} {r['mbytes']:6.1f} {cb:7.1f} ({r['floor_us'] / cb:4.0%}) "
               f"{kb:7.1f} ({r['floor_us'] / kb:4.0%})  {best}  {kb / cb:.3f}  no-pdl {nopdl:.1f}")
     return 0
 
