@@ -8,11 +8,12 @@ weights into registers, then waits for x. Each program owns BLOCK_N weight rows 
 BLOCK_K steps, fp32 products summed per row at the end.
 
 Measured on the H200 (scripts/gpu/bench_gemv.py, each projection after the norm kernel that feeds
-it, weights from HBM; notes/runs/2026-12-04-gemv-bench-h200.log): o_proj (2560 x 4096, 21 MB)
-6.3 us against cuBLAS's 11.5 (78% of the copy bandwidth against 43%), KDA's fused input
-projection 27.9 against 30.3 us, MLA's 11.2 against 13.2, the dense MLP's 9.3-9.6 against
-12.5-14.4. Without PDL the same tiles take 1.3-1.6 us more; asking for the rows in L2 before the
-wait (`prefetch.global.L2`) cost 0.5-3.3 us more than not, and is not done.
+it, weights from HBM; notes/runs/2026-12-04-gemv-bench-h200-rows.log): o_proj (2560 x 4096, 21 MB)
+6.7 us against cuBLAS's 11.5 (73% of the copy bandwidth against 42%), KDA's fused input
+projection 26.3 against 30.8 us, MLA's 10.0 against 13.2, the dense MLP's 8.8-9.0 against
+12.5-14.3. Without PDL the same tiles take 1.3-1.6 us more; asking for the rows in L2 before the
+wait (`prefetch.global.L2`) cost 0.5-3.3 us more than not (notes/runs/2026-12-04-gemv-bench-h200.log),
+and is not done.
 
 `linear` is the models' projection call: this kernel for one row of 16-bit activations on a GPU,
 F.linear otherwise. `gemv_reference` is the fp32 product rounded to the output dtype.

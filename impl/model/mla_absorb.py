@@ -12,10 +12,11 @@ small torch launches: the query side before it and the output side after it.
 
 Why: at batch 1 the glue (two interleaved ropes, the latent norm, the cache write, the two
 absorbed einsums, the gate) was some thirty launches a layer around four that read the bytes, and
-in a CUDA graph each costs its launch gap whatever it computes (an MLA layer of a Ling-3.0-flash
-decode step took 82 us at 1k context against a 15 us byte floor, 17.6 us of it the two GEMVs and
-19.3 us the attention; notes/ling.md). Both kernels launch with programmatic dependent launch
-(impl/moe/triton_pdl.py's rules): their weight slices load while the launch before still runs.
+in a CUDA graph each costs its launch gap whatever it computes. Both kernels launch with
+programmatic dependent launch (impl/moe/triton_pdl.py's rules): their weight slices load while
+the launch before still runs. On the H200 an MLA layer of a Ling-3.0-flash decode step went from
+82 to 38 us at 1k context in the whole step (15.4 us byte floor; notes/ling-ladder.md), and
+alone from 99.6 to 44.2 us with the GEMV projections (notes/runs/2026-12-04-attention-h200-mla-absorb.log).
 
 The arithmetic is the torch form's (impl.model.mla `MLAAttention._absorbed`), with fp32 products
 and sums: the rope is applied in fp32 and rounded once (the torch form rounds cos, sin and each
