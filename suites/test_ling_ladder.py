@@ -22,6 +22,10 @@ the reference result's 32k in / 2k out. Per workload, gated against the frozen f
   adds): paired per-request ratios of decode tokens/s, TPOT and TTFT;
 - the speculative row's cost: its time per verify step over the plain row's TPOT
   (`test_verify_cost`), which its accept length has to beat;
+- each row's TPOT against its byte floor (`test_row_floor`): per request, the bytes the row reads
+  a decode token (its head's format; a speculative row's step over the tokens it commits) at the
+  request's decode positions, at the copy bandwidth measured in the same run
+  (`rows-CONTEXT.json` / `.md` beside the A/B report);
 - the roofline (`test_roofline`): the plain greedy step of row 3 captured whole and with each
   component left out (impl.model.components), replayed interleaved; each component's time
   against its bytes (impl.model.roofline) at the copy bandwidth measured in the same process,
@@ -84,7 +88,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("context", list(LING_WORKLOADS), scope="module")
     if "row" in metafunc.fixturenames:
         names = [r.name for r in _rows(session)] if _opted_in(session) else ["(not run)"]
-        first = {"test_row_provenance": 0, "test_rung_speed": 2}.get(metafunc.function.__name__, 1)
+        first = {"test_row_provenance": 0, "test_row_floor": 0, "test_rung_speed": 2}.get(metafunc.function.__name__, 1)
         metafunc.parametrize("row", names[first:])
 
 
@@ -211,6 +215,65 @@ def test_verify_cost(ling_ladder, moe_model, context, moe_gate, moe_device):
     moe_gate.check("ab_verify_cost", costs, unit="plain steps", direction="lower",
                    tolerance=tolerance_for("ab_speed", moe_device.torch_device),
                    config=row_config(ling_ladder, row, plain), portable=True)
+
+
+_bandwidth: list[float] = []  # the copy bandwidth, measured once a session on the ladder's device
+_row_floors: dict[str, dict] = {}  # context -> its rows-CONTEXT table, written again after each row
+
+
+def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate, moe_device):
+    """The row's TPOT over its byte floor, per request (impl.model.roofline.tpot_floor_s): the
+    weights in the formats the row holds them (experts as its provenance says, bf16 projections,
+    its head's format), the caches at the request's decode positions, and for a speculative row a
+    step's bytes over the tokens that request's steps committed; at the copy bandwidth measured
+    in this run. What explains a row's speed beside its ratios: how far it is from its bytes."""
+    from impl.gpu_timing import copy_bandwidth
+    from impl.model.roofline import Formats, meta_model, tpot_floor_s
+    from pytest_moeperf.ab_run import arm
+    _served(ling_ladder, row, context)
+    config = {r.name: r.config for r in _rows(ling_session)}[row]
+    if not _bandwidth:
+        _bandwidth.append(copy_bandwidth(moe_model.embed_tokens.weight.device, nbytes=1 << 30))
+    formats = Formats(experts=arm(ling_ladder, row)["provenance"]["expert_format"],
+                      projections=ROW3_FORMATS.projections, head=config.head)
+    shapes = meta_model(moe_model.config)
+    floors, ratios = [], []
+    for rec in ling_ladder.records[row].values():
+        if not rec["tpot_s"] or rec["output_tokens"] < 2 or (config.k and not rec["accept_lengths"]):
+            continue
+        committed = statistics.fmean(rec["accept_lengths"]) if config.k else 1.0
+        floors.append(tpot_floor_s(moe_model.config, rec["prompt_tokens"], rec["output_tokens"], formats,
+                                   _bandwidth[0], drafts=config.k, committed_per_step=committed, model=shapes))
+        ratios.append(rec["tpot_s"] / floors[-1])
+    if len(ratios) < 3:
+        pytest.fail(f"row {row!r}: {len(ratios)} requests with a TPOT: too few to gate", pytrace=False)
+    table = _row_floors.setdefault(context, {"workload": LING_WORKLOADS[context][0], "rows": {}})
+    table["bandwidth_tb_s"] = _bandwidth[0] / 1e12
+    tpots = [rec["tpot_s"] for rec in ling_ladder.records[row].values() if rec["tpot_s"]]
+    table["rows"][row] = {"config": config.spec_text(), "formats": vars(formats), "tpot_ms": statistics.median(tpots) * 1e3,
+                          "floor_ms": statistics.median(floors) * 1e3, "over_floor": statistics.median(ratios),
+                          "assumed_accept": config.assumed_accept}
+    _write_row_floors(Path(ling_session.options.ab_report) / f"rows-{context}", table)
+    moe_gate.check("row_tpot_over_floor", ratios, unit="x", direction="lower",
+                   tolerance=tolerance_for("ab_speed", moe_device.torch_device),
+                   config=row_config(ling_ladder, row, None), portable=True)
+
+
+def _write_row_floors(stem: Path, table: dict) -> None:
+    """JSON and Markdown of the rows' TPOT against their byte floors, each written whole or not at all."""
+    lines = [f"# Each row against its bytes: {table['workload']} ({table['bandwidth_tb_s']:.2f} TB/s copy bandwidth)", "",
+             "| row | formats (experts / projections / head) | TPOT p50 | byte floor | TPOT / floor |", "|---|---|---|---|---|"]
+    for name, r in table["rows"].items():
+        f = r["formats"]
+        label = name + (f" (acceptance assumed at {r['assumed_accept']:g})" if r["assumed_accept"] else "")
+        lines.append(f"| {label} | {f['experts']} / {f['projections']} / {f['head']} | {r['tpot_ms']:.3f} ms | "
+                     f"{r['floor_ms']:.3f} ms | x{r['over_floor']:.2f} |")
+    lines += ["", "Medians over requests. The floor is the bytes a decode token reads (a speculative row: a step's "
+              "bytes over the tokens it commits) at the request's decode positions, at the copy bandwidth measured "
+              "in the same run (impl.model.roofline.tpot_floor_s)."]
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(table, indent=2) + "\n")
+    atomic_write_text(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
 
 
 def _spec_bytes_line(config, k: int, context: str) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from impl.model.config import get_config
 from impl.model.roofline import (Formats, expected_distinct_experts, floor_ms, kda_verify_state_passes, matrix_bytes,
-                                  mtp_bytes, mtp_parts, spec_step_bytes, token_bytes)
+                                  mtp_bytes, mtp_parts, spec_step_bytes, token_bytes, tpot_floor_s)
 
 BF16 = Formats(experts="bf16", projections="bf16", head="bf16")
 REFERENCE = Formats(experts="mxfp4", projections="fp8", head="fp8")
@@ -142,3 +142,31 @@ def test_bad_formats_and_contexts_are_rejected():
         token_bytes("ling-3.0-tiny", -1)
     with pytest.raises(ValueError, match="unknown weight format"):
         matrix_bytes((2, 2), "int8")
+
+
+def test_a_requests_tpot_floor_is_its_mean_tokens_bytes_at_the_bandwidth():
+    """The plain floor: the bytes of the tokens decoded at positions 40..46 (8 output tokens, the
+    first from the prompt pass), summed one by one, over 7 tokens, at 1 TB/s; the speculative floor:
+    a step's bytes over the tokens it commits."""
+    c, bw = get_config("ling-3.0-tiny"), 1e12
+    by_token = [sum(token_bytes(c, p, BF16).values()) for p in range(40, 47)]
+    got = tpot_floor_s(c, 40, 8, BF16, bw)
+    assert got == pytest.approx(sum(by_token) / 7 / bw)
+    # Negative control: the prompt's own length is not where the decode tokens read their caches.
+    assert got > sum(token_bytes(c, 40, BF16).values()) / bw * (1 + 1e-6)
+    assert tpot_floor_s(c, 40, 8, REFERENCE, bw) < got  # MXFP4 experts and FP8 weights read fewer bytes
+    steps = [sum(spec_step_bytes(c, p, 3, BF16).values()) for p in range(40, 47)]
+    assert tpot_floor_s(c, 40, 8, BF16, bw, drafts=3, committed_per_step=3.5) == pytest.approx(
+        sum(steps) / 7 / 3.5 / bw)
+
+
+def test_a_tpot_floor_refuses_what_cannot_be():
+    c = get_config("ling-3.0-tiny")
+    with pytest.raises(ValueError, match="output_tokens >= 2"):
+        tpot_floor_s(c, 40, 1, BF16, 1e12)
+    with pytest.raises(ValueError, match="commits 1 to 4 tokens"):
+        tpot_floor_s(c, 40, 8, BF16, 1e12, drafts=3, committed_per_step=4.5)
+    with pytest.raises(ValueError, match="a plain decode step commits one token"):
+        tpot_floor_s(c, 40, 8, BF16, 1e12, committed_per_step=2.0)
+    with pytest.raises(ValueError, match="bytes_per_s must be > 0"):
+        tpot_floor_s(c, 40, 8, BF16, 0.0)

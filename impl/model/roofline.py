@@ -211,6 +211,41 @@ def floor_ms(nbytes: float, bytes_per_s: float) -> float:
     return nbytes / bytes_per_s * 1e3
 
 
+def decode_positions(prompt_tokens: int, output_tokens: int) -> tuple[int, int]:
+    """The first and last positions a request decodes at: its first output token comes from the
+    prompt pass, the other output_tokens - 1 are decoded at positions prompt_tokens ..
+    prompt_tokens + output_tokens - 2."""
+    if prompt_tokens < 1 or output_tokens < 2:
+        raise ValueError(f"a request decodes with prompt_tokens >= 1 and output_tokens >= 2, got {prompt_tokens} "
+                         f"and {output_tokens}")
+    return prompt_tokens, prompt_tokens + output_tokens - 2
+
+
+def tpot_floor_s(config: ModelConfig | str, prompt_tokens: int, output_tokens: int, formats: Formats,
+                 bytes_per_s: float, drafts: int = 0, committed_per_step: float = 1.0, model=None) -> float:
+    """The byte floor of a request's time per output token at `bytes_per_s`: the mean bytes of a
+    plain decode token over the request's `decode_positions`, or with `drafts` > 0 of a
+    speculative step (`spec_step_bytes`) over the tokens each step commits on average. Caches
+    grow linearly with the position, so the mean is that of the first and last positions."""
+    config = get_config(config) if isinstance(config, str) else config
+    if not bytes_per_s > 0:
+        raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+    if drafts == 0 and committed_per_step != 1.0:
+        raise ValueError(f"a plain decode step commits one token, got committed_per_step={committed_per_step}")
+    if drafts and not 1.0 <= committed_per_step <= drafts + 1:
+        raise ValueError(f"a speculative step of {drafts} drafts commits 1 to {drafts + 1} tokens, got "
+                         f"committed_per_step={committed_per_step}")
+    model = meta_model(config) if model is None else model
+
+    def step_bytes(position: int) -> float:
+        parts = (spec_step_bytes(config, position, drafts, formats, model) if drafts
+                 else token_bytes(config, position, formats, model))
+        return sum(parts.values())
+
+    first, last = decode_positions(prompt_tokens, output_tokens)
+    return (step_bytes(first) + step_bytes(last)) / 2 / committed_per_step / bytes_per_s
+
+
 __all__ = ["EXPERT_FORMATS", "Formats", "MXFP4_BYTES", "WEIGHT_FORMATS", "expected_distinct_experts", "floor_ms",
-           "kda_verify_state_passes", "matrix_bytes", "meta_model", "mtp_bytes", "mtp_parts", "spec_step_bytes",
-           "state_bytes", "token_bytes"]
+           "kda_verify_state_passes", "matrix_bytes", "decode_positions", "meta_model", "mtp_bytes", "mtp_parts",
+           "spec_step_bytes", "state_bytes", "token_bytes", "tpot_floor_s"]

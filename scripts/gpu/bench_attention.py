@@ -11,7 +11,8 @@ Random weights (normal * 0.02 in bf16, norm weights 1; KDA's A_log, dt_bias, con
   kda proj      its fused q|k|v|f|g|b GEMV and o_proj alone on the same x (projections vs state update).
   mla absorbed  MLAAttention (r 512, rope 64, nope 128, v 128), the default one-token form, on a cache
                 of S = L + 16 rows (rows 0..L-1 random), mask True for positions 0..L.
-                On CUDA its attention is impl.model.mla_decode's split-K kernel over rows 0..L.
+                On CUDA: impl.model.mla_absorb's query kernel, impl.model.mla_decode's split-K
+                attention over rows 0..L and its combine, mla_absorb's output kernel.
   mla absorbed-torch  the same call through SDPA over the masked cache (the kernel's peer).
   mla expanded  the same call with absorb=False (every cached latent up-projected).
   mla proj      its q_proj, kv_a_proj, g_proj and o_proj GEMVs alone.
