@@ -110,25 +110,41 @@ def test_a_head_that_perturbs_logits_gives_different_answers(pytester):
     assert comparison["accuracy"]["verdict"] == "different", comparison["accuracy"]
 
 
-def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
-    outcomes, text, report = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
-    assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
-    (comparison,) = report["summary"]["comparisons"]
-    assert comparison["accuracy"]["verdict"] == "equivalent", comparison["accuracy"]
-    # No speed figure of the A/A run is one the gate would call a regression: each ratio is within
-    # the CPU tolerance of 1 or its interval contains 1. The interval is taken over blocks of two
-    # consecutive requests (one served a-first, one b-first), which cancels the order effect (the
-    # second row served in a pair ran 3-6% slower on this VM) and keeps each block's shared host
-    # load together; at 99.75% each, so that four figures miss by chance in 1% of runs. An
-    # interval alone is not enough on a loaded 2-core runner: with the other pytest-xdist worker
-    # busy one A/A run gave 0.909 (99.75% CI 0.826-0.999) over single requests.
+def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
+    """The A/A run's speed figures a gate would call a regression: neither within the CPU
+    tolerance of 1 nor with an interval containing 1. The interval is taken over blocks of two
+    consecutive requests (one served a-first, one b-first), which cancels the order effect (the
+    second row served in a pair ran 3-6% slower on this VM) and keeps each block's shared host
+    load together; at 99.75% each, so that four figures miss by chance in 1% of runs. An interval
+    alone is not enough on a loaded 2-core runner: with the other pytest-xdist worker busy one A/A
+    run gave 0.909 (99.75% CI 0.826-0.999) over single requests."""
     tolerance = tolerance_for("ab_speed", "cpu")
     by_arm = {arm: {r["request_id"]: r for r in report["requests"] if r["arm"] == arm} for arm in ("a", "b")}
     ids = [i for i in by_arm["a"] if i in by_arm["b"]]
+    misses = []
     for key in ("decode_tokens_per_s", "tpot_s", "ttft_s", "latency_s"):
         blocks = [(ids[j], ids[j + 1]) for j in range(0, len(ids) - 1, 2)
                   if all(by_arm[arm][i][key] for arm in ("a", "b") for i in ids[j:j + 2])]
         a = [math.sqrt(by_arm["a"][i][key] * by_arm["a"][k][key]) for i, k in blocks]
         b = [math.sqrt(by_arm["b"][i][key] * by_arm["b"][k][key]) for i, k in blocks]
         ratio, lo, hi = paired_ratio(a, b, 0.9975)
-        assert lo <= 1 <= hi or abs(math.log(ratio)) <= math.log(1 + tolerance), (key, ratio, lo, hi)
+        if not (lo <= 1 <= hi or abs(math.log(ratio)) <= math.log(1 + tolerance)):
+            misses.append((key, ratio, lo, hi))
+    return misses
+
+
+def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
+    outcomes, text, report = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
+    assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
+    (comparison,) = report["summary"]["comparisons"]
+    assert comparison["accuracy"]["verdict"] == "equivalent", comparison["accuracy"]
+    # No speed figure of the A/A run is one the gate would call a regression. A miss is confirmed
+    # by a fresh run before it fails, as the gate confirms a timing regression on a shared machine
+    # (`remeasure`): one CI run on the 2-core runner had the A/A TTFT at 1.154 (99.75% CI
+    # 1.019-1.302) while the other pytest-xdist worker ran; a harness that really favoured one
+    # row would miss the same figure twice.
+    misses = _aa_speed_misses(report)
+    if misses:
+        _, _, again = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
+        confirmed = {m[0] for m in misses} & {m[0] for m in _aa_speed_misses(again)}
+        assert not confirmed, (misses, _aa_speed_misses(again))
