@@ -225,8 +225,10 @@ def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate,
     """The row's TPOT over its byte floor, per request (impl.model.roofline.tpot_floor_s): the
     weights in the formats the row holds them (experts as its provenance says, bf16 projections,
     its head's format), the caches at the request's decode positions, and for a speculative row a
-    step's bytes over the tokens that request's steps committed; at the copy bandwidth measured
-    in this run. What explains a row's speed beside its ratios: how far it is from its bytes."""
+    step's bytes over the decoded tokens a step (output_tokens - 1 over its verify steps, the
+    tokens TPOT is taken over: a last step cut short by the length limit counts what it kept);
+    at the copy bandwidth measured in this run. What explains a row's speed beside its ratios:
+    how far it is from its bytes."""
     from impl.gpu_timing import copy_bandwidth
     from impl.model.roofline import Formats, meta_model, tpot_floor_s
     from pytest_moeperf.ab_run import arm
@@ -239,9 +241,9 @@ def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate,
     shapes = meta_model(moe_model.config)
     floors, ratios = [], []
     for rec in ling_ladder.records[row].values():
-        if not rec["tpot_s"] or rec["output_tokens"] < 2 or (config.k and not rec["accept_lengths"]):
+        if not rec["tpot_s"] or rec["output_tokens"] < 2 or (config.k and not rec["verify_steps"]):
             continue
-        committed = statistics.fmean(rec["accept_lengths"]) if config.k else 1.0
+        committed = (rec["output_tokens"] - 1) / rec["verify_steps"] if config.k else 1.0
         floors.append(tpot_floor_s(moe_model.config, rec["prompt_tokens"], rec["output_tokens"], formats,
                                    _bandwidth[0], drafts=config.k, committed_per_step=committed, model=shapes))
         ratios.append(rec["tpot_s"] / floors[-1])
@@ -249,7 +251,7 @@ def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate,
         pytest.fail(f"row {row!r}: {len(ratios)} requests with a TPOT: too few to gate", pytrace=False)
     table = _row_floors.setdefault(context, {"workload": LING_WORKLOADS[context][0], "rows": {}})
     table["bandwidth_tb_s"] = _bandwidth[0] / 1e12
-    tpots = [rec["tpot_s"] for rec in ling_ladder.records[row].values() if rec["tpot_s"]]
+    tpots = [ratio * floor for ratio, floor in zip(ratios, floors)]  # the requests gated
     table["rows"][row] = {"config": config.spec_text(), "formats": vars(formats), "tpot_ms": statistics.median(tpots) * 1e3,
                           "floor_ms": statistics.median(floors) * 1e3, "over_floor": statistics.median(ratios),
                           "assumed_accept": config.assumed_accept}

@@ -2,8 +2,8 @@
 needs the full-depth model on a CUDA device, so its test function is called here with a ladder's
 records written out by hand for ling-3.0-tiny, a gate that keeps what it is given, and the
 bandwidth set. What it gates must be each request's TPOT over impl.model.roofline.tpot_floor_s of
-that request, in the row's formats and, for the speculative row, over the tokens its steps
-committed; the table beside the A/B report must say the same."""
+that request, in the row's formats and, for the speculative row, over the decoded tokens a verify
+step; the table beside the A/B report must say the same."""
 
 from __future__ import annotations
 
@@ -43,12 +43,13 @@ class Gate:
 
 
 def ladder():
-    """Three requests a row of 40 prompt tokens: plain rows 8 output tokens, the speculative row 9."""
+    """Three requests a row of 40 prompt tokens: plain rows 8 output tokens, the speculative row 9
+    (its 8 decoded tokens in 5, 4 or 3 verify steps)."""
     arms = [{"name": n, "config": n, "provenance": {"expert_format": "mxfp4"}} for n in ("kernels", "+fp8-head", "+mtp")]
     tpot = {"kernels": 3e-3, "+fp8-head": 2.9e-3, "+mtp": 2.2e-3}
     records = {n: {f"r/{i}": {"prompt_tokens": 40, "output_tokens": 9 if n == "+mtp" else 8,
                               "tpot_s": tpot[n] * (1 + 0.01 * i),
-                              "accept_lengths": [4, 3, 1][i:] + [4, 4] if n == "+mtp" else None}
+                              "verify_steps": 5 - i if n == "+mtp" else None}
                    for i in range(3)} for n in tpot}
     return SimpleNamespace(records=records, result={"arms": arms, "workload": {"name": "w", "n_requests": 3}})
 
@@ -64,7 +65,7 @@ def test_each_request_is_gated_against_its_own_byte_floor(suite, tmp_path, row, 
     formats = Formats(experts="mxfp4", projections="bf16", head=head)
     want = []
     for rec in run.records[row].values():
-        committed = statistics.fmean(rec["accept_lengths"]) if drafts else 1.0
+        committed = (rec["output_tokens"] - 1) / rec["verify_steps"] if drafts else 1.0
         floor = tpot_floor_s(config, 40, rec["output_tokens"], formats, BANDWIDTH, drafts=drafts,
                              committed_per_step=committed)
         want.append(rec["tpot_s"] / floor)

@@ -177,6 +177,7 @@ def mla_query(q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, cos: torc
                          f"with contiguous rows, norm_weight {tuple(norm_weight.shape)} [r={r}], w_uk's rows contiguous")
     query = torch.empty(rows, h, r + dr, dtype=q.dtype, device=q.device)
     length = torch.empty(rows, dtype=torch.int32, device=q.device)
+    input_pos = input_pos if input_pos.stride(0) == 1 else input_pos.contiguous()  # read as pos[t]
     pdl = launch.pdl and pdl_supported(q.device)
     grid = (h * triton.cdiv(r, launch.block_r) + 1,)
     mla_query_kernel[grid](q, kv_a, w_uk, cos, sin, norm_weight, input_pos, query, cache, length,
