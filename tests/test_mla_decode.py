@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from impl import backends
 from impl.model.mla_decode import MLADecodeConfig, mla_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,12 +77,12 @@ def test_config_rejects_a_tile_tl_dot_cannot_take():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 4], ids=["decode", "verify"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 4), (3, 1)], ids=["decode", "verify", "batch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_module_dispatch_on_the_device(dtype, tokens):
-    """A cached call of one token, or of a verify step's four, on CUDA takes the kernel; with
-    decode_kernel off the same call runs SDPA over the masked cache: the two agree, with the cache
-    longer than the context."""
+def test_module_dispatch_on_the_device(dtype, batch, tokens):
+    """A cached call of one token (of one sequence or of a batch), or of a verify step's four, on
+    CUDA takes the kernels; with decode_kernel off the same call runs SDPA over the masked cache:
+    the two agree, and write the same cache rows, with the cache longer than the context."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from impl.model.mla import MLAAttention, MLAConfig, mla_rope_tables
@@ -92,16 +93,25 @@ def test_module_dispatch_on_the_device(dtype, tokens):
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.05)
-    cache = m.setup_cache(1, 3000)
+    cache = m.setup_cache(batch, 3000)
     ctx = 2100
     cache.kv[:, :ctx].normal_()
+    before = cache.kv.clone()
     cos, sin = (t[ctx:ctx + tokens].cuda() for t in mla_rope_tables(cfg, 3000))
     mask = torch.ones(3000, 3000, dtype=torch.bool, device="cuda").tril()[ctx:ctx + tokens]
-    x = torch.randn(1, tokens, 512, device="cuda").to(dtype)
+    x = torch.randn(batch, tokens, 512, device="cuda").to(dtype)
     pos = torch.arange(ctx, ctx + tokens, device="cuda")
-    with torch.inference_mode():
+    with torch.inference_mode(), backends.record_provenance() as prov:
         got = m(x, cos, sin, pos, mask)
+        rows = cache.kv.clone()
+        cache.kv.copy_(before)
         m.decode_kernel = False
         want = m(x, cos, sin, pos, mask)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = float((got.float() - want.float()).norm() / want.float().norm())
-    assert err <= (1e-5 if dtype == torch.float32 else 2e-2), err
+    assert err <= tol, err
+    written = rows[:, ctx:ctx + tokens].float()
+    assert float((written - cache.kv[:, ctx:ctx + tokens].float()).norm() / written.norm()) <= tol
+    assert torch.equal(rows[:, :ctx], before[:, :ctx]) and torch.equal(rows[:, ctx + tokens:], before[:, ctx + tokens:])
+    assert [e.kernel for e in prov.events if e.kind == "attention"] == [
+        "mla_query_kernel+mla_decode_kernel+mla_output_kernel"], prov.events
