@@ -88,3 +88,14 @@ def test_main_exits_without_cuda(monkeypatch, capsys):
 def test_main_rejects_unknown_kind():
     with pytest.raises(SystemExit):
         ba.main(["--kinds", "gqa"])
+
+
+def test_best_attention_config_takes_the_least_summed_time_over_every_context():
+    a, b, c = ba.MLA_CONFIGS[:3]
+    rows = [dict(form="a", config=a.__dict__, measured_us=10.0), dict(form="a", config=a.__dict__, measured_us=50.0),
+            dict(form="b", config=b.__dict__, measured_us=20.0), dict(form="b", config=b.__dict__, measured_us=30.0),
+            dict(form="c", config=c.__dict__, measured_us=1.0),  # failed at the other context: not a candidate
+            dict(form="c", config=c.__dict__, error="boom"),
+            dict(form="gemv", measured_us=0.5)]  # no config: not an attention row
+    assert ba.best_attention_config(rows) == (b, [20.0, 30.0])
+    assert ba.best_attention_config([]) is None

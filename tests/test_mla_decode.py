@@ -23,12 +23,17 @@ def reference(query, kv, n, r, scale):
 
 
 SMALL = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1, combine_block_r=16)
+# The scores as [rows, heads] (the cache tile as both products' A operand), with a split count that
+# is no power of two (the SM count of the device it suits, here small).
+SMALL_ROWS = MLADecodeConfig(splits=3, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1,
+                             combine_block_r=16, rows_major=True)
+CONFIGS = dict(argvalues=[None, SMALL, SMALL_ROWS], ids=["launch-config", "small", "small-rows-major"])
 
 
 # n rows valid of a cache of `cache` rows: one row; fewer rows than one chunk; several chunks of the
 # minimum size (fewer used than the splits); every split used with chunks above the minimum (with
 # SMALL: 32-row chunks; with the device's table on a GPU: 160-row chunks over 57 of 64 programs).
-@pytest.mark.parametrize("config", [None, SMALL], ids=["launch-config", "small"])
+@pytest.mark.parametrize("config", **CONFIGS)
 @pytest.mark.parametrize("heads,n,cache", [(4, 1, 40), (4, 11, 40), (4, 37, 40), (20, 100, 200), (20, 9000, 9100)])
 def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
     if DEVICE == "cpu" and n > 1000:
@@ -43,7 +48,7 @@ def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
     assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
-@pytest.mark.parametrize("config", [None, SMALL], ids=["launch-config", "small"])
+@pytest.mark.parametrize("config", **CONFIGS)
 def test_a_verify_steps_tokens_share_the_cache_each_up_to_its_position(config):
     """T query rows over one cache (batch stride 0), row j attending to rows 0..length[j]-1, as a
     verify step's tokens do; each equals attention over its own valid rows."""
@@ -72,8 +77,10 @@ def test_a_latent_width_the_tiles_cannot_hold_is_refused():
 def test_config_rejects_a_tile_tl_dot_cannot_take():
     with pytest.raises(ValueError, match="block_rows must be >= 16"):
         MLADecodeConfig(block_rows=8)
-    with pytest.raises(ValueError, match="splits must be a power of two"):
-        MLADecodeConfig(splits=48)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        MLADecodeConfig(splits=0)
+    with pytest.raises(ValueError, match="min_chunk_rows must be a power of two"):
+        MLADecodeConfig(min_chunk_rows=48)
 
 
 @pytest.mark.gpu
@@ -115,3 +122,22 @@ def test_module_dispatch_on_the_device(dtype, batch, tokens):
     assert torch.equal(rows[:, :ctx], before[:, :ctx]) and torch.equal(rows[:, ctx + tokens:], before[:, ctx + tokens:])
     assert [e.kernel for e in prov.events if e.kind == "attention"] == [
         "mla_query_kernel+mla_decode_kernel+mla_output_kernel"], prov.events
+
+
+def test_tuned_configs_round_trip_keep_other_devices_and_name_a_malformed_file(tmp_path):
+    from impl.model.mla_decode import load_tuned, save_tuned
+    path = tmp_path / "tuned.json"
+    assert load_tuned(path) == {}
+    save_tuned("gpu-a", SMALL, "run a", path)
+    save_tuned("gpu-b", SMALL_ROWS, "run b", path)
+    save_tuned("gpu-a", SMALL_ROWS, "run a again", path)
+    assert load_tuned(path) == {"gpu-a": SMALL_ROWS, "gpu-b": SMALL_ROWS}
+    assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]  # no temporary file left
+    path.write_text('[{"device": "gpu-a", "config": {"splits": 0}}]')
+    with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs .*splits must be >= 1"):
+        load_tuned(path)
+
+
+def test_the_committed_tuned_configs_load():
+    from impl.model.mla_decode import TUNED_PATH, load_tuned
+    assert load_tuned(TUNED_PATH), TUNED_PATH

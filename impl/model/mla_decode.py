@@ -18,7 +18,11 @@ its reference.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -30,16 +34,22 @@ from impl.triton_env import FP32_MATH, device_name, tl, triton
 class MLADecodeConfig:
     """Launch configuration of `mla_decode_attention`: `splits` programs per batch row share the
     valid rows, each at least `min_chunk_rows` of them (rounded up to `block_rows`, the rows of one
-    loop step); `combine_block_r` latent values per program of the combine kernel."""
+    loop step); `combine_block_r` latent values per program of the combine kernel. `rows_major`:
+    the scores as [rows, heads], the cache rows being the matrix product's M (>= 64 rows: Hopper's
+    wgmma, operands straight from shared memory) instead of [heads, rows] (the heads as M: mma.sync
+    with its operands in registers)."""
     splits: int = 64
     min_chunk_rows: int = 128
     block_rows: int = 32
     num_warps: int = 8
     num_stages: int = 2
     combine_block_r: int = 128
+    rows_major: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("splits", "min_chunk_rows", "block_rows", "combine_block_r"):
+        if self.splits < 1:
+            raise ValueError(f"MLADecodeConfig.splits must be >= 1, got {self.splits}")
+        for name in ("min_chunk_rows", "block_rows", "combine_block_r"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MLADecodeConfig.{name} must be a power of two, got {v}")
@@ -48,14 +58,33 @@ class MLADecodeConfig:
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
-# Per device name, from scripts/gpu/bench_attention.py's sweep of the kernel alone (--kinds parts).
-# H200, 2026-12-03, 576-wide bf16 rows, 32 heads: 19.3 / 27.8 / 47.2 us at 1k / 8k / 32k rows, against
-# 25.2 / 32.8 / 74.9 us for the default (notes/runs/2026-12-03-attention-h200-parts.log).
-TUNED: dict[str, MLADecodeConfig] = {
-    "NVIDIA H200": MLADecodeConfig(splits=128, min_chunk_rows=64, block_rows=16, num_warps=4, num_stages=3),
-}
+# Per device name, written by scripts/gpu/bench_attention.py --adopt-best (the config of the least
+# time summed over 1k, 8k and 32k rows, the kernel alone); the file names the run it came from.
+TUNED_PATH = Path(__file__).with_name("mla_decode_tuned.json")
 INTERPRETER = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1,
                               combine_block_r=16)
+
+
+def load_tuned(path: Path = TUNED_PATH) -> dict[str, MLADecodeConfig]:
+    """{device name: config} from the JSON list of {"device", "config", "measured"} entries."""
+    if not path.exists():
+        return {}
+    try:
+        return {e["device"]: MLADecodeConfig(**e["config"]) for e in json.loads(path.read_text())}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: malformed tuned MLA decode configs ({e})") from None
+
+
+def save_tuned(device: str, config: MLADecodeConfig, measured: str, path: Path = TUNED_PATH) -> None:
+    """Set `device`'s entry (`measured`: what chose it), keeping the others; atomically."""
+    entries = [e for e in (json.loads(path.read_text()) if path.exists() else []) if e["device"] != device]
+    entries.append(dict(device=device, config=dataclasses.asdict(config), measured=measured))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(sorted(entries, key=lambda e: e["device"]), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+TUNED: dict[str, MLADecodeConfig] = load_tuned()
 
 
 def launch_config(device: torch.device) -> MLADecodeConfig:
@@ -130,9 +159,65 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
 
 
 @triton.jit
+def mla_decode_rows_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
+                           H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, stride_len, scale,
+                           R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                           MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """`mla_decode_kernel` transposed: scores [rows, H] = c q_lat^T + k_rope q_rope^T and the
+    weighted latents [R, H] = c^T p, so the cache tile is the A operand of both products (on
+    Hopper, wgmma reads it from shared memory where the pipelined load left it)."""
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    pdl_wait(PDL)  # the query, the length and the newest cache row come from the launch before
+    pdl_release(PDL)
+    n = tl.load(length_ptr + b * stride_len)
+    chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
+    start = split * chunk
+    if start < n:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_r = tl.arange(0, R)
+        offs_dr = tl.arange(0, DR)
+        q_heads = q_ptr + b * stride_qb + offs_h[None, :] * stride_qh
+        h_ok = offs_h < H
+        q_lat = tl.load(q_heads + offs_r[:, None], mask=h_ok[None, :], other=0.0)  # [R, H]
+        q_rope = tl.load(q_heads + R + offs_dr[:, None], mask=h_ok[None, :], other=0.0)  # [DR, H]
+        if FP32:
+            q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([R, BLOCK_H], tl.float32)
+        end = tl.minimum(start + chunk, n)
+        for row0 in range(start, end, BLOCK_ROWS):
+            offs_s = row0 + tl.arange(0, BLOCK_ROWS)
+            s_ok = offs_s < end
+            c, kr = _latent_and_rope(kv_ptr + b * stride_kvb + offs_s[:, None] * stride_kvs, offs_r, offs_dr, s_ok,
+                                     R, FP32)
+            if IEEE:  # fp32 inputs: no TF32 rounding (tl.dot's default for them)
+                scores = tl.dot(c, q_lat, input_precision="ieee") + tl.dot(kr, q_rope, input_precision="ieee")
+            else:
+                scores = tl.dot(c, q_lat) + tl.dot(kr, q_rope)
+            scores = tl.where(s_ok[:, None], scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            if IEEE:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p, input_precision="ieee")
+            else:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype))
+            m_i = m_new
+        part = (b * NSPLIT + split) * BLOCK_H + offs_h
+        tl.store(m_ptr + part, m_i)
+        tl.store(l_ptr + part, l_i)
+        tl.store(acc_ptr + part[None, :] * R + offs_r[:, None], acc)
+
+
+@triton.jit
 def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh, stride_len,
                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                        BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """One head's BLOCK_R latent values from every chunk's partial result, loaded at once
+    (BLOCK_SPLITS >= NSPLIT): one round trip to memory, not one a group of chunks."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -140,27 +225,14 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     pdl_wait(PDL)  # the partials come from the launch before
     pdl_release(PDL)
     n = tl.load(length_ptr + b * stride_len)
-    used = tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # chunks that saw rows
-    m_max = tl.full([BLOCK_SPLITS], float("-inf"), tl.float32)
-    for p0 in range(0, used, BLOCK_SPLITS):
-        ok = p0 + offs_p < used
-        m_max = tl.maximum(m_max, tl.load(m_ptr + (b * NSPLIT + p0 + offs_p) * BLOCK_H + h, mask=ok,
-                                          other=float("-inf")))
-    m_all = tl.max(m_max, axis=0)
-    total = tl.zeros([BLOCK_SPLITS], tl.float32)
-    o = tl.zeros([BLOCK_R], tl.float32)
-    for p0 in range(0, used, BLOCK_SPLITS):
-        ok = p0 + offs_p < used
-        part = (b * NSPLIT + p0 + offs_p) * BLOCK_H + h
-        w = tl.exp(tl.load(m_ptr + part, mask=ok, other=float("-inf")) - m_all)
-        total += w * tl.load(l_ptr + part, mask=ok, other=0.0)
-        o += tl.sum(w[:, None] * tl.load(acc_ptr + part[:, None] * R + offs_r[None, :], mask=ok[:, None],
-                                         other=0.0), axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r,
-             (o / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
-
-
-COMBINE_SPLITS = 16  # partial results per loop step of the combine kernel
+    ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
+    part = (b * NSPLIT + offs_p) * BLOCK_H + h
+    m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
+    w = tl.exp(m - tl.max(m, axis=0))
+    total = tl.sum(w * tl.load(l_ptr + part, mask=ok, other=0.0), axis=0)
+    o = tl.sum(w[:, None] * tl.load(acc_ptr + part[:, None] * R + offs_r[None, :], mask=ok[:, None], other=0.0),
+               axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, (o / total).to(out_ptr.dtype.element_ty))
 
 
 def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, kv_lora_rank: int,
@@ -190,14 +262,14 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     m = torch.empty(b, nsplit, block_h, **f32)
     lse = torch.empty(b, nsplit, block_h, **f32)
     acc = torch.empty(b, nsplit, block_h, r, **f32)
-    mla_decode_kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1),
-                                   kv.stride(0), kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h,
-                                   BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH,
-                                   IEEE=(query.dtype == torch.float32 and not FP32_MATH), PDL=pdl,
-                                   launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = mla_decode_rows_kernel if cfg.rows_major else mla_decode_kernel
+    kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1), kv.stride(0),
+                        kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h, BLOCK_ROWS=cfg.block_rows,
+                        MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH, IEEE=(query.dtype == torch.float32 and not FP32_MATH),
+                        PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
         m, lse, acc, length, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h, BLOCK_R=block_r,
-        BLOCK_SPLITS=COMBINE_SPLITS, BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, PDL=pdl,
+        BLOCK_SPLITS=triton.next_power_of_2(nsplit), BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, PDL=pdl,
         launch_pdl=pdl, num_warps=4)
     return out

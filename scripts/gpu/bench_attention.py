@@ -63,9 +63,14 @@ KDA_FP32_PARAMS = ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")
 KDA_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "forget_gate.f_proj", "b_proj", "o_proj")
 MLA_CACHE_SLACK = 16  # S = L + 16
 DEVICE = torch.device("cuda", 0)
-# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages).
+# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages, combine_block_r,
+# rows_major): the scores as [heads, rows] (mma.sync) at the earlier tuned tiles, and as [rows, heads]
+# (wgmma from shared memory: 64-row tiles, one program per SM with two stages; 132 = the H200's SMs).
 MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
-    (128, 64, 16, 4, 3), (128, 64, 32, 8, 2), (128, 32, 16, 4, 3), (256, 64, 16, 4, 3), (128, 64, 16, 4, 4))]
+    (128, 64, 16, 4, 3, 128, False), (132, 64, 16, 4, 3, 32, False),
+    (132, 64, 64, 8, 2, 32, True), (132, 64, 64, 4, 2, 32, True), (128, 64, 64, 8, 2, 32, True),
+    (132, 128, 64, 8, 2, 32, True), (132, 64, 128, 8, 1, 32, True), (132, 64, 32, 4, 3, 32, True),
+    (66, 64, 64, 8, 2, 32, True), (132, 64, 64, 8, 2, 128, True))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -249,7 +254,8 @@ def part_cases(ctx: int, dtype, gen, dev):
     length = torch.tensor([ctx + 1], device=dev)
     nbytes = mla_cache_bytes(c, ctx, kv.element_size())  # the L + 1 valid rows, read only
     for cfg in MLA_CONFIGS:
-        tag = f"attn {cfg.splits}/{cfg.min_chunk_rows}/{cfg.block_rows}/{cfg.num_warps}w/{cfg.num_stages}s"
+        tag = (f"attn {cfg.splits}/{cfg.min_chunk_rows}/{cfg.block_rows}/{cfg.num_warps}w/{cfg.num_stages}s/"
+               f"c{cfg.combine_block_r}{'/rm' if cfg.rows_major else ''}")
         yield dict(kind="mla", form=tag, S=ctx + MLA_CACHE_SLACK, weight_bytes=0, bytes=nbytes, config=cfg.__dict__), \
             (lambda cfg=cfg: mla_decode_attention(query, kv, length, c.kv_lora_rank, c.scaling, config=cfg))
 
@@ -287,6 +293,30 @@ def timed_row(row: dict, fn, measured_bps: float, rep_ms: int, errors: list) -> 
 CASES = {"kda": kda_cases, "mla": mla_cases, "parts": part_cases}
 
 
+def best_attention_config(rows: list[dict]) -> tuple[MLADecodeConfig, list[float]] | None:
+    """The swept attention config with the least time summed over the contexts (timed at all of
+    them), and its times."""
+    totals: dict[str, list] = {}
+    for r in rows:
+        if r.get("config") and "measured_us" in r:
+            totals.setdefault(r["form"], (MLADecodeConfig(**r["config"]), []))[1].append(r["measured_us"])
+    full = max((len(t[1]) for t in totals.values()), default=0)
+    timed = [t for t in totals.values() if len(t[1]) == full]
+    return min(timed, key=lambda t: sum(t[1])) if timed else None
+
+
+def adopt_best_attention(rows: list[dict], device: str, contexts: list[int]) -> None:
+    """The best swept config into impl/model/mla_decode.py's table (and its JSON file), for the layers timed next."""
+    from impl.model import mla_decode
+    if (best := best_attention_config(rows)) is not None:
+        cfg, times = best
+        mla_decode.TUNED[device] = cfg
+        measured = ("scripts/gpu/bench_attention.py --adopt-best, the kernel alone: "
+                    + " / ".join(f"{t:.1f}" for t in times) + " us at " + " / ".join(map(str, contexts)) + " rows")
+        mla_decode.save_tuned(device, cfg, measured)
+        log(f"adopted: TUNED[{device!r}] = {cfg!r} ({measured})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,8192,32768", help="context lengths L, comma-separated")
@@ -294,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for attention_bench.json ($OUT)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep per timed call, ms")
+    ap.add_argument("--adopt-best", action="store_true",
+                    help="after `parts`, run the layers with the attention config of the least summed time over "
+                         "the contexts (printed as a TUNED entry for impl/model/mla_decode.py)")
     args = ap.parse_args(argv)
     contexts = [int(v) for v in args.contexts.split(",")]
     kinds = [k.strip() for k in args.kinds.split(",")]
@@ -324,6 +357,8 @@ def main(argv=None) -> int:
                 errors.append(f"{kind} L={ctx}: {ex!r}")
                 traceback.print_exc(limit=3)
             torch.cuda.empty_cache()
+        if kind == "parts" and args.adopt_best:
+            adopt_best_attention(rows, info["device"], contexts)
 
     result = dict(info=info, nominal_bytes_per_s=NOMINAL_BYTES_PER_S, read_bytes_per_s=read_bps,
                   copy_bytes_per_s=copy_bps, measured_bytes_per_s=measured_bps, rows=rows, errors=errors)
