@@ -4,7 +4,12 @@ Every head's query lives in the latent space (q_lat = W_uk^T q_nope, r values, b
 part, dr values) and attends over the same cache rows [latent c (r), k_rope (dr)], whose latents
 are also the values. So one program takes a chunk of cache rows for all heads at once and reads
 each row once: scores [H, rows] = q_lat c^T + q_rope k_rope^T, an online softmax over the chunk,
-and the weighted latents [H, r]; a second kernel combines the chunks' partial results.
+and the weighted latents [H, r]; a second kernel combines the chunks' partial results (each
+chunk's maximum and softmax sum in fp32, its weighted latents divided by that sum in the
+activation dtype). `mla_decode_rows_kernel` computes the same transposed, the cache rows as the
+products' M: on Hopper that is wgmma with the cache tile read from shared memory, which beat the
+[heads, rows] form's mma.sync by 8-18% on the H200, each at its best swept config in one process
+(mla_decode_tuned.json names the run).
 
 The grid is static (a CUDA graph replays it at every position) but the split follows the valid
 length n (the token's position + 1, read on the device): the n rows are cut into `splits` chunks
@@ -155,7 +160,7 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         part = (b * NSPLIT + split) * BLOCK_H + offs_h
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
-        tl.store(acc_ptr + part[:, None] * R + offs_r[None, :], acc)
+        tl.store(acc_ptr + part[:, None] * R + offs_r[None, :], (acc / l_i[:, None]).to(acc_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -209,7 +214,7 @@ def mla_decode_rows_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         part = (b * NSPLIT + split) * BLOCK_H + offs_h
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
-        tl.store(acc_ptr + part[None, :] * R + offs_r[:, None], acc)
+        tl.store(acc_ptr + part[None, :] * R + offs_r[:, None], (acc / l_i[None, :]).to(acc_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -228,10 +233,10 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
     part = (b * NSPLIT + offs_p) * BLOCK_H + h
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
-    w = tl.exp(m - tl.max(m, axis=0))
-    total = tl.sum(w * tl.load(l_ptr + part, mask=ok, other=0.0), axis=0)
-    o = tl.sum(w[:, None] * tl.load(acc_ptr + part[:, None] * R + offs_r[None, :], mask=ok[:, None], other=0.0),
-               axis=0)
+    w = tl.exp(m - tl.max(m, axis=0)) * tl.load(l_ptr + part, mask=ok, other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * tl.load(acc_ptr + part[:, None] * R + offs_r[None, :], mask=ok[:, None],
+                                    other=0.0).to(tl.float32), axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, (o / total).to(out_ptr.dtype.element_ty))
 
 
@@ -261,7 +266,9 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     f32 = dict(dtype=torch.float32, device=query.device)
     m = torch.empty(b, nsplit, block_h, **f32)
     lse = torch.empty(b, nsplit, block_h, **f32)
-    acc = torch.empty(b, nsplit, block_h, r, **f32)
+    # Each chunk's weighted latents divided by its softmax sum, in the activation dtype (bf16: half
+    # the bytes written and read back, which at 8k rows are nearly as many as the cache's).
+    acc = torch.empty(b, nsplit, block_h, r, dtype=query.dtype, device=query.device)
     kernel = mla_decode_rows_kernel if cfg.rows_major else mla_decode_kernel
     kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1), kv.stride(0),
                         kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h, BLOCK_ROWS=cfg.block_rows,

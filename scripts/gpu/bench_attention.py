@@ -68,9 +68,9 @@ DEVICE = torch.device("cuda", 0)
 # (wgmma from shared memory: 64-row tiles, one program per SM with two stages; 132 = the H200's SMs).
 MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
     (128, 64, 16, 4, 3, 128, False), (132, 64, 16, 4, 3, 32, False),
-    (132, 64, 64, 8, 2, 32, True), (132, 64, 64, 4, 2, 32, True), (128, 64, 64, 8, 2, 32, True),
-    (132, 128, 64, 8, 2, 32, True), (132, 64, 128, 8, 1, 32, True), (132, 64, 32, 4, 3, 32, True),
-    (66, 64, 64, 8, 2, 32, True), (132, 64, 64, 8, 2, 128, True))]
+    (132, 64, 64, 4, 2, 32, True), (132, 64, 64, 8, 2, 32, True), (132, 128, 64, 4, 2, 32, True),
+    (66, 64, 64, 4, 2, 32, True), (132, 64, 64, 4, 2, 64, True), (132, 64, 128, 8, 1, 32, True),
+    (132, 64, 32, 4, 3, 32, True))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
