@@ -65,12 +65,13 @@ MLA_CACHE_SLACK = 16  # S = L + 16
 DEVICE = torch.device("cuda", 0)
 # The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages, combine_block_r,
 # rows_major): the scores as [heads, rows] (mma.sync) at the earlier tuned tiles, and as [rows, heads]
-# (wgmma from shared memory: 64-row tiles, one program per SM with two stages; 132 = the H200's SMs).
+# (wgmma from shared memory: 64-row tiles, one program per SM with two stages; 132 = the H200's SMs;
+# 32-row tiles in three stages fit two programs an SM).
 MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
     (128, 64, 16, 4, 3, 128, False), (132, 64, 16, 4, 3, 32, False),
     (132, 64, 64, 4, 2, 32, True), (132, 64, 64, 8, 2, 32, True), (132, 128, 64, 4, 2, 32, True),
     (66, 64, 64, 4, 2, 32, True), (132, 64, 64, 4, 2, 64, True), (132, 64, 128, 8, 1, 32, True),
-    (132, 64, 32, 4, 3, 32, True))]
+    (132, 64, 32, 4, 3, 32, True), (264, 32, 32, 4, 3, 32, True))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
