@@ -23,16 +23,14 @@ def reference(query, kv, n, r, scale):
 
 
 SMALL = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1, combine_block_r=16)
-# The scores as [rows, heads] (the cache tile as both products' A operand), with a split count that
-# is no power of two (the SM count of the device it suits, here small).
-SMALL_ROWS = MLADecodeConfig(splits=3, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1,
-                             combine_block_r=16, rows_major=True)
-CONFIGS = dict(argvalues=[None, SMALL, SMALL_ROWS], ids=["launch-config", "small", "small-rows-major"])
+# A split count that is no power of two (as the SM count a device's config follows).
+SMALL_3 = MLADecodeConfig(splits=3, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1, combine_block_r=16)
+CONFIGS = dict(argvalues=[None, SMALL, SMALL_3], ids=["launch-config", "small", "three-splits"])
 
 
 # n rows valid of a cache of `cache` rows: one row; fewer rows than one chunk; several chunks of the
 # minimum size (fewer used than the splits); every split used with chunks above the minimum (with
-# SMALL: 32-row chunks; with the device's table on a GPU: 160-row chunks over 57 of 64 programs).
+# SMALL: 32-row chunks; with the H200's config: 9000 rows in 128-row chunks over 71 of 132 programs).
 @pytest.mark.parametrize("config", **CONFIGS)
 @pytest.mark.parametrize("heads,n,cache", [(4, 1, 40), (4, 11, 40), (4, 37, 40), (20, 100, 200), (20, 9000, 9100)])
 def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
@@ -129,9 +127,9 @@ def test_tuned_configs_round_trip_keep_other_devices_and_name_a_malformed_file(t
     path = tmp_path / "tuned.json"
     assert load_tuned(path) == {}
     save_tuned("gpu-a", SMALL, "run a", path)
-    save_tuned("gpu-b", SMALL_ROWS, "run b", path)
-    save_tuned("gpu-a", SMALL_ROWS, "run a again", path)
-    assert load_tuned(path) == {"gpu-a": SMALL_ROWS, "gpu-b": SMALL_ROWS}
+    save_tuned("gpu-b", SMALL_3, "run b", path)
+    save_tuned("gpu-a", SMALL_3, "run a again", path)
+    assert load_tuned(path) == {"gpu-a": SMALL_3, "gpu-b": SMALL_3}
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]  # no temporary file left
     path.write_text('[{"device": "gpu-a", "config": {"splits": 0}}]')
     with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs .*splits must be >= 1"):

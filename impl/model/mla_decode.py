@@ -3,13 +3,12 @@
 Every head's query lives in the latent space (q_lat = W_uk^T q_nope, r values, beside its rope
 part, dr values) and attends over the same cache rows [latent c (r), k_rope (dr)], whose latents
 are also the values. So one program takes a chunk of cache rows for all heads at once and reads
-each row once: scores [H, rows] = q_lat c^T + q_rope k_rope^T, an online softmax over the chunk,
-and the weighted latents [H, r]; a second kernel combines the chunks' partial results (each
-chunk's maximum and softmax sum in fp32, its weighted latents divided by that sum in the
-activation dtype). `mla_decode_rows_kernel` computes the same transposed, the cache rows as the
-products' M: on Hopper that is wgmma with the cache tile read from shared memory, which beat the
-[heads, rows] form's mma.sync by 8-18% on the H200, each at its best swept config in one process
-(mla_decode_tuned.json names the run).
+each row once: scores [rows, H] = c q_lat^T + k_rope q_rope^T, an online softmax over the chunk,
+and the weighted latents [r, H] = c^T p; a second kernel combines the chunks' partial results.
+The cache tile is the A operand of both products, the rows their M: on Hopper (64-row tiles) that
+is wgmma reading the tile from shared memory where the pipelined load left it, which beat the
+transposed form (the heads as M: mma.sync, its operands in registers) by 8-18% on the H200 at 1k,
+8k and 32k rows, each form at its best swept config in one process (notes/ling.md).
 
 The grid is static (a CUDA graph replays it at every position) but the split follows the valid
 length n (the token's position + 1, read on the device): the n rows are cut into `splits` chunks
@@ -39,17 +38,14 @@ from impl.triton_env import FP32_MATH, device_name, tl, triton
 class MLADecodeConfig:
     """Launch configuration of `mla_decode_attention`: `splits` programs per batch row share the
     valid rows, each at least `min_chunk_rows` of them (rounded up to `block_rows`, the rows of one
-    loop step); `combine_block_r` latent values per program of the combine kernel. `rows_major`:
-    the scores as [rows, heads], the cache rows being the matrix product's M (>= 64 rows: Hopper's
-    wgmma, operands straight from shared memory) instead of [heads, rows] (the heads as M: mma.sync
-    with its operands in registers)."""
+    loop step); `combine_block_r` latent values per program of the combine kernel. The default's
+    32-row tiles in two stages take 74 KB of shared memory (64-row tiles: 184 KB, Hopper's size)."""
     splits: int = 64
-    min_chunk_rows: int = 128
+    min_chunk_rows: int = 64
     block_rows: int = 32
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
-    combine_block_r: int = 128
-    rows_major: bool = False
+    combine_block_r: int = 32
 
     def __post_init__(self) -> None:
         if self.splits < 1:
@@ -106,8 +102,8 @@ def _chunk_rows(n, NSPLIT, BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr):
 
 @triton.jit
 def _latent_and_rope(row_ptrs, offs_r, offs_dr, ok, R: tl.constexpr, FP32: tl.constexpr):
-    """The rows' latent [.., R] and rope [.., DR] parts (query heads or cache rows), masked by `ok`;
-    in fp32 under the interpreter (FP32)."""
+    """The cache rows' latent [.., R] and rope [.., DR] parts, masked by `ok`; in fp32 under the
+    interpreter (FP32)."""
     lat = tl.load(row_ptrs + offs_r[None, :], mask=ok[:, None], other=0.0)
     rope = tl.load(row_ptrs + R + offs_dr[None, :], mask=ok[:, None], other=0.0)
     if FP32:
@@ -120,57 +116,8 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
                       H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, stride_len, scale,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    pdl_wait(PDL)  # the query, the length and the newest cache row come from the launch before
-    pdl_release(PDL)
-    n = tl.load(length_ptr + b * stride_len)
-    chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
-    start = split * chunk
-    if start < n:
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_r = tl.arange(0, R)
-        offs_dr = tl.arange(0, DR)
-        q_lat, q_rope = _latent_and_rope(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh, offs_r, offs_dr,
-                                         offs_h < H, R, FP32)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, R], tl.float32)
-        end = tl.minimum(start + chunk, n)
-        for row0 in range(start, end, BLOCK_ROWS):
-            offs_s = row0 + tl.arange(0, BLOCK_ROWS)
-            s_ok = offs_s < end
-            c, kr = _latent_and_rope(kv_ptr + b * stride_kvb + offs_s[:, None] * stride_kvs, offs_r, offs_dr, s_ok,
-                                     R, FP32)
-            if IEEE:  # fp32 inputs: no TF32 rounding (tl.dot's default for them)
-                scores = (tl.dot(q_lat, tl.trans(c), input_precision="ieee")
-                          + tl.dot(q_rope, tl.trans(kr), input_precision="ieee"))
-            else:
-                scores = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rope, tl.trans(kr))
-            scores = tl.where(s_ok[None, :], scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-            m_i = m_new
-        part = (b * NSPLIT + split) * BLOCK_H + offs_h
-        tl.store(m_ptr + part, m_i)
-        tl.store(l_ptr + part, l_i)
-        tl.store(acc_ptr + part[:, None] * R + offs_r[None, :], (acc / l_i[:, None]).to(acc_ptr.dtype.element_ty))
-
-
-@triton.jit
-def mla_decode_rows_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
-                           H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, stride_len, scale,
-                           R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                           MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """`mla_decode_kernel` transposed: scores [rows, H] = c q_lat^T + k_rope q_rope^T and the
-    weighted latents [R, H] = c^T p, so the cache tile is the A operand of both products (on
-    Hopper, wgmma reads it from shared memory where the pipelined load left it)."""
+    """Program (b, split): batch row b's chunk `split` of the valid rows, for all heads; writes the
+    chunk's maximum, softmax sum and weighted latents (fp32) per head."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     pdl_wait(PDL)  # the query, the length and the newest cache row come from the launch before
@@ -214,7 +161,7 @@ def mla_decode_rows_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         part = (b * NSPLIT + split) * BLOCK_H + offs_h
         tl.store(m_ptr + part, m_i)
         tl.store(l_ptr + part, l_i)
-        tl.store(acc_ptr + part[None, :] * R + offs_r[:, None], (acc / l_i[None, :]).to(acc_ptr.dtype.element_ty))
+        tl.store(acc_ptr + part[None, :] * R + offs_r[:, None], acc)
 
 
 @triton.jit
@@ -233,10 +180,10 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
     part = (b * NSPLIT + offs_p) * BLOCK_H + h
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
-    w = tl.exp(m - tl.max(m, axis=0)) * tl.load(l_ptr + part, mask=ok, other=0.0)
-    total = tl.sum(w, axis=0)
-    o = tl.sum(w[:, None] * tl.load(acc_ptr + part[:, None] * R + offs_r[None, :], mask=ok[:, None],
-                                    other=0.0).to(tl.float32), axis=0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    total = tl.sum(w * tl.load(l_ptr + part, mask=ok, other=0.0), axis=0)
+    o = tl.sum(w[:, None] * tl.load(acc_ptr + part[:, None] * R + offs_r[None, :], mask=ok[:, None], other=0.0),
+               axis=0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, (o / total).to(out_ptr.dtype.element_ty))
 
 
@@ -266,14 +213,12 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     f32 = dict(dtype=torch.float32, device=query.device)
     m = torch.empty(b, nsplit, block_h, **f32)
     lse = torch.empty(b, nsplit, block_h, **f32)
-    # Each chunk's weighted latents divided by its softmax sum, in the activation dtype (bf16: half
-    # the bytes written and read back, which at 8k rows are nearly as many as the cache's).
-    acc = torch.empty(b, nsplit, block_h, r, dtype=query.dtype, device=query.device)
-    kernel = mla_decode_rows_kernel if cfg.rows_major else mla_decode_kernel
-    kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1), kv.stride(0),
-                        kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h, BLOCK_ROWS=cfg.block_rows,
-                        MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH, IEEE=(query.dtype == torch.float32 and not FP32_MATH),
-                        PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    acc = torch.empty(b, nsplit, block_h, r, **f32)
+    mla_decode_kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1),
+                                   kv.stride(0), kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h,
+                                   BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH,
+                                   IEEE=(query.dtype == torch.float32 and not FP32_MATH), PDL=pdl,
+                                   launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
         m, lse, acc, length, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h, BLOCK_R=block_r,

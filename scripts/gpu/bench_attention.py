@@ -63,15 +63,11 @@ KDA_FP32_PARAMS = ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")
 KDA_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "forget_gate.f_proj", "b_proj", "o_proj")
 MLA_CACHE_SLACK = 16  # S = L + 16
 DEVICE = torch.device("cuda", 0)
-# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages, combine_block_r,
-# rows_major): the scores as [heads, rows] (mma.sync) at the earlier tuned tiles, and as [rows, heads]
-# (wgmma from shared memory: 64-row tiles, one program per SM with two stages; 132 = the H200's SMs;
-# 32-row tiles in three stages fit two programs an SM).
+# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages, combine_block_r):
+# 64-row tiles in two stages, one program an SM (132 = the H200's SMs), or 32-row tiles in three, two an SM.
 MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
-    (128, 64, 16, 4, 3, 128, False), (132, 64, 16, 4, 3, 32, False),
-    (132, 64, 64, 4, 2, 32, True), (132, 64, 64, 8, 2, 32, True), (132, 128, 64, 4, 2, 32, True),
-    (66, 64, 64, 4, 2, 32, True), (132, 64, 64, 4, 2, 64, True), (132, 64, 128, 8, 1, 32, True),
-    (132, 64, 32, 4, 3, 32, True), (264, 32, 32, 4, 3, 32, True))]
+    (132, 64, 64, 4, 2, 32), (132, 64, 64, 8, 2, 32), (132, 128, 64, 4, 2, 32), (66, 64, 64, 4, 2, 32),
+    (132, 64, 64, 4, 2, 64), (132, 64, 128, 8, 1, 32), (132, 64, 32, 4, 3, 32), (264, 32, 32, 4, 3, 32))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -256,7 +252,7 @@ def part_cases(ctx: int, dtype, gen, dev):
     nbytes = mla_cache_bytes(c, ctx, kv.element_size())  # the L + 1 valid rows, read only
     for cfg in MLA_CONFIGS:
         tag = (f"attn {cfg.splits}/{cfg.min_chunk_rows}/{cfg.block_rows}/{cfg.num_warps}w/{cfg.num_stages}s/"
-               f"c{cfg.combine_block_r}{'/rm' if cfg.rows_major else ''}")
+               f"c{cfg.combine_block_r}")
         yield dict(kind="mla", form=tag, S=ctx + MLA_CACHE_SLACK, weight_bytes=0, bytes=nbytes, config=cfg.__dict__), \
             (lambda cfg=cfg: mla_decode_attention(query, kv, length, c.kv_lora_rank, c.scaling, config=cfg))
 
