@@ -139,3 +139,15 @@ def test_tuned_configs_round_trip_keep_other_devices_and_name_a_malformed_file(t
 def test_the_committed_tuned_configs_load():
     from impl.model.mla_decode import TUNED_PATH, load_tuned
     assert load_tuned(TUNED_PATH), TUNED_PATH
+
+
+def test_32_bit_rows_take_the_smallest_tile_of_the_devices_config(monkeypatch):
+    from impl.model import mla_decode
+    tuned = MLADecodeConfig(splits=132, min_chunk_rows=64, block_rows=64, num_warps=4, num_stages=3)
+    monkeypatch.setattr(mla_decode, "device_name", lambda device: "some-gpu")
+    monkeypatch.setitem(mla_decode.TUNED, "some-gpu", tuned)
+    cuda = torch.device("cuda", 0)
+    assert mla_decode.launch_config(cuda, 2) == tuned
+    assert mla_decode.launch_config(cuda, 4) == MLADecodeConfig(splits=132, min_chunk_rows=64, block_rows=16,
+                                                                 num_warps=4, num_stages=2)
+    assert mla_decode.launch_config(torch.device("cpu"), 4) == mla_decode.INTERPRETER
