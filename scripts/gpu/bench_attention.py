@@ -63,11 +63,15 @@ KDA_FP32_PARAMS = ("forget_gate.A_log", "forget_gate.dt_bias", "conv1d.weight")
 KDA_PROJ = ("q_proj", "k_proj", "v_proj", "g_proj", "forget_gate.f_proj", "b_proj", "o_proj")
 MLA_CACHE_SLACK = 16  # S = L + 16
 DEVICE = torch.device("cuda", 0)
-# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages, combine_block_r):
-# 64-row tiles in two stages, one program an SM (132 = the H200's SMs), or 32-row tiles in three, two an SM.
+# The attention kernel's sweep (splits, min_chunk_rows, block_rows, num_warps, num_stages, combine_block_r).
+# Triton's two-stage pipeline issues the next tile's copy after the step's products and waits for it
+# at the next step's start, so one program an SM never overlaps its loads: 64-row tiles in two stages
+# (184 KB of shared memory, one program an SM; 132 = the H200's SMs), in one stage (110 KB: two an
+# SM, one computing while the other loads), 32-row tiles in two to four stages.
 MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
-    (132, 64, 64, 4, 2, 32), (132, 64, 64, 8, 2, 32), (132, 128, 64, 4, 2, 32), (66, 64, 64, 4, 2, 32),
-    (132, 64, 64, 4, 2, 64), (132, 64, 128, 8, 1, 32), (132, 64, 32, 4, 3, 32), (264, 32, 32, 4, 3, 32))]
+    (132, 64, 64, 4, 2, 32), (132, 128, 64, 4, 2, 32), (132, 64, 64, 4, 2, 64), (132, 64, 128, 8, 1, 32),
+    (264, 64, 64, 4, 1, 32), (264, 32, 64, 4, 1, 32), (132, 64, 32, 4, 3, 32), (132, 64, 32, 4, 4, 32),
+    (264, 32, 32, 4, 2, 32), (264, 32, 32, 4, 3, 32))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
