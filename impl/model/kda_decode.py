@@ -14,6 +14,10 @@ first can read a shifted window. The torch form of the same step (impl.model.kda
 `recurrent_kda_step` and the module around it) is its reference, and rounds where these kernels
 round: the convolution's SiLU output and o to the activation dtype, as the module does.
 
+Both launch with programmatic dependent launch where the GPU has it (impl/moe/triton_pdl.py's
+rules): the first loads its columns of the state, written a token ago, while the input projection
+before it still runs; the second its norm weight.
+
 The state is read once and written once (`state_in` may be `state_out`: decode updates in place);
 `keep` (1.0, or 0.0 at position 0) multiplies the stored state and convolution inputs, so a new
 sequence starts from zeros without a host branch. In eager torch this step is about 55 small
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import tl, triton
 
 L2_EPS = tl.constexpr(1e-6)  # impl.model.kda.L2_EPS: inside the square root
@@ -70,7 +75,7 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
                       stride_mixed, stride_f, stride_b, stride_out,
                       H, lower_bound,
                       D: tl.constexpr, BLOCK_V: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr,
-                      SAFE_GATE: tl.constexpr):
+                      SAFE_GATE: tl.constexpr, PDL: tl.constexpr):
     """Program (row * H + head, value block): the delta rule on the state's columns [D, BLOCK_V]
     (columns are independent: the recall and the output sum over the key dim only); writes the
     head's output o unnormalized (rounded to the activation dtype, as the module rounds it)."""
@@ -78,6 +83,10 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
     row, h = pid // H, pid % H
     offs_d = tl.arange(0, D)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_s = (row * H + h) * D * D + offs_d[:, None] * D + offs_v[None, :]
+    s = tl.load(state_in_ptr + offs_s)  # written by an earlier token's launch (or a verify pass's, two launches ago)
+    pdl_wait(PDL)  # the projections, the convolution window (shifted by the launch before in a verify pass), keep
+    pdl_release(PDL)
     keep = tl.load(keep_ptr)
     hd = H * D
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -99,9 +108,7 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
     beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * stride_b + h).to(tl.float32)))
 
     # Gated delta rule on S [Dk, Dv], columns offs_v.
-    offs_s = (row * H + h) * D * D + offs_d[:, None] * D + offs_v[None, :]
-    s = tl.load(state_in_ptr + offs_s) * keep
-    s = s * tl.exp(g)[:, None]
+    s = s * keep * tl.exp(g)[:, None]
     recalled = tl.sum(k[:, None] * s, axis=0)
     s = s + k[:, None] * (beta * (v - recalled))[None, :]
     tl.store(state_out_ptr + offs_s, s)
@@ -112,17 +119,20 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
 @triton.jit
 def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr, out_ptr,
                       stride_mixed, stride_gate, stride_out, H, norm_eps,
-                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr):
+                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     """Program row * H + head, after kda_decode_kernel: the gated RMS norm of the head's o over Dv
     (then the sigmoid of the output gate), in place, and the shift of the head's q, k, v
     convolution inputs (every program of the first kernel has read them by now)."""
     pid = tl.program_id(0)
     row, h = pid // H, pid % H
     offs_d = tl.arange(0, D)
+    norm_w = tl.load(norm_w_ptr + offs_d).to(tl.float32)
+    pdl_wait(PDL)  # o comes from the launch before
+    pdl_release(PDL)
     hd = H * D
     o_ptrs = out_ptr + row * stride_out + h * D + offs_d
     o = tl.load(o_ptrs).to(tl.float32)
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * tl.load(norm_w_ptr + offs_d).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + norm_eps) * norm_w
     gate = tl.load(gate_ptr + row * stride_gate + h * D + offs_d).to(tl.float32)
     tl.store(o_ptrs, (o / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty))
     keep = tl.load(keep_ptr)
@@ -160,11 +170,12 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
     out = torch.empty(bsz, hd, dtype=mixed.dtype, device=mixed.device)
     kp = triton.next_power_of_2(max(kern - 1, 1))
     block_v = min(BLOCK_V, d)
+    pdl = pdl_supported(mixed.device)
     kda_decode_kernel[(bsz * num_heads, d // block_v)](
         mixed, f, b, conv_state, conv_w, dt_bias, a_log, state_in, state_out, keep, out,
         mixed.stride(0), f.stride(0), b.stride(0), out.stride(0), num_heads, float(lower_bound),
-        D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, num_warps=4)
+        D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, PDL=pdl, launch_pdl=pdl, num_warps=4)
     kda_output_kernel[(bsz * num_heads,)](
         mixed, gate, conv_state, norm_w, keep, out, mixed.stride(0), gate.stride(0), out.stride(0), num_heads,
-        float(norm_eps), D=d, KERN=kern, KP=kp, num_warps=4)
+        float(norm_eps), D=d, KERN=kern, KP=kp, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
