@@ -21,7 +21,7 @@ FIGURE_OF = {"decode_tokens_per_s": "timing", "moe_layer_us": "timing", "fp8_hea
              "mtp_greedy_agreement": "agreement", "ab_tokens_per_s": "ab_speed", "ab_tpot": "ab_speed",
              "ab_ttft": "ab_speed", "ab_answers_alike": "ab_accuracy", "ab_reference_accuracy": "ab_accuracy",
              "ab_accept_length": "accept_length", "ab_verify_cost": "ab_speed",
-             "roofline_step_over_floor": "ab_speed"}
+             "roofline_step_over_floor": "ab_speed", "row_tpot_over_floor": "ab_speed"}
 
 
 def _figure(metric_id: str) -> str:
