@@ -16,11 +16,10 @@ from __future__ import annotations
 import fcntl
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from impl.files import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported: the plugin writes through them)
 from pytest_moeperf.device import class_of, schema1_match, short_key
 from pytest_moeperf.stats import DIRECTIONS
 
@@ -115,26 +114,6 @@ def load_file(path: Path) -> BaselineFile:
                    for mid, m in e["metrics"].items()}
         entries.append({"fingerprint": e["fingerprint"], "metrics": metrics})
     return BaselineFile(path, entries)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers see the old or the new file
-    (os.replace is atomic within a file system), never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 class BaselineStore:

@@ -12,7 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from pytest_moeperf import ab_summary, baselines
+from impl import files
+from pytest_moeperf import ab_summary
 from pytest_moeperf.ab_report import write_ab_report
 from pytest_moeperf.ab_summary import ACCEPT_LENGTH_FLOOR, summarize_ab
 from pytest_moeperf.stats import paired_accuracy, paired_ratio
@@ -365,7 +366,7 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
         # A failure at the rename leaves every old file whole and no temporary file behind.
         def failing_replace(src, dst):
             raise OSError("disk full")
-        monkeypatch.setattr(baselines.os, "replace", failing_replace)
+        monkeypatch.setattr(files.os, "replace", failing_replace)
         r2 = synthetic(n=30, seed=9, speedups={"baseline": 1.0, "B": 1.3})
         with pytest.raises(OSError, match="disk full"):
             write_ab_report(r2, tmp_path)

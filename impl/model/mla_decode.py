@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from impl.files import atomic_write_text
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import FP32_MATH, device_name, tl, triton
 
@@ -80,9 +80,7 @@ def save_tuned(device: str, config: MLADecodeConfig, measured: str, path: Path =
     """Set `device`'s entry (`measured`: what chose it), keeping the others; atomically."""
     entries = [e for e in (json.loads(path.read_text()) if path.exists() else []) if e["device"] != device]
     entries.append(dict(device=device, config=dataclasses.asdict(config), measured=measured))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(sorted(entries, key=lambda e: e["device"]), indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(sorted(entries, key=lambda e: e["device"]), indent=1) + "\n")
 
 
 TUNED: dict[str, MLADecodeConfig] = load_tuned()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from impl.files import atomic_write_text
 from impl.triton_env import device_name
 
 M_BUCKETS = (1, 2, 4, 8, 16)
@@ -114,9 +114,7 @@ def save_tuned(tuned: dict[tuple, MoELaunchConfig], path: Path = TUNED_PATH) -> 
     merged = {**load_tuned(path), **tuned}
     entries = [{"key": dict(zip(KEY_FIELDS, k)), "config": dataclasses.asdict(c)} for k, c in sorted(merged.items())]
     # Atomically: a tuning cut short mid-write must not leave a truncated file.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(entries, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
 
 
 TUNED: dict[tuple, MoELaunchConfig] = load_tuned()

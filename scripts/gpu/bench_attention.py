@@ -327,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench rep per timed call, ms")
     ap.add_argument("--adopt-best", action="store_true",
                     help="after `parts`, run the layers with the attention config of the least summed time over "
-                         "the contexts (printed as a TUNED entry for impl/model/mla_decode.py)")
+                         "the contexts, and write it as this device's entry of impl/model/mla_decode_tuned.json")
     args = ap.parse_args(argv)
     contexts = [int(v) for v in args.contexts.split(",")]
     kinds = [k.strip() for k in args.kinds.split(",")]
