@@ -134,6 +134,12 @@ def test_tuned_configs_round_trip_keep_other_devices_and_name_a_malformed_file(t
     path.write_text('[{"device": "gpu-a", "config": {"splits": 0}}]')
     with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs .*splits must be >= 1"):
         load_tuned(path)
+    with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs"):
+        save_tuned("gpu-c", SMALL, "run c", path)  # nothing written over a file it cannot read
+    assert path.read_text() == '[{"device": "gpu-a", "config": {"splits": 0}}]'
+    path.write_text("[{")
+    with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs"):
+        load_tuned(path)
 
 
 def test_the_committed_tuned_configs_load():

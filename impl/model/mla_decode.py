@@ -66,19 +66,29 @@ INTERPRETER = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_wa
                               combine_block_r=16)
 
 
-def load_tuned(path: Path = TUNED_PATH) -> dict[str, MLADecodeConfig]:
-    """{device name: config} from the JSON list of {"device", "config", "measured"} entries."""
+def _entries(path: Path) -> list[dict]:
+    """The JSON list of {"device", "config", "measured"} entries, each config checked."""
     if not path.exists():
-        return {}
+        return []
     try:
-        return {e["device"]: MLADecodeConfig(**e["config"]) for e in json.loads(path.read_text())}
+        entries = json.loads(path.read_text())
+        for e in entries:
+            if not isinstance(e["device"], str):
+                raise TypeError(f"device {e['device']!r} is not a name")
+            MLADecodeConfig(**e["config"])
+        return entries
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: malformed tuned MLA decode configs ({e})") from None
 
 
+def load_tuned(path: Path = TUNED_PATH) -> dict[str, MLADecodeConfig]:
+    """{device name: config} from the file's entries."""
+    return {e["device"]: MLADecodeConfig(**e["config"]) for e in _entries(path)}
+
+
 def save_tuned(device: str, config: MLADecodeConfig, measured: str, path: Path = TUNED_PATH) -> None:
     """Set `device`'s entry (`measured`: what chose it), keeping the others; atomically."""
-    entries = [e for e in (json.loads(path.read_text()) if path.exists() else []) if e["device"] != device]
+    entries = [e for e in _entries(path) if e["device"] != device]
     entries.append(dict(device=device, config=dataclasses.asdict(config), measured=measured))
     atomic_write_text(path, json.dumps(sorted(entries, key=lambda e: e["device"]), indent=1) + "\n")
 
