@@ -46,6 +46,37 @@ def test_kernel_equals_attention_over_the_valid_rows(heads, n, cache, config):
     assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
+# Positions instead of lengths (the model's call): the kernels read them before waiting for the
+# launch before. One row; fewer rows than a chunk; several chunks (every split used on the GPU).
+@pytest.mark.parametrize("config", **CONFIGS)
+@pytest.mark.parametrize("n", [1, 20, 100, 9000])
+def test_from_positions_equals_attention_over_the_rows_up_to_them(n, config):
+    if DEVICE == "cpu" and n > 1000:
+        pytest.skip("thousands of rows: minutes under the interpreter; the GPU runs it")
+    r, dr = (32, 16) if DEVICE == "cpu" else (512, 64)
+    g = torch.Generator(DEVICE).manual_seed(n)
+    query = torch.randn(2, 4, r + dr, device=DEVICE, generator=g)
+    kv = torch.randn(2, n + 24, r + dr, device=DEVICE, generator=g)
+    kv[:, n:] = 1e4
+    kv[:, n - 1] *= 3  # the token's own row stands out: attending one row short moves the result
+    got = mla_decode_attention(query, kv, None, r, 0.1, config=config, positions=torch.tensor([n - 1], device=DEVICE))
+    want = reference(query, kv, n, r, 0.1)
+    assert float((got - want).norm() / want.norm()) <= 1e-5
+    if n > 1:  # negative control: attention one row short is far from it
+        short = reference(query, kv, n - 1, r, 0.1)
+        assert float((short - want).norm() / want.norm()) > 1e-3
+
+
+def test_exactly_one_of_length_and_positions():
+    query, kv = torch.randn(1, 2, 48), torch.randn(1, 8, 48)
+    with pytest.raises(ValueError, match="exactly one of length and positions"):
+        mla_decode_attention(query, kv, torch.tensor([3]), 32, 0.1, positions=torch.tensor([2]))
+    with pytest.raises(ValueError, match="exactly one of length and positions"):
+        mla_decode_attention(query, kv, None, 32, 0.1)
+    with pytest.raises(ValueError, match=r"positions must be \[1\] or \[B=1\]"):
+        mla_decode_attention(query, kv, None, 32, 0.1, positions=torch.tensor([2, 3]))
+
+
 @pytest.mark.parametrize("config", **CONFIGS)
 def test_a_verify_steps_tokens_share_the_cache_each_up_to_its_position(config):
     """T query rows over one cache (batch stride 0), row j attending to rows 0..length[j]-1, as a
@@ -65,6 +96,9 @@ def test_a_verify_steps_tokens_share_the_cache_each_up_to_its_position(config):
     assert float((shared[0] - got[0]).norm() / got[0].norm()) > 1e-3
     with pytest.raises(ValueError, match=r"length must be \[1\] or \[B=4\]"):
         mla_decode_attention(query, kv.expand(4, -1, -1), lengths[:2], r, 0.1)
+    # From positions, as the model's verify step passes them.
+    early = mla_decode_attention(query, kv.expand(4, -1, -1), None, r, 0.1, config=config, positions=lengths - 1)
+    assert float((early - got).norm() / got.norm()) <= 1e-5
 
 
 def test_a_latent_width_the_tiles_cannot_hold_is_refused():
@@ -79,6 +113,7 @@ def test_config_rejects_a_tile_tl_dot_cannot_take():
         MLADecodeConfig(splits=0)
     with pytest.raises(ValueError, match="min_chunk_rows must be a power of two"):
         MLADecodeConfig(min_chunk_rows=48)
+
 
 
 @pytest.mark.gpu
@@ -155,5 +190,5 @@ def test_32_bit_rows_take_the_smallest_tile_of_the_devices_config(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert mla_decode.launch_config(cuda, 2) == tuned
     assert mla_decode.launch_config(cuda, 4) == MLADecodeConfig(splits=132, min_chunk_rows=64, block_rows=16,
-                                                                 num_warps=4, num_stages=2)
+                                                                 num_warps=8, num_stages=1)
     assert mla_decode.launch_config(torch.device("cpu"), 4) == mla_decode.INTERPRETER

@@ -326,11 +326,13 @@ class MLAAttention(nn.Module):
         b, t, _ = q.shape
         w_uk, w_uv = self._up_weights()
         cache = self.kv_cache.kv
-        query, length = mla_query(q.reshape(b * t, -1), kv_a.reshape(b * t, -1), w_uk, cos, sin,
-                                  self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache)
+        query = mla_query(q.reshape(b * t, -1), kv_a.reshape(b * t, -1), w_uk, cos, sin,
+                          self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache)
         # b == 1 with T tokens: the T rows share the cache (batch stride 0), each up to its position.
         kv = cache[:b] if t == 1 else cache[:1].expand(t, *cache.shape[1:])
-        o_lat = mla_decode_attention(query, kv, length, c.kv_lora_rank, c.scaling)
+        # The positions are the step's input, written launches ago: the attention and its combine
+        # read them before the query kernel ends.
+        o_lat = mla_decode_attention(query, kv, None, c.kv_lora_rank, c.scaling, positions=input_pos)
         y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
         return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias)
 

@@ -3,8 +3,7 @@ small torch launches: the query side before it and the output side after it.
 
 - `mla_query_kernel`: for each token row, every head's latent query q_lat = W_uk^T q_nope and its
   rotated rope part, written as the attention kernel's [rows, H, r + dr] query; and the token's
-  cache row [rms_norm(latent), rotated k_rope] written at its position, with the valid length
-  (position + 1) the attention kernel reads. Programs (head, block of latent values) each hold
+  cache row [rms_norm(latent), rotated k_rope] written at its position. Programs (head, block of latent values) each hold
   their slice of W_uk in registers for all rows; one more program writes the cache rows.
 - `mla_output_kernel`: each head's value up-projection W_uv o_lat of the attention-weighted
   latents, rounded to the activation dtype, times the head's output gate sigmoid(g), written in
@@ -59,29 +58,35 @@ DEFAULT_LAUNCH = MLAAbsorbLaunch()
 
 
 @triton.jit
-def _interleaved_rope(x_ptr, cos_ptr, sin_ptr, out_ptr, HALF: tl.constexpr):
-    """Ling's rope of 2 * HALF values: pair (2i, 2i + 1) rotated by frequency i, written as
-    [rotated evens, rotated odds] (impl.model.mla `apply_interleaved_rope`); cos/sin rows in the
-    rotate-half layout, fp32."""
+def _rope_inputs(x_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr):
+    """The loads of Ling's rope of 2 * HALF values (x's pairs (2i, 2i + 1), fp32 cos/sin rows in
+    the rotate-half layout), issued together so that a program waits for memory once."""
     offs = tl.arange(0, HALF)
-    even = tl.load(x_ptr + 2 * offs).to(tl.float32)
-    odd = tl.load(x_ptr + 2 * offs + 1).to(tl.float32)
-    out = even * tl.load(cos_ptr + offs) - odd * tl.load(sin_ptr + offs)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty))
-    out = odd * tl.load(cos_ptr + HALF + offs) + even * tl.load(sin_ptr + HALF + offs)
-    tl.store(out_ptr + HALF + offs, out.to(out_ptr.dtype.element_ty))
+    return (tl.load(x_ptr + 2 * offs).to(tl.float32), tl.load(x_ptr + 2 * offs + 1).to(tl.float32),
+            tl.load(cos_ptr + offs), tl.load(cos_ptr + HALF + offs), tl.load(sin_ptr + offs),
+            tl.load(sin_ptr + HALF + offs))
 
 
 @triton.jit
-def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, pos_ptr,
-                     query_ptr, cache_ptr, length_ptr,
+def _store_rope(out_ptr, even, odd, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
+    """Pair i rotated by frequency i, written as [rotated evens, rotated odds] (impl.model.mla
+    `apply_interleaved_rope`)."""
+    offs = tl.arange(0, HALF)
+    tl.store(out_ptr + offs, (even * cos_lo - odd * sin_lo).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + HALF + offs, (odd * cos_hi + even * sin_hi).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, pos_ptr, query_ptr, cache_ptr,
                      ROWS, TOKENS, H, eps,
                      stride_q, stride_kv_a, stride_wuk_h, stride_wuk_d, stride_cos, stride_sin,
                      stride_query_row, stride_query_h, stride_cache_b, stride_cache_s,
                      DN: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, QK: tl.constexpr,
                      BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Row i = b * TOKENS + t: token t of batch row b, at position pos[t]. q rows hold each head's
-    [q_nope (DN), q_rope (DR)] (QK apart), kv_a rows [latent (R), k_rope (DR)]."""
+    [q_nope (DN), q_rope (DR)] (QK apart), kv_a rows [latent (R), k_rope (DR)]. A program loads
+    its weights before its wait, and after it all of a row's inputs before it stores anything (a
+    load after a store waits for memory once more)."""
     pid = tl.program_id(0)
     blocks_r = tl.cdiv(R, BLOCK_R)
     if pid < H * blocks_r:
@@ -95,14 +100,16 @@ def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, po
         pdl_wait(PDL)  # q comes from the projection launched just before
         pdl_release(PDL)
         for i in range(ROWS):
+            t = i % TOKENS
             q_row = q_ptr + i * stride_q + h * QK
             q_nope = tl.load(q_row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            q_lat = tl.sum(w.to(tl.float32) * q_nope[:, None], axis=0)
             out_row = query_ptr + i * stride_query_row + h * stride_query_h
-            tl.store(out_row + offs_r, q_lat.to(query_ptr.dtype.element_ty), mask=offs_r < R)
             if block == 0:
-                t = i % TOKENS
-                _interleaved_rope(q_row + DN, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, out_row + R, DR // 2)
+                even, odd, cos_lo, cos_hi, sin_lo, sin_hi = _rope_inputs(q_row + DN, cos_ptr + t * stride_cos,
+                                                                         sin_ptr + t * stride_sin, DR // 2)
+                _store_rope(out_row + R, even, odd, cos_lo, cos_hi, sin_lo, sin_hi, DR // 2)
+            q_lat = tl.sum(w.to(tl.float32) * q_nope[:, None], axis=0)
+            tl.store(out_row + offs_r, q_lat.to(query_ptr.dtype.element_ty), mask=offs_r < R)
     else:  # the cache rows: the latent's RMS norm and the shared key's rope, written at the positions
         offs_l = tl.arange(0, R)
         norm_w = tl.load(norm_w_ptr + offs_l).to(tl.float32)
@@ -110,14 +117,15 @@ def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, po
         pdl_release(PDL)
         for i in range(ROWS):
             t = i % TOKENS
-            pos = tl.load(pos_ptr + t)
             row = kv_a_ptr + i * stride_kv_a
             latent = tl.load(row + offs_l).to(tl.float32)
+            even, odd, cos_lo, cos_hi, sin_lo, sin_hi = _rope_inputs(row + R, cos_ptr + t * stride_cos,
+                                                                     sin_ptr + t * stride_sin, DR // 2)
+            pos = tl.load(pos_ptr + t)
             rstd = 1.0 / tl.sqrt(tl.sum(latent * latent, axis=0) / R + eps)
             cache_row = cache_ptr + (i // TOKENS) * stride_cache_b + pos * stride_cache_s
             tl.store(cache_row + offs_l, (latent * rstd * norm_w).to(cache_ptr.dtype.element_ty))
-            _interleaved_rope(row + R, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, cache_row + R, DR // 2)
-            tl.store(length_ptr + i, (pos + 1).to(tl.int32))
+            _store_rope(cache_row + R, even, odd, cos_lo, cos_hi, sin_lo, sin_hi, DR // 2)
 
 
 @triton.jit
@@ -136,9 +144,10 @@ def mla_output_kernel(lat_ptr, g_ptr, w_uv_ptr, out_ptr, ROWS,
     pdl_release(PDL)
     dtype = out_ptr.dtype.element_ty
     for i in range(ROWS):
+        g = tl.load(g_ptr + i * stride_g + h)
         lat = tl.load(lat_ptr + i * stride_lat_row + h * stride_lat_h + offs_r).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * lat[None, :], axis=1).to(dtype).to(tl.float32)
-        gate = tl.sigmoid(tl.load(g_ptr + i * stride_g + h).to(tl.float32)).to(dtype).to(tl.float32)
+        gate = tl.sigmoid(g.to(tl.float32)).to(dtype).to(tl.float32)
         # A product of two 16-bit values is exact in fp32: rounding it once is the 16-bit multiply.
         tl.store(out_ptr + i * stride_out + h * DV + offs_v, (y * gate).to(dtype), mask=v_ok)
 
@@ -151,11 +160,11 @@ def _rows_2d(name: str, t: torch.Tensor, width: int) -> None:
 
 def mla_query(q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               norm_weight: torch.Tensor, eps: float, input_pos: torch.Tensor, cache: torch.Tensor,
-              launch: MLAAbsorbLaunch = DEFAULT_LAUNCH) -> tuple[torch.Tensor, torch.Tensor]:
+              launch: MLAAbsorbLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """For rows = B * T token rows (q [rows, H * (dn + dr)], kv_a [rows, r + dr], both views with
     contiguous rows; T = input_pos's length, the tokens of each batch row, at positions input_pos
     [T]; cos/sin [T, dr] fp32): writes every row's cache row into cache [>= B, S, r + dr] at its
-    position and returns (query [rows, H, r + dr] in q's dtype, length [rows] int32 = position + 1).
+    position and returns query [rows, H, r + dr] in q's dtype.
     w_uk [H, dn, r] (a view of kv_b_proj's weight), norm_weight [r] (kv_a_layernorm's)."""
     h, dn, r = w_uk.shape
     tokens = input_pos.shape[0] if input_pos.dim() == 1 else 0
@@ -176,16 +185,15 @@ def mla_query(q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, cos: torc
         raise ValueError(f"mla_query: cache {tuple(cache.shape)} must be [>= B={rows // tokens}, S, r + dr={r + dr}] "
                          f"with contiguous rows, norm_weight {tuple(norm_weight.shape)} [r={r}], w_uk's rows contiguous")
     query = torch.empty(rows, h, r + dr, dtype=q.dtype, device=q.device)
-    length = torch.empty(rows, dtype=torch.int32, device=q.device)
     input_pos = input_pos if input_pos.stride(0) == 1 else input_pos.contiguous()  # read as pos[t]
     pdl = launch.pdl and pdl_supported(q.device)
     grid = (h * triton.cdiv(r, launch.block_r) + 1,)
-    mla_query_kernel[grid](q, kv_a, w_uk, cos, sin, norm_weight, input_pos, query, cache, length,
+    mla_query_kernel[grid](q, kv_a, w_uk, cos, sin, norm_weight, input_pos, query, cache,
                            rows, tokens, h, float(eps), q.stride(0), kv_a.stride(0), w_uk.stride(0), w_uk.stride(1),
                            cos.stride(0), sin.stride(0), query.stride(0), query.stride(1), cache.stride(0),
                            cache.stride(1), DN=dn, R=r, DR=dr, QK=dn + dr, BLOCK_DN=triton.next_power_of_2(dn),
                            BLOCK_R=min(launch.block_r, r), PDL=pdl, launch_pdl=pdl, num_warps=launch.num_warps)
-    return query, length
+    return query
 
 
 def mla_output(lat: torch.Tensor, g: torch.Tensor, w_uv: torch.Tensor,
@@ -230,8 +238,7 @@ def mla_query_reference(q, kv_a, w_uk, cos, sin, norm_weight, eps, input_pos, ca
     latent = torch.nn.functional.rms_norm(kv_a[..., :r], (r,), norm_weight.to(kv_a.dtype), eps)
     k_rope = _interleaved_rope_reference(kv_a[..., r:].unsqueeze(1), cos, sin).squeeze(1)
     cache[:rows // tokens].index_copy_(1, input_pos, torch.cat((latent, k_rope), dim=-1).to(cache.dtype))
-    length = (input_pos + 1).to(torch.int32).repeat(rows // tokens)
-    return query, length
+    return query
 
 
 def mla_output_reference(lat, g, w_uv):

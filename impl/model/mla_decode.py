@@ -16,6 +16,10 @@ of at least `min_chunk_rows`, so a short context runs on few programs with few p
 and a long one on all of them; rows at or past n are never loaded, so a static cache longer than
 the context costs a few idle programs only.
 
+Called with the step's positions instead of lengths (the model's call), both kernels read them
+before waiting for the launch before (PDL), so a program knows its chunk while the query kernel
+still runs. A build that spills registers is refused before it launches (`_refuse_spills`).
+
 The torch form (impl.model.mla: `MLAAttention._absorbed` through SDPA over the masked cache) is
 its reference.
 """
@@ -97,14 +101,14 @@ TUNED: dict[str, MLADecodeConfig] = load_tuned()
 
 
 def launch_config(device: torch.device, element_size: int = 2) -> MLADecodeConfig:
-    """The device's tuned config for 16-bit rows. 32-bit rows (fp32 checks) take 16-row tiles in at
-    most two stages: the tuned 64-row tiles would need twice the shared memory and spill their
-    fp32 products (on the H200: 230 KB and 75 KB of spills a program)."""
+    """The device's tuned config for 16-bit rows. 32-bit rows (fp32 checks) take 16-row tiles,
+    one stage and at least 8 warps: the tuned 64-row tiles would need twice the shared memory, and
+    16-row tiles at 4 warps in two stages still spilled 120 bytes a thread on the H200."""
     if device.type != "cuda":
         return INTERPRETER
     cfg = TUNED.get(device_name(device), DEFAULT_CONFIG)
     if element_size > 2:
-        cfg = dataclasses.replace(cfg, block_rows=16, num_stages=min(cfg.num_stages, 2))
+        cfg = dataclasses.replace(cfg, block_rows=16, num_stages=1, num_warps=max(cfg.num_warps, 8))
     return cfg
 
 
@@ -129,16 +133,29 @@ def _latent_and_rope(row_ptrs, offs_r, offs_dr, ok, R: tl.constexpr, FP32: tl.co
 def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
                       H, NSPLIT, stride_qb, stride_qh, stride_kvb, stride_kvs, stride_len, scale,
                       R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                      MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                      MIN_CHUNK: tl.constexpr, FP32: tl.constexpr, IEEE: tl.constexpr, EARLY: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program (b, split): batch row b's chunk `split` of the valid rows, for all heads; writes the
-    chunk's maximum, softmax sum and weighted latents (fp32) per head."""
+    chunk's maximum, softmax sum and weighted latents (fp32) per head.
+
+    EARLY: length_ptr holds positions (length - 1) written two or more launches back: the program
+    reads its position, and so its chunk, before it waits for the launch just before (the query
+    kernel). Otherwise length_ptr holds lengths, read after the wait."""
     b = tl.program_id(0)
     split = tl.program_id(1)
-    pdl_wait(PDL)  # the query, the length and the newest cache row come from the launch before
+    kv_row = kv_ptr + b * stride_kvb
+    if EARLY:
+        n = tl.load(length_ptr + b * stride_len).to(tl.int32) + 1
+        chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
+        start = split * chunk
+        end = tl.minimum(start + chunk, n)
+    pdl_wait(PDL)  # the query (and without EARLY the length and the newest cache row) come from the launch before
     pdl_release(PDL)
-    n = tl.load(length_ptr + b * stride_len)
-    chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
-    start = split * chunk
+    if not EARLY:
+        n = tl.load(length_ptr + b * stride_len).to(tl.int32)
+        chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
+        start = split * chunk
+        end = tl.minimum(start + chunk, n)
     if start < n:
         offs_h = tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, R)
@@ -152,12 +169,10 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([R, BLOCK_H], tl.float32)
-        end = tl.minimum(start + chunk, n)
         for row0 in range(start, end, BLOCK_ROWS):
             offs_s = row0 + tl.arange(0, BLOCK_ROWS)
             s_ok = offs_s < end
-            c, kr = _latent_and_rope(kv_ptr + b * stride_kvb + offs_s[:, None] * stride_kvs, offs_r, offs_dr, s_ok,
-                                     R, FP32)
+            c, kr = _latent_and_rope(kv_row + offs_s[:, None] * stride_kvs, offs_r, offs_dr, s_ok, R, FP32)
             if IEEE:  # fp32 inputs: no TF32 rounding (tl.dot's default for them)
                 scores = tl.dot(c, q_lat, input_precision="ieee") + tl.dot(kr, q_rope, input_precision="ieee")
             else:
@@ -181,18 +196,19 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
 @triton.jit
 def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh, stride_len,
                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """One head's BLOCK_R latent values from every chunk's partial result, loaded at once
-    (BLOCK_SPLITS >= NSPLIT): one round trip to memory, not one a group of chunks."""
+    (BLOCK_SPLITS >= NSPLIT): one round trip to memory, not one a group of chunks. The length
+    (a position under EARLY) was written two or more launches back: read before the wait."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_SPLITS)
-    pdl_wait(PDL)  # the partials come from the launch before
-    pdl_release(PDL)
-    n = tl.load(length_ptr + b * stride_len)
+    n = tl.load(length_ptr + b * stride_len).to(tl.int32) + (1 if EARLY else 0)
     ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
     part = (b * NSPLIT + offs_p) * BLOCK_H + h
+    pdl_wait(PDL)  # the partials come from the launch before
+    pdl_release(PDL)
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
     w = tl.exp(m - tl.max(m, axis=0))
     total = tl.sum(w * tl.load(l_ptr + part, mask=ok, other=0.0), axis=0)
@@ -201,16 +217,50 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, (o / total).to(out_ptr.dtype.element_ty))
 
 
-def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Tensor, kv_lora_rank: int,
-                         scale: float, config: MLADecodeConfig | None = None) -> torch.Tensor:
+_NO_SPILLS: set = set()  # the builds checked by `_refuse_spills`
+
+
+def _refuse_spills(cfg: MLADecodeConfig, grid: tuple, args: tuple, meta: dict) -> None:
+    """Compile the attention kernel for these arguments without launching it and refuse a build
+    that spills registers to local memory: on the H200 (Triton 3.6) the two builds seen spilling
+    (64-row tiles at 4 warps, one stage; and from positions at two) computed garbage or made an
+    illegal memory access that took the CUDA context down. Checked once per build."""
+    # What Triton specializes a build on: the constexprs, the dtypes, 16-byte alignment, ints of 1 or multiples of 16.
+    key = (args[0].device, cfg, tuple(meta.items()),
+           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
+                 (a == 1, a % 16 == 0) if isinstance(a, int) else type(a) for a in args))
+    if key in _NO_SPILLS:
+        return
+    compiled = mla_decode_kernel.warmup(*args, grid=grid, **meta)
+    compiled._init_handles()  # loads the binary: what the driver reports of its registers and spills
+    if compiled.n_spills:
+        raise ValueError(f"mla_decode_attention: config {cfg} spills {4 * compiled.n_spills} bytes a thread on "
+                         f"{device_name(args[0].device)} ({compiled.n_regs} registers) with {args[0].dtype} rows "
+                         "(spilling builds computed garbage there): take fewer block_rows or more num_warps")
+    _NO_SPILLS.add(key)
+
+
+def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Tensor | None, kv_lora_rank: int,
+                         scale: float, config: MLADecodeConfig | None = None, *,
+                         positions: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, H, r + dr] (latent query, then rope part), kv [B, S, r + dr] (the cache; a batch
     stride of 0 lets B queries share one cache: a verify step's tokens), length [1] or [B] int on
     the device (row b attends to cache rows 0..length[b]-1, 1 <= length <= S); returns the
-    attention-weighted latents [B, H, r] in query's dtype. `config` overrides `launch_config`."""
+    attention-weighted latents [B, H, r] in query's dtype. `config` overrides `launch_config`.
+
+    Instead of `length`, `positions` ([1] or [B]: row b attends to rows 0..positions[b]) lets the
+    kernel read each row's length before the launch just before it has finished (PDL): the caller
+    promises the positions were written two or more launches back (the step's input positions).
+    """
     b, h, width = query.shape
-    if length.dim() != 1 or length.shape[0] not in (1, b):
-        raise ValueError(f"mla_decode_attention: length must be [1] or [B={b}], got {tuple(length.shape)}")
-    stride_len = length.stride(0) if length.shape[0] == b and b > 1 else 0
+    if (length is None) == (positions is None):
+        raise ValueError("mla_decode_attention: give exactly one of length and positions")
+    early = positions is not None
+    lengths = positions if early else length
+    name = "positions" if early else "length"
+    if lengths.dim() != 1 or lengths.shape[0] not in (1, b):
+        raise ValueError(f"mla_decode_attention: {name} must be [1] or [B={b}], got {tuple(lengths.shape)}")
+    stride_len = lengths.stride(0) if lengths.shape[0] == b and b > 1 else 0
     r, dr = kv_lora_rank, query.shape[-1] - kv_lora_rank
     if kv.shape[0] < b or kv.shape[-1] != width or kv.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError(f"mla_decode_attention: query {tuple(query.shape)} and cache {tuple(kv.shape)} must share "
@@ -228,14 +278,17 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     m = torch.empty(b, nsplit, block_h, **f32)
     lse = torch.empty(b, nsplit, block_h, **f32)
     acc = torch.empty(b, nsplit, block_h, r, **f32)
-    mla_decode_kernel[(b, nsplit)](query, kv, length, m, lse, acc, h, nsplit, query.stride(0), query.stride(1),
-                                   kv.stride(0), kv.stride(1), stride_len, float(scale), R=r, DR=dr, BLOCK_H=block_h,
-                                   BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH,
-                                   IEEE=(query.dtype == torch.float32 and not FP32_MATH), PDL=pdl,
-                                   launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (query, kv, lengths, m, lse, acc, h, nsplit, query.stride(0), query.stride(1), kv.stride(0),
+            kv.stride(1), stride_len, float(scale))
+    meta = dict(R=r, DR=dr, BLOCK_H=block_h, BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, FP32=FP32_MATH,
+                IEEE=(query.dtype == torch.float32 and not FP32_MATH), EARLY=early, PDL=pdl, launch_pdl=pdl,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if query.is_cuda:
+        _refuse_spills(cfg, (b, nsplit), args, meta)
+    mla_decode_kernel[(b, nsplit)](*args, **meta)
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
-        m, lse, acc, length, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h, BLOCK_R=block_r,
-        BLOCK_SPLITS=triton.next_power_of_2(nsplit), BLOCK_ROWS=cfg.block_rows, MIN_CHUNK=cfg.min_chunk_rows, PDL=pdl,
-        launch_pdl=pdl, num_warps=4)
+        m, lse, acc, lengths, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h,
+        BLOCK_R=block_r, BLOCK_SPLITS=triton.next_power_of_2(nsplit), BLOCK_ROWS=cfg.block_rows,
+        MIN_CHUNK=cfg.min_chunk_rows, EARLY=early, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
