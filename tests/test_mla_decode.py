@@ -157,6 +157,45 @@ def test_module_dispatch_on_the_device(dtype, batch, tokens):
         "mla_query_kernel+mla_decode_kernel+mla_output_kernel"], prov.events
 
 
+def test_a_build_that_spills_is_refused_before_launch_and_a_clean_one_checked_once():
+    """`_refuse_spills` compiles through the kernel's warmup (no launch) and reads the loaded
+    binary's spill count: a spilling build raises naming the config, its bytes and the dtype, every
+    time; a clean one is compiled for the check once (the memo), not at every call."""
+    from impl.model import mla_decode
+
+    class Build:
+        def __init__(self, spills):
+            self.n_spills, self.n_regs = spills, 255
+
+        def _init_handles(self):
+            pass
+
+    class Kernel:
+        def __init__(self, spills):
+            self.spills, self.warmups = spills, 0
+
+        def warmup(self, *args, grid, **meta):
+            self.warmups += 1
+            return Build(self.spills)
+
+        def __getitem__(self, grid):
+            raise AssertionError("launched")
+
+    query = torch.randn(1, 4, 48)
+    cfg = MLADecodeConfig(splits=7, block_rows=32)
+    args, meta = (query, 3, 0.5), dict(R=32, num_warps=4)
+    spilling = Kernel(spills=30)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"splits=7.*spills 120 bytes a thread on cpu .*torch.float32 rows"):
+            mla_decode._refuse_spills(spilling, cfg, (1, 7), args, meta)
+    assert spilling.warmups == 2
+    clean = Kernel(spills=0)
+    meta = dict(meta, num_warps=8)  # another build: not in the memo yet
+    for _ in range(3):
+        mla_decode._refuse_spills(clean, cfg, (1, 7), args, meta)
+    assert clean.warmups == 1
+
+
 def test_tuned_configs_round_trip_keep_other_devices_and_name_a_malformed_file(tmp_path):
     from impl.model.mla_decode import load_tuned, save_tuned
     path = tmp_path / "tuned.json"

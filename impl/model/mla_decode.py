@@ -220,8 +220,8 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
 _NO_SPILLS: set = set()  # the builds checked by `_refuse_spills`
 
 
-def _refuse_spills(cfg: MLADecodeConfig, grid: tuple, args: tuple, meta: dict) -> None:
-    """Compile the attention kernel for these arguments without launching it and refuse a build
+def _refuse_spills(kernel, cfg: MLADecodeConfig, grid: tuple, args: tuple, meta: dict) -> None:
+    """Compile `kernel` (the attention's) for these arguments without launching it and refuse a build
     that spills registers to local memory: on the H200 (Triton 3.6) the two builds seen spilling
     (64-row tiles at 4 warps, one stage; and from positions at two) computed garbage or made an
     illegal memory access that took the CUDA context down. Checked once per build."""
@@ -231,7 +231,7 @@ def _refuse_spills(cfg: MLADecodeConfig, grid: tuple, args: tuple, meta: dict) -
                  (a == 1, a % 16 == 0) if isinstance(a, int) else type(a) for a in args))
     if key in _NO_SPILLS:
         return
-    compiled = mla_decode_kernel.warmup(*args, grid=grid, **meta)
+    compiled = kernel.warmup(*args, grid=grid, **meta)
     compiled._init_handles()  # loads the binary: what the driver reports of its registers and spills
     if compiled.n_spills:
         raise ValueError(f"mla_decode_attention: config {cfg} spills {4 * compiled.n_spills} bytes a thread on "
@@ -284,7 +284,7 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
                 IEEE=(query.dtype == torch.float32 and not FP32_MATH), EARLY=early, PDL=pdl, launch_pdl=pdl,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if query.is_cuda:
-        _refuse_spills(cfg, (b, nsplit), args, meta)
+        _refuse_spills(mla_decode_kernel, cfg, (b, nsplit), args, meta)
     mla_decode_kernel[(b, nsplit)](*args, **meta)
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
