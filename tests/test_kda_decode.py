@@ -3,10 +3,11 @@ impl.model.kda, which test_kda.py holds to transformers: on CPU through Triton's
 GPU through the module's own dispatch. fp32, fresh random weights and states (never zeros), the
 forget gate set to remember tens of tokens.
 
-Tolerance 1e-5 relative (the output, the state, the convolution inputs): both compute the same
+Tolerance 5e-5 relative (the output, the state, the convolution inputs): both compute the same
 fp32 terms in another order (the kernel's sums over 32-128 channels in registers against einsum);
-measured 2e-7 on the interpreter. A planted fault (no state decay, a shifted conv window) is
-orders of magnitude off.
+measured 2e-7 on one CPU's interpreter and 1.3e-5 on another's (the output one token after a
+reset; against the module run in float64 the kernel there is 1.1e-5 off, the torch step 2.9e-6).
+A planted fault (no state decay, a shifted conv window) is orders of magnitude off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from impl.model.kda import KDAAttention
 from impl.model.kda_decode import kda_decode
 
-REL = 1e-5
+REL = 5e-5
 # The kernel runs where the tensors are: compiled on a GPU, interpreted on a CPU-only machine.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
