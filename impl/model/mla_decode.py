@@ -149,7 +149,7 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
         chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
         start = split * chunk
         end = tl.minimum(start + chunk, n)
-    pdl_wait(PDL)  # the query (and without EARLY the length and the newest cache row) come from the launch before
+    pdl_wait(PDL)  # the query and the newest cache row (and without EARLY the length) come from the launch before
     pdl_release(PDL)
     if not EARLY:
         n = tl.load(length_ptr + b * stride_len).to(tl.int32)
