@@ -67,10 +67,11 @@ DEVICE = torch.device("cuda", 0)
 # timed as the model calls it (from positions). Triton's two-stage pipeline issues the next tile's
 # copy after the step's products and waits for it at the next step's start, so one program an SM
 # overlaps no load with a product (64-row tiles in two stages: 184 KB of shared memory, one program
-# an SM; 132 = the H200's SMs). Longer minimum chunks and fewer splits write fewer partial results.
+# an SM; 132 = the H200's SMs); 32-row tiles in three or four stages keep copies in flight (mma.sync,
+# not wgmma). Longer minimum chunks and fewer splits write fewer partial results.
 MLA_CONFIGS = [DEFAULT_CONFIG] + [MLADecodeConfig(*c) for c in (
     (132, 64, 64, 4, 2, 32), (132, 128, 64, 4, 2, 32), (132, 64, 64, 4, 2, 64), (132, 64, 64, 8, 2, 32),
-    (66, 64, 64, 4, 2, 32))]
+    (66, 64, 64, 4, 2, 32), (132, 64, 32, 4, 3, 32), (132, 64, 32, 4, 4, 32))]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
