@@ -3,8 +3,9 @@ small torch launches: the query side before it and the output side after it.
 
 - `mla_query_kernel`: for each token row, every head's latent query q_lat = W_uk^T q_nope and its
   rotated rope part, written as the attention kernel's [rows, H, r + dr] query; and the token's
-  cache row [rms_norm(latent), rotated k_rope] written at its position. Programs (head, block of latent values) each hold
-  their slice of W_uk in registers for all rows; one more program writes the cache rows.
+  cache row [rms_norm(latent), rotated k_rope] written at its position. Programs (head, block of
+  latent values) each hold their slice of W_uk in registers for all rows; one more program writes
+  the cache rows.
 - `mla_output_kernel`: each head's value up-projection W_uv o_lat of the attention-weighted
   latents, rounded to the activation dtype, times the head's output gate sigmoid(g), written in
   the [rows, H * dv] layout o_proj reads.
