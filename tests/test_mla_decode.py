@@ -75,6 +75,9 @@ def test_exactly_one_of_length_and_positions():
         mla_decode_attention(query, kv, None, 32, 0.1)
     with pytest.raises(ValueError, match=r"positions must be \[1\] or \[B=1\]"):
         mla_decode_attention(query, kv, None, 32, 0.1, positions=torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match=r"positions must be int32 or int64 on the query's device \(cpu\), got "
+                                         r"torch.float32"):
+        mla_decode_attention(query, kv, None, 32, 0.1, positions=torch.tensor([2.0]))
 
 
 @pytest.mark.parametrize("config", **CONFIGS)

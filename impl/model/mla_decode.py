@@ -119,6 +119,12 @@ def _chunk_rows(n, NSPLIT, BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _valid_rows(length_ptr, b, stride_len, EARLY: tl.constexpr):
+    """Batch row b's valid cache rows: its length, or its position + 1 under EARLY."""
+    return tl.load(length_ptr + b * stride_len).to(tl.int32) + (1 if EARLY else 0)
+
+
+@triton.jit
 def _latent_and_rope(row_ptrs, offs_r, offs_dr, ok, R: tl.constexpr, FP32: tl.constexpr):
     """The cache rows' latent [.., R] and rope [.., DR] parts, masked by `ok`; in fp32 under the
     interpreter (FP32)."""
@@ -145,17 +151,14 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
     split = tl.program_id(1)
     kv_row = kv_ptr + b * stride_kvb
     if EARLY:
-        n = tl.load(length_ptr + b * stride_len).to(tl.int32) + 1
-        chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
-        start = split * chunk
-        end = tl.minimum(start + chunk, n)
+        n = _valid_rows(length_ptr, b, stride_len, EARLY)
     pdl_wait(PDL)  # the query and the newest cache row (and without EARLY the length) come from the launch before
     pdl_release(PDL)
     if not EARLY:
-        n = tl.load(length_ptr + b * stride_len).to(tl.int32)
-        chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
-        start = split * chunk
-        end = tl.minimum(start + chunk, n)
+        n = _valid_rows(length_ptr, b, stride_len, EARLY)
+    chunk = _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n)
     if start < n:
         offs_h = tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, R)
@@ -204,7 +207,7 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     h = tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_SPLITS)
-    n = tl.load(length_ptr + b * stride_len).to(tl.int32) + (1 if EARLY else 0)
+    n = _valid_rows(length_ptr, b, stride_len, EARLY)
     ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
     part = (b * NSPLIT + offs_p) * BLOCK_H + h
     pdl_wait(PDL)  # the partials come from the launch before
@@ -260,6 +263,9 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     name = "positions" if early else "length"
     if lengths.dim() != 1 or lengths.shape[0] not in (1, b):
         raise ValueError(f"mla_decode_attention: {name} must be [1] or [B={b}], got {tuple(lengths.shape)}")
+    if lengths.dtype not in (torch.int32, torch.int64) or lengths.device != query.device:
+        raise ValueError(f"mla_decode_attention: {name} must be int32 or int64 on the query's device "
+                         f"({query.device}), got {lengths.dtype} on {lengths.device}")
     stride_len = lengths.stride(0) if lengths.shape[0] == b and b > 1 else 0
     r, dr = kv_lora_rank, query.shape[-1] - kv_lora_rank
     if kv.shape[0] < b or kv.shape[-1] != width or kv.stride(-1) != 1 or query.stride(-1) != 1:
