@@ -6,9 +6,9 @@ implementation the suites check.
 """
 
 from pytest_moeperf.baselines import BaselineError, BaselineStore, FrozenMetric
-from pytest_moeperf.gate import Gate, GateResult, RefreezeWarning
+from pytest_moeperf.gate import Gate, GateResult, HostContendedWarning, RefreezeWarning
 from pytest_moeperf.stats import Comparison, compare
 
 __version__ = "0.1.0"
 __all__ = ["BaselineError", "BaselineStore", "Comparison", "FrozenMetric", "Gate", "GateResult",
-           "RefreezeWarning", "compare"]
+           "HostContendedWarning", "RefreezeWarning", "compare"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_moeperf.gate import Gate
+from pytest_moeperf.host_load import Meter
 from pytest_moeperf.session import SESSION_KEY, MoePerfSession
 from pytest_moeperf.timing import Sampler
 
@@ -46,16 +47,25 @@ def moe_checked_backend(moe_backend_name):
 
 
 @pytest.fixture
-def moe_gate(moe_session, request) -> Gate:
-    """Gate figures of this test against the frozen baseline: `moe_gate.check(metric, samples, ...)`."""
-    return Gate(moe_session, request.node.nodeid, request.node.user_properties)
+def moe_host_meter(moe_session) -> Meter:
+    """The host's CPU contention during this test's timed rounds (host_load.Meter), shared by its
+    sampler (which measures through it) and its gate (which reads it per measurement). Disabled
+    on a GPU: device-event timings of graph replays do not wait for the host's CPUs."""
+    return Meter(enabled=not moe_session.device.is_cuda)
 
 
 @pytest.fixture
-def moe_sampler(moe_session, request) -> Sampler:
+def moe_gate(moe_session, moe_host_meter, request) -> Gate:
+    """Gate figures of this test against the frozen baseline: `moe_gate.check(metric, samples, ...)`."""
+    return Gate(moe_session, request.node.nodeid, request.node.user_properties, meter=moe_host_meter)
+
+
+@pytest.fixture
+def moe_sampler(moe_session, moe_host_meter, request) -> Sampler:
     """Timing samples on the device; the first `sample` call goes through pytest-benchmark when active."""
     # pytest-benchmark's fixture is requested only when `sample` uses it: it warns when left unused.
     bench_session = getattr(request.config, "_benchmarksession", None)
     use_benchmark = bench_session is not None and not bench_session.disabled
     return Sampler(moe_session.device.torch_device, moe_session.options.samples,
-                   benchmark=(lambda: request.getfixturevalue("benchmark")) if use_benchmark else None)
+                   benchmark=(lambda: request.getfixturevalue("benchmark")) if use_benchmark else None,
+                   meter=moe_host_meter)

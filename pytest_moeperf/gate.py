@@ -3,7 +3,7 @@
 Verdicts: "pass"; "regression" (the test fails); "refreeze" (better beyond tolerance: the test
 passes with a warning so the improvement is recorded rather than silently absorbed);
 "no-baseline" (skipped, saying how to freeze; under --moe-strict it fails); "frozen" (recorded
-under --moe-freeze).
+under --moe-freeze); "host-contended" (below: not judged, or not frozen).
 
 Which frozen figure: an absolute figure only the one frozen on this exact fingerprint; a
 `portable` one (a ratio measured side by side in one run, or a count such as an accept length)
@@ -12,6 +12,13 @@ also one frozen on another machine of the same class. Each result says which (`s
 Under --moe-trust N (gate-trust runs) each timed figure is gated N times in the run (its first
 measurement, then N-1 re-measurements), each by the same rule, confirmation included; the
 verdicts are recorded, not acted on.
+
+A contended host (timings on a CPU, measured through the test's host_load.Meter): when the
+measurement that decides a regression ran while the host's CPU stall exceeded --moe-host-stall,
+the gate waits up to --moe-host-wait seconds for the host to quiet and measures once more; that
+measurement decides if the host was quiet during it, otherwise the verdict is "host-contended"
+(the test passes, loudly; the run fails only under --moe-strict). A freeze never stores a figure
+measured on a contended host ("host-contended": not frozen, the old figure kept, the run fails).
 """
 
 from __future__ import annotations
@@ -26,11 +33,16 @@ import pytest
 
 from pytest_moeperf.baselines import FrozenMetric
 from pytest_moeperf.device import short_key
+from pytest_moeperf.host_load import HostLoad, Meter, wait_for_quiet
 from pytest_moeperf.stats import DIRECTIONS, compare
 
 
 class RefreezeWarning(UserWarning):
     """A metric improved beyond its tolerance: refreeze so the gate protects the new level."""
+
+
+class HostContendedWarning(UserWarning):
+    """A figure was not judged (or not frozen): the host's CPUs were contended while it was measured."""
 
 
 @dataclass
@@ -55,14 +67,19 @@ class GateResult:
     config: dict = field(default_factory=dict)
     evaluations: list[dict] = field(default_factory=list)  # every verdict this run reached (--moe-trust)
     gpu: str | None = None  # the GPU of the pytest-xdist worker that measured it (pytest_moeperf.workers)
+    # The host's CPU contention during the measurement that decided the verdict (HostLoad.as_dict;
+    # None: not measured, e.g. synthetic samples or a GPU), and during each measurement taken.
+    host_load: dict | None = None
+    host_loads: list[dict] = field(default_factory=list)
 
 
 class Gate:
     """Bound to one test; every gated figure of that test goes through `check`."""
 
-    def __init__(self, session, nodeid: str, properties: list | None = None) -> None:
+    def __init__(self, session, nodeid: str, properties: list | None = None, meter: Meter | None = None) -> None:
         self.session = session
         self.nodeid = nodeid
+        self.meter = meter  # the test's host_load.Meter, which its sampler measures through
         # The test's user_properties: each verdict is published there, so JUnit XML (and
         # pytest-xdist, which carries them to the controller) has the metrics as properties.
         self.properties = properties
@@ -75,6 +92,35 @@ class Gate:
                             (f"{name}:verdict", result.verdict)]
         if result.ratio is not None:
             self.properties.append((f"{name}:ratio", f"{result.ratio:.4f}"))
+        if result.host_load is not None and result.host_load["stall"] is not None:
+            self.properties.append((f"{name}:host_stall", f"{result.host_load['stall']:.4f}"))
+
+    # -- the host's CPU contention ---------------------------------------------------------------
+    def _load(self, result: GateResult) -> HostLoad | None:
+        """What the meter saw since it was last read (None: nothing timed through it), recorded."""
+        load = self.meter.take() if self.meter is not None else None
+        if load is not None:
+            result.host_loads.append(load.as_dict())
+        return load
+
+    def _measure(self, result: GateResult, measure: Callable[[], list[float]]) -> tuple[list[float], HostLoad | None]:
+        if self.meter is not None:
+            self.meter.take()  # whatever was timed outside this measurement is not its load
+        samples = [float(s) for s in measure()]
+        return samples, self._load(result)
+
+    def _contended(self, load: HostLoad | None) -> bool:
+        return load is not None and load.contended(self.session.options.host_stall)
+
+    def _quiet_remeasure(self, result: GateResult, measure: Callable[[], list[float]]
+                         ) -> tuple[list[float], HostLoad | None, str]:
+        """Wait (bounded) for the host to quiet, then measure again; with a note saying what was done."""
+        opts = self.session.options
+        waited, window = wait_for_quiet(opts.host_stall, opts.host_wait)
+        samples, load = self._measure(result, measure)
+        note = (f"waited {waited:.1f} s for the host to quiet (last window: {window.describe()}), "
+                f"re-measured at {load.describe() if load else 'an unmeasured host load'}")
+        return samples, load, note
 
     def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: float,
               config: dict | None = None, remeasure: Callable[[], list[float]] | None = None,
@@ -92,7 +138,24 @@ class Gate:
         result = GateResult(f"{self.nodeid}::{metric}", metric, unit, direction, statistics.median(samples),
                             tolerance=tolerance, samples=samples, portable=portable, config=config)
         self.session.results.append(result)
+        load = self._load(result)  # during the measurement of `samples`, taken before this call
+        result.host_load = None if load is None else load.as_dict()
         if self.session.freeze:
+            if self._contended(load):
+                note = f"measured at {load.describe()}"
+                if remeasure is not None:
+                    samples, load, note = self._quiet_remeasure(result, remeasure)
+                    result.current, result.samples = statistics.median(samples), samples
+                result.host_load = None if load is None else load.as_dict()
+                if self._contended(load):
+                    result.verdict = "host-contended"
+                    result.message = (f"{metric}: NOT FROZEN: the host's CPUs were contended while it was measured "
+                                      f"({note}; threshold {self.session.options.host_stall:.0%}); the figure "
+                                      "frozen before, if any, is kept: freeze again on a quiet host")
+                    self._publish(result)
+                    warnings.warn(HostContendedWarning(result.message))
+                    return result
+            result.host_load = None if load is None else load.as_dict()
             self.session.to_freeze[result.metric_id] = FrozenMetric(
                 result.current, samples, unit, direction, tolerance, config,
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -116,25 +179,28 @@ class Gate:
         trust = self.session.options.trust
         for i in range(max(trust, 1) if remeasure is not None else 1):
             if i:
-                samples = [float(s) for s in remeasure()]
-            result.evaluations.append(self._evaluate(result, samples, frozen, remeasure))
+                samples, load = self._measure(result, remeasure)
+            result.evaluations.append(self._evaluate(result, samples, load, frozen, remeasure))
         if trust:
             first = result.evaluations[0]  # the table shows the first evaluation; the rest are counted
-            result.verdict, result.ratio, result.ci_low, result.ci_high = (
-                first["verdict"], first["ratio"], first["ci_low"], first["ci_high"])
+            result.verdict, result.ratio, result.ci_low, result.ci_high, result.host_load = (
+                first["verdict"], first["ratio"], first["ci_low"], first["ci_high"], first["host_load"])
             self._publish(result)
             return result
         self._publish(result)
         if result.verdict == "regression":
             pytest.fail(result.message, pytrace=False)
+        if result.verdict == "host-contended":
+            warnings.warn(HostContendedWarning(result.message))
         if result.verdict == "refreeze":
             warnings.warn(RefreezeWarning(result.message + "; run --moe-freeze to record the new level"))
         return result
 
-    def _evaluate(self, result: GateResult, samples: list[float], frozen: FrozenMetric,
+    def _evaluate(self, result: GateResult, samples: list[float], load: HostLoad | None, frozen: FrozenMetric,
                   remeasure: Callable[[], list[float]] | None) -> dict:
-        """One verdict: `samples` against the frozen figure; a regression is confirmed by a
-        second, independent measurement when `remeasure` is given."""
+        """One verdict: `samples` (taken at host `load`) against the frozen figure; a regression
+        is confirmed by a second, independent measurement when `remeasure` is given, and is only
+        a regression when the measurement that decides it ran on a quiet host."""
         self._compare(result, samples, frozen)
         first = {"ratio": result.ratio, "ci_high": result.ci_high}
         confirmed = False
@@ -142,12 +208,27 @@ class Gate:
             # A burst of host noise can slow one whole measurement; a real regression survives a
             # second, independent one. The second measurement decides, and the message keeps both.
             first = result.message
-            samples = [float(s) for s in remeasure()]
+            samples, load = self._measure(result, remeasure)
             self._compare(result, samples, frozen)
             result.message += f" (re-measured after: {first})"
             confirmed = True
+        if result.verdict == "regression" and self._contended(load):
+            # Another job waiting for the same cores slows whatever is timed (a ratio too: its two
+            # sides are not slowed alike); such a measurement cannot tell the code from the host.
+            contended = f"{result.message} [measured at {load.describe()}]"
+            if remeasure is not None:
+                samples, load, note = self._quiet_remeasure(result, remeasure)
+                self._compare(result, samples, frozen)
+                result.message += f" ({note}, after: {contended})"
+            if result.verdict == "regression" and self._contended(load):
+                result.verdict = "host-contended"
+                result.message = (f"{result.metric}: NOT JUDGED, HOST CONTENDED: it read as a regression while "
+                                  f"the host's CPUs were contended ({load.describe()}, threshold "
+                                  f"{self.session.options.host_stall:.0%}): {result.message}")
+        result.host_load = None if load is None else load.as_dict()
         return {"verdict": result.verdict, "current": result.current, "ratio": result.ratio,
-                "ci_low": result.ci_low, "ci_high": result.ci_high, "remeasured": confirmed, "first": first}
+                "ci_low": result.ci_low, "ci_high": result.ci_high, "remeasured": confirmed, "first": first,
+                "host_load": result.host_load}
 
     @staticmethod
     def _compare(result: GateResult, samples: list[float], frozen: FrozenMetric) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from pytest_moeperf.device import parse_device
 from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
-    moe_backend, moe_checked_backend, moe_device, moe_gate, moe_model, moe_sampler, moe_session)
+    moe_backend, moe_checked_backend, moe_device, moe_gate, moe_host_meter, moe_model, moe_sampler, moe_session)
+from pytest_moeperf.host_load import DEFAULT_STALL_THRESHOLD, DEFAULT_WAIT_S
 from pytest_moeperf.session import SESSION_KEY, MoePerfSession, Options
 from pytest_moeperf.timing import parse_samples
 from pytest_moeperf import workers
@@ -17,7 +18,8 @@ from pytest_moeperf import workers
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
             "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": "",
             "moe_ladder": "", "moe_workload": "arith", "moe_requests": "", "moe_shots": "", "moe_margin": "1",
-            "moe_ab_report": "ab-report"}
+            "moe_ab_report": "ab-report", "moe_host_stall": str(DEFAULT_STALL_THRESHOLD),
+            "moe_host_wait": str(DEFAULT_WAIT_S)}
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
     "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
@@ -71,6 +73,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "points (default: 1)", metavar="POINTS")
     add("--moe-ab-report", "moe_ab_report", "folder for the ladder's report (JSON, Markdown, PNG figures), "
         "relative to rootdir (default: ab-report)", metavar="DIR")
+    add("--moe-host-stall", "moe_host_stall", "CPU timings: the share of wall time runnable tasks waited for a CPU "
+        "(the kernel's /proc/pressure/cpu) above which a measurement is taken as made on a contended host: "
+        "a regression it shows is not judged (HOST-CONTENDED) and it is not frozen; off: never "
+        f"(default: {DEFAULT_STALL_THRESHOLD})", metavar="FRACTION")
+    add("--moe-host-wait", "moe_host_wait", "seconds to wait for a contended host to quiet before measuring once "
+        f"more (default: {DEFAULT_WAIT_S:g})", metavar="SECONDS")
     add("--moe-plant", "moe_plant", "gate-trust run: plant a slowdown, KIND[:NAME]=FRACTION[,...] (e.g. moe=0.1: "
         "every call of the MoE backend under test takes 10%% longer; head:fp8-triton=0.1; decoder:mtp=0.1)",
         metavar="SPEC")
@@ -168,6 +176,30 @@ def parse_margin(value: str) -> float:
     return points / 100
 
 
+def parse_host_stall(value: str) -> float | None:
+    """A stall fraction in (0, 1), or None for `off`."""
+    if value.strip().lower() == "off":
+        return None
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction < 1:
+        raise ValueError(f"--moe-host-stall must be a fraction of wall time in (0, 1) or off, got {value!r}")
+    return fraction
+
+
+def parse_host_wait(value: str) -> float:
+    """Seconds in [0, 600]: 0 measures again at once; the bound keeps a busy host from stalling a run."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 600:
+        raise ValueError(f"--moe-host-wait must be seconds in [0, 600], got {value!r}")
+    return seconds
+
+
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     baselines = Path(_option(config, "moe_baselines"))
@@ -190,6 +222,8 @@ def parse_options(config: pytest.Config) -> Options:
         shots=parse_count("--moe-shots", _option(config, "moe_shots"), 0),
         margin=parse_margin(_option(config, "moe_margin")),
         ab_report=root / _option(config, "moe_ab_report"),
+        host_stall=parse_host_stall(_option(config, "moe_host_stall")),
+        host_wait=parse_host_wait(_option(config, "moe_host_wait")),
     )
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
@@ -395,7 +429,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if state.worker_errors:
         # Exit 3, not 1: a lost worker says nothing about the code under test.
         session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
-    elif state.strict_failures() and session.exitstatus == pytest.ExitCode.OK:
+    elif state.run_failures() and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -426,4 +460,5 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         terminalreporter.write_sep("-", "gate-trust evaluations")
         terminalreporter.write_line(report.trust_table(session.results))
     for line in session.finish_lines:
-        terminalreporter.write_line(line)
+        loud = line.startswith("HOST-CONTENDED") or line.startswith("the freeze is incomplete")
+        terminalreporter.write_line(line, yellow=loud, bold=loud)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from pytest_moeperf.baselines import atomic_write_text
 
-COLUMNS = ("metric", "current", "frozen", "ratio", "95% CI", "key", "verdict")
-TRUST_COLUMNS = ("metric", "evaluations", "regression", "refreeze", "ratio median", "ratio range")
+COLUMNS = ("metric", "current", "frozen", "ratio", "95% CI", "key", "verdict", "CPU stall")
+TRUST_COLUMNS = ("metric", "evaluations", "regression", "refreeze", "host-contended", "ratio median",
+                 "ratio range")
 
 
 def _fmt(x, spec=".4g") -> str:
@@ -22,8 +23,16 @@ def rows(results) -> list[tuple[str, ...]]:
     for r in results:
         ci = "-" if r.ci_low is None else f"{r.ci_low:.3f}-{r.ci_high:.3f}"
         out.append((r.metric_id, f"{_fmt(r.current)} {r.unit}", f"{_fmt(r.frozen)} {r.unit}" if r.frozen else "-",
-                    _fmt(r.ratio, ".3f"), ci, r.scope or "-", r.verdict.upper()))
+                    _fmt(r.ratio, ".3f"), ci, r.scope or "-", r.verdict.upper(), _stall(r.host_load)))
     return out
+
+
+def _stall(load: dict | None) -> str:
+    """The host's CPU stall during the deciding measurement: "-" not measured (synthetic
+    samples, a GPU), "?" unknown (no PSI)."""
+    if load is None:
+        return "-"
+    return "?" if load["stall"] is None else f"{load['stall']:.1%}"
 
 
 def trust_rows(results) -> list[tuple[str, ...]]:
@@ -35,6 +44,7 @@ def trust_rows(results) -> list[tuple[str, ...]]:
         out.append((r.metric_id, str(len(r.evaluations)),
                     str(sum(e["verdict"] == "regression" for e in r.evaluations)),
                     str(sum(e["verdict"] == "refreeze" for e in r.evaluations)),
+                    str(sum(e["verdict"] == "host-contended" for e in r.evaluations)),
                     f"{statistics.median(ratios):.3f}", f"{ratios[0]:.3f}-{ratios[-1]:.3f}"))
     return out
 

@@ -12,6 +12,7 @@ import pytest
 from pytest_moeperf import report
 from pytest_moeperf.baselines import BaselineStore
 from pytest_moeperf.device import DeviceInfo, short_key
+from pytest_moeperf.host_load import DEFAULT_STALL_THRESHOLD, DEFAULT_WAIT_S
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class Options:
     shots: int | None = None
     margin: float = 0.01
     ab_report: Path | None = None
+    # A CPU timing measured while the host's CPU stall (host_load) exceeded host_stall (None: off)
+    # is not judged a regression, nor frozen; the gate first waits up to host_wait s for quiet.
+    host_stall: float | None = DEFAULT_STALL_THRESHOLD
+    host_wait: float = DEFAULT_WAIT_S
     # pytest-xdist (pytest_moeperf.workers): on the controller, the GPU of each worker; on a worker
     # of a simulated run, the name of the GPU it stands for (put in its fingerprint).
     worker_gpus: tuple[str, ...] = ()
@@ -109,6 +114,10 @@ class MoePerfSession:
         else:
             h = {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
                  "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
+        if not self.device.is_cuda:  # CPU timings are judged with the host's CPU stall beside them
+            stall = self.options.host_stall
+            h["host_stall_threshold"] = "off" if stall is None else stall
+            h["host_wait_s"] = self.options.host_wait
         if self.options.plants:
             h["planted"] = ", ".join(map(str, self.options.plants))
         if self.options.trust:
@@ -148,6 +157,22 @@ class MoePerfSession:
             problems.append(f"{len(missing)} frozen figure(s) not measured")
         if not any(r.verdict not in ("no-baseline", "frozen") for r in self.results):
             problems.append("no figure was compared with a frozen one")
+        contended = self.contended()
+        if contended:
+            # Strict means every frozen figure is judged; one read on a contended host was not.
+            problems.append(f"{len(contended)} figure(s) not judged: the host's CPUs were contended")
+        return problems
+
+    def contended(self) -> list:
+        """Results not judged (or, under --moe-freeze, not frozen) for a contended host."""
+        return [r for r in self.results if r.verdict == "host-contended"]
+
+    def run_failures(self) -> list[str]:
+        """Why the run fails though no test did: --moe-strict's reasons, and a freeze that refused
+        figures measured on a contended host (the freeze asked for was not done)."""
+        problems = self.strict_failures()
+        if self.freeze and self.contended():
+            problems.append(f"{len(self.contended())} figure(s) not frozen: the host's CPUs were contended")
         return problems
 
     def counts(self) -> str:
@@ -157,7 +182,11 @@ class MoePerfSession:
         compared = sum(scopes.values())
         line = (f"{compared} figure(s) compared ({scopes['exact']} against this device's fingerprint, "
                 f"{scopes['class']} against its class), {by['no-baseline']} without a baseline")
-        return line + (f", {by['frozen']} frozen" if by["frozen"] else "")
+        line += f", {by['frozen']} frozen" if by["frozen"] else ""
+        contended = len(self.contended())
+        if contended:
+            line += f", {contended} {'NOT FROZEN' if self.freeze else 'NOT JUDGED'} (host contended)"
+        return line
 
     def finish(self) -> list[str]:
         """Write frozen figures and the report; returns lines for the terminal."""
@@ -175,9 +204,14 @@ class MoePerfSession:
         if missing:
             lines.append(f"{len(missing)} figure(s) frozen for this device and configuration were not measured: "
                          + ", ".join(missing))
+        for r in self.contended():
+            lines.append(f"HOST-CONTENDED: {r.message}")
         failures = self.strict_failures()
         if failures:
             lines.append("--moe-strict fails this run: " + "; ".join(failures))
+        if self.freeze and self.contended():
+            lines.append(f"the freeze is incomplete: {len(self.contended())} figure(s) measured on a contended host "
+                         "were not frozen; this run fails")
         if self.options.report is not None and self.results:
             json_path, md_path = report.write(self.options.report, self.results, self.header())
             lines.append(f"report written to {json_path} and {md_path}")

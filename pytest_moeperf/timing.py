@@ -3,14 +3,19 @@
 `Sampler.sample` goes through pytest-benchmark's fixture (pedantic mode) when it is active, so
 its tables, --benchmark-json and compare tooling see the same rounds; otherwise (disabled) it
 runs the same loop itself. `Sampler.interleaved` times several callables in
-turn (A B A B ...) so that their ratio is measured under the same machine conditions.
+turn (A B A B ...) so that their ratio is measured under the same machine conditions. Given a
+`host_load.Meter`, the timed rounds (not the warm-up) are measured through it, so the gate knows
+how contended the host's CPUs were while the samples were taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
 from typing import Callable
+
+from pytest_moeperf.host_load import Meter
 
 
 class CudaEventClock:
@@ -72,11 +77,16 @@ class Sampler:
     """Takes `rounds` samples of `inner` calls each; a sample is seconds per call."""
 
     def __init__(self, device, rounds: int, warmup: int = 2, warmup_s: float = WARMUP_S,
-                 benchmark: Callable[[], object] | None = None) -> None:
-        """`benchmark` returns pytest-benchmark's fixture; it is called at most once, by `sample`."""
+                 benchmark: Callable[[], object] | None = None, meter: Meter | None = None) -> None:
+        """`benchmark` returns pytest-benchmark's fixture; it is called at most once, by `sample`.
+        `meter` (host_load.Meter) measures the host's CPU contention during the timed rounds."""
         self.device, self.rounds, self.warmup, self.warmup_s = device, rounds, warmup, warmup_s
         self.clock = clock_for(device)
         self.benchmark = benchmark
+        self.meter = meter
+
+    def _measuring(self):
+        return self.meter.measuring() if self.meter is not None else contextlib.nullcontext()
 
     def _warm_up(self, one_round: Callable[[], object]) -> None:
         """`warmup` rounds, then more until `warmup_s` have passed."""
@@ -92,9 +102,11 @@ class Sampler:
         if self.benchmark is not None:
             benchmark, self.benchmark = self.benchmark(), None  # the fixture times one thing per test
             benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
-            benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=0)
+            with self._measuring():
+                benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=0)
             return list(benchmark.stats.stats.data)
-        return [self._time(fn, inner) for _ in range(rounds)]
+        with self._measuring():
+            return [self._time(fn, inner) for _ in range(rounds)]
 
     def interleaved(self, fns: dict[str, Callable[[], object]], inner: int = 1, rounds: int | None = None,
                     setup: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
@@ -113,9 +125,10 @@ class Sampler:
 
         self._warm_up(lambda: [one(name) for name in fns])
         out: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name in fns:
-                out[name].append(one(name))
+        with self._measuring():
+            for _ in range(rounds):
+                for name in fns:
+                    out[name].append(one(name))
         return out
 
     def _time(self, fn, inner: int) -> float:

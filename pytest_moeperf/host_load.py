@@ -1,0 +1,231 @@
+"""How contended the host's CPUs were while something was measured.
+
+The signal is the kernel's pressure stall information (PSI, Linux 4.20+): the `some` line of
+/proc/pressure/cpu has `total=`, the cumulative microseconds during which at least one runnable
+task waited for a CPU. Its growth over an interval divided by the interval's wall time is the
+*stall fraction*: 0 on a host with a CPU free for every runnable task, towards 1 when something
+waits all the time. It counts waiting, not CPU use, so a process that keeps every core busy by
+itself reads (almost) nothing, and another job that takes turns on those cores reads a lot.
+
+Where PSI is missing (not Linux, a kernel built without it or booted with psi=0, a reading that
+fails) the stall is unknown, never guessed, and the gate judges as it would without this module:
+the 1-minute load average (`os.getloadavg`) is kept beside it for a reader of the report, but it
+lags by a minute and counts the measured process's own threads, and /proc/stat's CPU times say
+how busy the cores were, not how long anything waited: during a measurement neither can tell a
+contended host from one the measured process keeps busy itself. /proc/stat does serve while the
+gate waits for a contended host to quiet (`wait_for_quiet`): this process sleeps then, so every
+busy tick is other work.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+PSI_CPU = Path("/proc/pressure/cpu")
+SOURCE_PSI = "psi"
+
+# The stall fraction above which a measurement is taken as contended (--moe-host-stall).
+# Measured on a 2-core Xeon VM (2026-12-04), per measurement of suites/test_decode_bench.py
+# (notes/gate-trust.md): alone, 0.0000-0.0122 in 36 measurements (decode step and MoE layer at 2
+# threads 0.0003-0.0122, the MoE/dense ratio at 1 thread 0.0000-0.0004): the measured process's
+# own threads cause almost none. Beside two busy loops or a `pytest -n 2` of the tests: 0.94-0.996
+# at 2 threads, 0.50-0.57 at 1 thread (one core left to share); beside one busy loop 0.50-0.55 at
+# 2 threads, 0.0001-0.14 at 1 thread (a core free). 0.05 is four times the largest quiet reading
+# and a tenth of the sustained contention; at 5% of the wall time waiting, a single-threaded
+# measurement is slowed by about 5% at most, less than the smallest CPU tolerance (6%).
+DEFAULT_STALL_THRESHOLD = 0.05
+# How long the gate waits for a contended host to quiet before measuring once more (--moe-host-wait).
+DEFAULT_WAIT_S = 5.0
+
+
+def parse_psi_some_total(text: str) -> int:
+    """The `some` line's `total=` (microseconds) of a /proc/pressure/cpu text; ValueError when
+    the text has no such line or the field is not a whole number."""
+    for line in text.splitlines():
+        kind, _, fields = line.strip().partition(" ")
+        if kind != "some":
+            continue
+        for field in fields.split():
+            key, _, value = field.partition("=")
+            if key == "total":
+                if not value.isdigit():
+                    raise ValueError(f"PSI `some` total is not a whole number: {value!r}")
+                return int(value)
+        raise ValueError(f"PSI `some` line has no total= field: {line.strip()!r}")
+    raise ValueError("no `some` line in the PSI text")
+
+
+def read_counter() -> tuple[int | None, str]:
+    """(stall microseconds so far, "psi"), or (None, why it is unknown). Never raises."""
+    try:
+        text = PSI_CPU.read_text()
+    except FileNotFoundError:
+        return None, f"unknown: no {PSI_CPU} (not Linux, or a kernel without PSI)"
+    except OSError as e:  # psi=0 at boot: the file exists and reading it fails (EOPNOTSUPP)
+        return None, f"unknown: {PSI_CPU} unreadable ({e.strerror or e})"
+    try:
+        return parse_psi_some_total(text), SOURCE_PSI
+    except ValueError as e:
+        return None, f"unknown: {PSI_CPU} malformed ({e})"
+
+
+def load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):  # no getloadavg on Windows
+        return None
+
+
+@dataclass
+class HostLoad:
+    """The host's CPU contention over one or more measured intervals."""
+    stall: float | None  # share of wall time some runnable task waited for a CPU; None: unknown
+    wall_s: float
+    source: str  # "psi", or "unknown: why"
+    loadavg_1m: float | None = None  # at the end: informational only (see the module docstring)
+
+    def contended(self, threshold: float | None) -> bool:
+        return threshold is not None and self.stall is not None and self.stall > threshold
+
+    def describe(self) -> str:
+        if self.stall is None:
+            return f"CPU stall {self.source}"
+        return f"CPU stall {self.stall:.0%} of {self.wall_s:.2g} s ({self.source})"
+
+    def as_dict(self) -> dict:
+        return {"stall": None if self.stall is None else round(self.stall, 4), "wall_s": round(self.wall_s, 4),
+                "source": self.source, "loadavg_1m": self.loadavg_1m}
+
+
+class Meter:
+    """Sums the stall over the intervals measured through it (`with meter.measuring(): ...`);
+    `take()` returns what was measured since the previous `take` (None: nothing) and starts over.
+    A disabled meter (GPU timings) measures nothing."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._stall_us = 0
+        self._wall_s = 0.0
+        self._unknown: str | None = None
+        self._intervals = 0
+
+    @contextmanager
+    def measuring(self):
+        if not self.enabled:
+            yield
+            return
+        before, source = read_counter()
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            wall = time.monotonic() - start
+            after, source_after = read_counter() if before is not None else (None, source)
+            self._intervals += 1
+            self._wall_s += wall
+            if after is None or before is None:
+                self._unknown = self._unknown or (source_after if after is None else source)
+            elif after < before:
+                self._unknown = self._unknown or "unknown: the PSI counter went backwards"
+            else:
+                self._stall_us += after - before
+
+    def take(self) -> HostLoad | None:
+        if not self._intervals:
+            return None
+        if self._unknown:
+            load = HostLoad(None, self._wall_s, self._unknown, load_average())
+        else:
+            stall = min(1.0, self._stall_us / 1e6 / self._wall_s) if self._wall_s > 0 else 0.0
+            load = HostLoad(stall, self._wall_s, SOURCE_PSI, load_average())
+        self._stall_us, self._wall_s, self._unknown, self._intervals = 0, 0.0, None, 0
+        return load
+
+
+PROC_STAT = Path("/proc/stat")
+
+
+def parse_cpu_times(text: str) -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs from the `cpu` line of a /proc/stat text: busy is
+    user, nice, system, irq, softirq and steal (time a hypervisor gave to someone else); idle
+    and iowait are the rest. ValueError when the line is missing or malformed."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            if len(fields) < 5 or not all(f.isdigit() for f in fields[1:]):
+                raise ValueError(f"malformed cpu line: {line.strip()!r}")
+            ticks = [int(f) for f in fields[1:9]] + [0] * (9 - len(fields))
+            user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
+            busy = user + nice + system + irq + softirq + steal
+            return busy, busy + idle + iowait
+    raise ValueError("no `cpu` line in the /proc/stat text")
+
+
+def read_cpu_times() -> tuple[int, int] | None:
+    try:
+        return parse_cpu_times(PROC_STAT.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Window:
+    """A short interval during which this process slept: how busy the CPUs were with other work
+    and the stall. The stall alone cannot say whether the host has room for a measurement: two
+    busy loops on two cores wait for nothing while this process sleeps (stall 0%, measured) and
+    stall it 98% once it runs; the busy share of the CPUs does say so."""
+    busy: float | None
+    stall: float | None
+    wall_s: float
+
+    def quiet(self, threshold: float) -> bool:
+        if self.busy is None and self.stall is None:
+            return True  # nothing to read: waiting cannot help
+        return all(x is None or x <= threshold for x in (self.busy, self.stall))
+
+    def describe(self) -> str:
+        busy = "?" if self.busy is None else f"{self.busy:.0%}"
+        stall = "?" if self.stall is None else f"{self.stall:.0%}"
+        return f"CPUs {busy} busy with other work, stall {stall} over {self.wall_s:.2g} s"
+
+
+# Windows of this length are read while waiting for the host to quiet: 50 clock ticks of each CPU
+# at 100 Hz, so a 5% busy share is a few ticks, not one; short enough to stop soon after it quiets.
+QUIET_WINDOW_S = 0.5
+
+
+def read_window(seconds: float) -> Window:
+    """Sleep `seconds` and say how busy the host's CPUs were meanwhile."""
+    stall_before, _ = read_counter()
+    times_before = read_cpu_times()
+    start = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - start
+    stall_after, _ = read_counter()
+    times_after = read_cpu_times()
+    busy = stall = None
+    if times_before and times_after and times_after[1] > times_before[1]:
+        busy = (times_after[0] - times_before[0]) / (times_after[1] - times_before[1])
+    if stall_before is not None and stall_after is not None and stall_after >= stall_before and wall > 0:
+        stall = min(1.0, (stall_after - stall_before) / 1e6 / wall)
+    return Window(busy, stall, wall)
+
+
+def wait_for_quiet(threshold: float, budget_s: float, window_s: float = QUIET_WINDOW_S) -> tuple[float, Window]:
+    """Read windows (this process sleeping) until one is quiet, i.e. the CPUs busy with other
+    work and the stall both at most `threshold`, or `budget_s` has passed; returns (seconds
+    waited, the last window). The measurement after it is judged by its own stall either way."""
+    start = time.monotonic()
+    last = Window(None, None, 0.0)
+    while True:
+        left = budget_s - (time.monotonic() - start)
+        if left <= 0:
+            break
+        last = read_window(min(window_s, left))
+        if last.quiet(threshold):
+            break
+    return time.monotonic() - start, last

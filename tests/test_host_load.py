@@ -1,0 +1,129 @@
+"""pytest_moeperf.host_load: the PSI and /proc/stat parsers on sample texts, readings that fail
+(never an exception: the stall is "unknown"), and the meter's sums over measured intervals."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pytest_moeperf import host_load
+from pytest_moeperf.host_load import Meter, Window, parse_cpu_times, parse_psi_some_total
+
+# /proc/pressure/cpu as Linux 5.13+ writes it (the `full` line is all zeros at the system level),
+# and as 4.20-5.12 wrote it (no `full` line).
+PSI_TEXT = ("some avg10=0.36 avg60=0.14 avg300=17.19 total=2583929198\n"
+            "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+PSI_TEXT_OLD = "some avg10=1.00 avg60=0.50 avg300=0.10 total=12345\n"
+
+
+@pytest.mark.parametrize("text, total", [(PSI_TEXT, 2583929198), (PSI_TEXT_OLD, 12345),
+                                         ("full avg10=0 total=7\nsome total=42 avg10=0\n", 42)])
+def test_psi_parser_reads_the_some_lines_total(text, total):
+    assert parse_psi_some_total(text) == total
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("", "no `some` line"),
+    ("full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n", "no `some` line"),
+    ("some avg10=0.36 avg60=0.14 avg300=17.19\n", "no total= field"),
+    ("some avg10=0.36 total=12.5\n", "not a whole number"),
+    ("some avg10=0.36 total=-3\n", "not a whole number"),
+    ("some avg10=0.36 total=\n", "not a whole number"),
+])
+def test_psi_parser_rejects_malformed_texts_saying_why(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_psi_some_total(text)
+
+
+def test_a_missing_unreadable_or_malformed_psi_file_reads_as_unknown(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_load, "PSI_CPU", tmp_path / "absent")
+    assert host_load.read_counter() == (None, f"unknown: no {tmp_path / 'absent'} (not Linux, or a kernel "
+                                              "without PSI)")
+    monkeypatch.setattr(host_load, "PSI_CPU", tmp_path)  # a folder: reading fails as psi=0's EOPNOTSUPP does
+    stall, source = host_load.read_counter()
+    assert stall is None and source.startswith(f"unknown: {tmp_path} unreadable")
+    bad = tmp_path / "cpu"
+    bad.write_text("some avg10=0.00\n")
+    monkeypatch.setattr(host_load, "PSI_CPU", bad)
+    stall, source = host_load.read_counter()
+    assert stall is None and "malformed" in source and "no total= field" in source
+    bad.write_text(PSI_TEXT)
+    assert host_load.read_counter() == (2583929198, "psi")
+
+
+def test_cpu_times_parser_counts_steal_as_busy_and_iowait_as_idle():
+    text = "cpu  100 5 20 800 30 1 2 40 0 0\ncpu0 50 2 10 400 15 0 1 20 0 0\nintr 1 2\n"
+    assert parse_cpu_times(text) == (100 + 5 + 20 + 1 + 2 + 40, 100 + 5 + 20 + 800 + 30 + 1 + 2 + 40)
+    assert parse_cpu_times("cpu 1 2 3 4\n") == (6, 10)  # Linux 2.4's four fields
+    for bad in ("", "cpu0 1 2 3 4\n", "cpu 1 2 x 4\n", "cpu 1 2\n"):
+        with pytest.raises(ValueError):
+            parse_cpu_times(bad)
+
+
+class FakeCounter:
+    """A PSI counter growing at `rate` seconds of stall per second of wall time."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.origin = rate, time.monotonic()
+
+    def __call__(self):
+        return int((time.monotonic() - self.origin) * self.rate * 1e6), "psi"
+
+
+def test_meter_gives_the_share_of_measured_wall_time_that_stalled(monkeypatch):
+    monkeypatch.setattr(host_load, "read_counter", FakeCounter(0.6))
+    meter = Meter()
+    assert meter.take() is None  # nothing measured through it
+    for _ in range(2):
+        with meter.measuring():
+            time.sleep(0.05)
+    time.sleep(0.1)  # between measurements: not counted
+    load = meter.take()
+    assert load.source == "psi" and load.stall == pytest.approx(0.6, abs=0.05)
+    assert load.wall_s == pytest.approx(0.1, abs=0.05)
+    assert load.contended(0.05) and not load.contended(0.7) and not load.contended(None)
+    assert meter.take() is None  # take starts over
+
+
+def test_meter_reports_unknown_when_a_reading_fails_and_a_disabled_meter_measures_nothing(monkeypatch):
+    monkeypatch.setattr(host_load, "read_counter", lambda: (None, "unknown: no PSI here"))
+    meter = Meter()
+    with meter.measuring():
+        pass
+    load = meter.take()
+    assert (load.stall, load.source) == (None, "unknown: no PSI here")
+    assert not load.contended(0.05) and load.describe() == "CPU stall unknown: no PSI here"
+    off = Meter(enabled=False)
+    with off.measuring():
+        pass
+    assert off.take() is None
+
+
+def test_a_counter_that_goes_backwards_is_unknown_not_a_negative_stall(monkeypatch):
+    readings = iter([(500, "psi"), (100, "psi")])
+    monkeypatch.setattr(host_load, "read_counter", lambda: next(readings))
+    meter = Meter()
+    with meter.measuring():
+        pass
+    assert meter.take().stall is None
+
+
+def test_a_window_is_quiet_only_when_the_cpus_are_free_and_nothing_waits():
+    # Two busy loops on two cores, this process asleep: nothing waits, yet there is no room.
+    assert not Window(busy=1.0, stall=0.0, wall_s=0.5).quiet(0.05)
+    assert not Window(busy=0.01, stall=0.3, wall_s=0.5).quiet(0.05)
+    assert Window(busy=0.01, stall=0.0, wall_s=0.5).quiet(0.05)
+    assert Window(busy=None, stall=None, wall_s=0.5).quiet(0.05)  # nothing to read: do not wait
+
+
+def test_wait_for_quiet_stops_at_the_first_quiet_window_or_at_its_budget(monkeypatch):
+    windows = iter([Window(1.0, 0.0, 0.1), Window(0.0, 0.0, 0.1)])
+    monkeypatch.setattr(host_load, "read_window", lambda seconds: next(windows))
+    waited, last = host_load.wait_for_quiet(0.05, budget_s=5)
+    assert last.busy == 0.0
+    monkeypatch.setattr(host_load, "read_window", lambda seconds: (time.sleep(seconds), Window(1.0, 0.0, seconds))[1])
+    start = time.monotonic()
+    waited, last = host_load.wait_for_quiet(0.05, budget_s=0.3, window_s=0.1)
+    assert 0.3 <= time.monotonic() - start < 1.0 and last.busy == 1.0
+    assert host_load.wait_for_quiet(0.05, budget_s=0)[1].wall_s == 0.0  # no budget: no wait
