@@ -1,0 +1,224 @@
+"""The gate on a contended host, through pytester: a planted slowdown measured while the host's
+CPUs were contended is HOST-CONTENDED (the run passes), the same slowdown on a quiet host is a
+REGRESSION (the negative control), a host that quiets while the gate waits gets the figure judged,
+and a freeze never stores a figure measured on a contended host.
+
+No CPU is burnt: the suite's measurements go through the test's host meter (as moe_sampler's
+timed rounds do) and the host's PSI counter and CPU times are simulated (FakeHost), contended
+until a given moment, quiet after it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pytest_moeperf import host_load
+from pytester_runs import run_inner, this_device_store
+
+# Synthetic latencies (1% spread) scaled per measurement by the next entry of PLANTED_FACTORS; each
+# measurement is metered like moe_sampler's timed rounds, and says on stderr when it was taken.
+SUITE = """
+import os
+import sys
+import time
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
+
+def test_latency(moe_gate, moe_host_meter):
+    factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1,1,1").split(","))
+
+    def measure():
+        f = next(factors)
+        with moe_host_meter.measuring():
+            time.sleep(0.02)
+        return [100 * s * f for s in SPREAD]
+
+    moe_gate.check("latency_us", measure(), unit="us", direction="lower", tolerance=0.10, remeasure=measure)
+"""
+
+SLOW = "1.3,1.3,1.3,1.3"  # a real regression: every measurement 30% slower
+
+
+class FakeHost:
+    """Contended (90% stall while measured, all CPUs busy with other work) until `quiet_after`
+    seconds from now, quiet afterwards; None: contended throughout; 0: quiet throughout."""
+
+    def __init__(self, quiet_after: float | None) -> None:
+        self.origin = time.monotonic()
+        self.quiet_after = float("inf") if quiet_after is None else quiet_after
+
+    def _contended_s(self) -> float:
+        return min(time.monotonic() - self.origin, self.quiet_after)
+
+    def read_counter(self):
+        return int(self._contended_s() * 0.9 * 1e6), "psi"
+
+    def read_cpu_times(self):
+        ticks = 100 * 2  # two CPUs at 100 Hz
+        return int(self._contended_s() * ticks), int((time.monotonic() - self.origin) * ticks)
+
+
+@pytest.fixture
+def host(monkeypatch):
+    def simulate(quiet_after: float | None) -> FakeHost:
+        fake = FakeHost(quiet_after)
+        monkeypatch.setattr(host_load, "read_counter", fake.read_counter)
+        monkeypatch.setattr(host_load, "read_cpu_times", fake.read_cpu_times)
+        return fake
+    return simulate
+
+
+@pytest.fixture
+def frozen_suite(pytester, monkeypatch, host):
+    """The suite, frozen at factor 1 on a quiet host."""
+    pytester.makepyfile(test_suite=SUITE)
+    host(0)
+    run(pytester, monkeypatch, "--moe-freeze").assert_outcomes(passed=1)
+    return pytester
+
+
+def run(pytester, monkeypatch, *args, factors: str = "1,1,1,1"):
+    monkeypatch.setenv("PLANTED_FACTORS", factors)
+    return run_inner(pytester, "--moe-bench", "--moe-report", "report.json", *args, monkeypatch=monkeypatch)
+
+
+def _metric(pytester) -> dict:
+    (metric,) = json.loads((pytester.path / "report.json").read_text())["metrics"]
+    return metric
+
+
+def test_planted_slowdown_on_a_contended_host_is_host_contended_and_passes(frozen_suite, monkeypatch, host):
+    host(None)
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "0.3", factors=SLOW)
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines([
+        "*HostContendedWarning: latency_us: NOT JUDGED, HOST CONTENDED*",
+        "*latency_us*130 us*100 us*0.769*HOST-CONTENDED*9?.?%*",
+        "*1 figure(s) compared*1 NOT JUDGED (host contended)*",
+        "HOST-CONTENDED: latency_us: NOT JUDGED, HOST CONTENDED: it read as a regression while the host's CPUs "
+        "were contended (CPU stall 90% of *, threshold 5%)*waited 0.3 s for the host to quiet (last window: CPUs "
+        "100% busy with other work*"])
+    metric = _metric(frozen_suite)
+    assert metric["verdict"] == "host-contended"
+    assert metric["host_load"]["stall"] == pytest.approx(0.9, abs=0.02) and metric["host_load"]["source"] == "psi"
+    # the first measurement, its confirmation, and the one after the wait
+    assert len(metric["host_loads"]) == 3 and all(load["stall"] > 0.8 for load in metric["host_loads"])
+
+
+def test_planted_slowdown_on_a_quiet_host_still_fails_as_a_regression(frozen_suite, monkeypatch, host):
+    """The negative control: same slowdown, same code path, a quiet host."""
+    host(0)
+    result = run(frozen_suite, monkeypatch, factors=SLOW)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*latency_us: 130 us vs frozen 100 us*-> regression (re-measured after: *",
+                                 "*latency_us*REGRESSION*0.0%*"])
+    result.stdout.no_fnmatch_line("*HOST-CONTENDED*")
+    assert _metric(frozen_suite)["verdict"] == "regression"
+
+
+def test_a_host_that_quiets_while_the_gate_waits_gets_the_regression_judged(frozen_suite, monkeypatch, host):
+    host(0.5)  # contended through the first two measurements, quiet within the wait
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "5", factors=SLOW)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*latency_us: 130 us vs frozen 100 us*-> regression (waited * s for the host to "
+                                 "quiet (last window: CPUs 0% busy with other work*re-measured at CPU stall 0%*"])
+    metric = _metric(frozen_suite)
+    assert metric["verdict"] == "regression" and metric["host_load"]["stall"] < 0.05
+    assert [load["stall"] > 0.8 for load in metric["host_loads"]] == [True, True, False]
+
+
+def test_a_slowdown_that_goes_with_the_contention_passes_once_the_host_quiets(frozen_suite, monkeypatch, host):
+    host(0.5)
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "5", factors="1.3,1.3,1.0")
+    result.assert_outcomes(passed=1)
+    assert _metric(frozen_suite)["verdict"] == "pass"
+
+
+def test_a_transient_on_a_contended_host_still_clears_on_its_confirmation(frozen_suite, monkeypatch, host):
+    """A contended measurement that passes is a pass; only a regression needs a quiet host."""
+    host(None)
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "0.3", factors="1.3,1.0")
+    result.assert_outcomes(passed=1)
+    assert _metric(frozen_suite)["verdict"] == "pass"
+
+
+def test_strict_fails_the_run_when_a_figure_was_not_judged_for_the_host(frozen_suite, monkeypatch, host):
+    host(None)
+    result = run(frozen_suite, monkeypatch, "--moe-strict", "--moe-host-wait", "0", factors=SLOW)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1, warnings=1)  # the test is not failed: the code was not judged
+    result.stdout.fnmatch_lines(["*--moe-strict fails this run: 1 figure(s) not judged: the host's CPUs were "
+                                 "contended*"])
+
+
+def test_unknown_stall_and_the_check_turned_off_judge_as_before(frozen_suite, monkeypatch, host):
+    monkeypatch.setattr(host_load, "read_counter", lambda: (None, "unknown: no /proc/pressure/cpu"))
+    result = run(frozen_suite, monkeypatch, factors=SLOW)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*latency_us*REGRESSION*?*"])
+    assert _metric(frozen_suite)["host_load"]["source"] == "unknown: no /proc/pressure/cpu"
+    host(None)
+    off = run(frozen_suite, monkeypatch, "--moe-host-stall", "off", factors=SLOW)
+    off.assert_outcomes(failed=1)
+    off.stdout.fnmatch_lines(["*latency_us*REGRESSION*9?.?%*"])
+
+
+def test_a_freeze_on_a_contended_host_stores_nothing_and_fails_saying_so(frozen_suite, monkeypatch, host):
+    before = this_device_store(frozen_suite).metrics["test_suite.py::test_latency::latency_us"]
+    host(None)
+    result = run(frozen_suite, monkeypatch, "--moe-freeze", "--moe-host-wait", "0.3", factors="2,2,2,2")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "*latency_us*200 us*HOST-CONTENDED*9?.?%*",
+        "HOST-CONTENDED: latency_us: NOT FROZEN: the host's CPUs were contended while it was measured*the figure "
+        "frozen before, if any, is kept: freeze again on a quiet host",
+        "the freeze is incomplete: 1 figure(s) measured on a contended host were not frozen; this run fails"])
+    after = this_device_store(frozen_suite).metrics["test_suite.py::test_latency::latency_us"]
+    assert after.value == before.value == pytest.approx(100, rel=0.01)
+
+
+def test_a_freeze_whose_host_quiets_while_it_waits_freezes_the_quiet_measurement(frozen_suite, monkeypatch, host):
+    host(0.3)
+    result = run(frozen_suite, monkeypatch, "--moe-freeze", "--moe-host-wait", "5", factors="2,1.1")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(["*latency_us*110 us*FROZEN*0.0%*"])
+    assert this_device_store(frozen_suite).metrics["test_suite.py::test_latency::latency_us"].value == \
+        pytest.approx(110, rel=0.01)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--moe-host-stall", "1.5"], "--moe-host-stall must be a fraction of wall time in (0, 1) or off, got '1.5'"),
+    (["--moe-host-stall", "0"], "--moe-host-stall must be a fraction of wall time in (0, 1) or off, got '0'"),
+    (["--moe-host-stall", "5%"], "--moe-host-stall must be a fraction of wall time in (0, 1) or off, got '5%'"),
+    (["--moe-host-wait", "-1"], "--moe-host-wait must be seconds in [0, 600], got '-1'"),
+    (["--moe-host-wait", "soon"], "--moe-host-wait must be seconds in [0, 600], got 'soon'"),
+])
+def test_bad_host_options_are_usage_errors(pytester, monkeypatch, args, message):
+    pytester.makepyfile(test_suite=SUITE)
+    result = run(pytester, monkeypatch, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str()
+
+
+def test_host_options_fall_back_to_ini_keys(pytester, monkeypatch):
+    pytester.makepyfile(test_suite=SUITE)
+    pytester.makeini("[pytest]\nmoe_host_wait = forever\n")
+    result = run(pytester, monkeypatch)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--moe-host-wait must be seconds in [0, 600], got 'forever'" in result.stderr.str()
+
+
+def test_gate_trust_runs_count_host_contended_evaluations_apart_from_regressions(frozen_suite, monkeypatch, host):
+    host(None)
+    result = run(frozen_suite, monkeypatch, "--moe-trust", "2", "--moe-host-wait", "0", factors="1.3," * 7 + "1.3")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*evaluations*regression*refreeze*host-contended*",
+                                 "*latency_us*2*0*0*2*0.769*"])
+    assert [e["verdict"] for e in _metric(frozen_suite)["evaluations"]] == ["host-contended"] * 2
