@@ -53,7 +53,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH")
     add("--moe-samples", "moe_samples", "timing samples per metric, at least 3 (default: 10)", metavar="N")
     add("--moe-strict", "moe_strict", "fail the run when a gated figure has no baseline, when a figure frozen for "
-        "this device and configuration was not measured, or when nothing was compared (nightly CI)",
+        "this device and configuration was not measured, when nothing was compared, or when a figure was not judged "
+        "for a contended host (nightly CI)",
         action="store_true")
     add("--moe-trust", "moe_trust", "gate-trust run: gate each timed figure N times (its measurement, then N-1 "
         "re-measurements) and record the verdicts instead of acting on them (see scripts/gate_trust.py)",
