@@ -15,8 +15,9 @@ planted slowdown, per gated figure.
 
 Each verdict is the gate's own (tolerance, 95% interval, confirmation by a second measurement).
 The table gives, per figure: its tolerance, A/A evaluations and how many came out REGRESSION
-(false failure) or REFREEZE, the range of A/A ratios, and per plant the evaluations, detections
-and the effective slowdown (1 - median planted ratio / median A/A ratio). Everything is written
+(false failure), REFREEZE or HOST-CONTENDED (not judged: the host's CPUs were busy with other
+work; counted apart, never as a pass), the range of A/A ratios, and per plant the evaluations,
+detections and the effective slowdown (1 - median planted ratio / median A/A ratio). Everything is written
 to --out as trust.json and trust.md, with each run's report and log.
 """
 
@@ -124,6 +125,7 @@ def summarize(phases: list[tuple[Path, Phase]]) -> dict:
             p["n"] = len(p["verdicts"])
             p["regression"] = p["verdicts"].count("regression")
             p["refreeze"] = p["verdicts"].count("refreeze")
+            p["contended"] = p["verdicts"].count("host-contended")  # not judged: the host's CPUs were contended
             p["median"] = statistics.median(p["ratios"]) if p["ratios"] else None
             if p["kind"] == "plant" and aa_median and p["median"]:
                 p["effective_slowdown"] = 1 - p["median"] / aa_median
@@ -131,8 +133,8 @@ def summarize(phases: list[tuple[Path, Phase]]) -> dict:
 
 
 def render(table: dict, phases: list[tuple[Path, Phase]], header: list[str]) -> str:
-    lines = [*header, "", "| figure | tol | A/A: n | false failures | refreeze | A/A ratios | "
-             "planted: phase, n, caught, effective slowdown |", "|---|---|---|---|---|---|---|"]
+    lines = [*header, "", "| figure | tol | A/A: n | false failures | refreeze | host-contended | A/A ratios | "
+             "planted: phase, n, caught, effective slowdown |", "|---|---|---|---|---|---|---|---|"]
     for mid, row in sorted(table.items()):
         aa = [p for p in row["phases"].values() if p["kind"] == "aa"]
         n = sum(p["n"] for p in aa)
@@ -140,14 +142,23 @@ def render(table: dict, phases: list[tuple[Path, Phase]], header: list[str]) -> 
         rng = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
         planted = "; ".join(
             f"{name}: {p['n']}, {p['regression']} ({p['regression'] / p['n']:.0%}), "
-            f"{p.get('effective_slowdown', float('nan')):+.1%}" for name, p in row["phases"].items()
-            if p["kind"] == "plant" and p["n"])
+            f"{p.get('effective_slowdown', float('nan')):+.1%}"
+            + (f", {p['contended']} host-contended" if p.get("contended") else "")
+            for name, p in row["phases"].items() if p["kind"] == "plant" and p["n"])
         lines.append(f"| {mid} | {row['tolerance']:.0%} | {n} | {sum(p['regression'] for p in aa)} | "
-                     f"{sum(p['refreeze'] for p in aa)} | {rng} | {planted or '-'} |")
-    total = sum(p["n"] for row in table.values() for p in row["phases"].values() if p["kind"] == "aa")
-    false = sum(p["regression"] for row in table.values() for p in row["phases"].values() if p["kind"] == "aa")
-    lines += ["", f"A/A: {false} false failure(s) in {total} evaluation(s) "
-                  f"({false / total:.1%})" if total else "A/A: no evaluations"]
+                     f"{sum(p['refreeze'] for p in aa)} | {sum(p.get('contended', 0) for p in aa)} | {rng} | "
+                     f"{planted or '-'} |")
+    aa_phases = [p for row in table.values() for p in row["phases"].values() if p["kind"] == "aa"]
+    total = sum(p["n"] for p in aa_phases)
+    false = sum(p["regression"] for p in aa_phases)
+    # An evaluation on a contended host was not judged: it is neither a pass nor a false failure.
+    contended = sum(p.get("contended", 0) for p in aa_phases)
+    judged = total - contended
+    summary = (f"A/A: {false} false failure(s) in {judged} judged evaluation(s) ({false / judged:.1%})" if judged
+               else "A/A: no judged evaluations")
+    if contended:
+        summary += f"; {contended} more not judged (host-contended: the host's CPUs were busy with other work)"
+    lines += ["", summary if total else "A/A: no evaluations"]
     for _, phase in phases:
         bad = [r for r in phase.runs if r["rc"] not in (0, 1)]
         if bad:

@@ -40,7 +40,7 @@ def test_gate_trust_counts_false_failures_and_detections(tmp_path, monkeypatch):
     assert (planted["n"], planted["regression"]) == (2, 2)
     assert planted["effective_slowdown"] > 0.3  # the head call doubled; the ratio also counts F.linear
     text = (out / "trust.md").read_text()
-    assert "A/A: 0 false failure(s) in 2 evaluation(s)" in text and "head:bf16=1.0: 2, 2 (100%)" in text
+    assert "A/A: 0 false failure(s) in 2 judged evaluation(s)" in text and "head:bf16=1.0: 2, 2 (100%)" in text
 
 
 def test_gate_trust_refuses_a_used_output_folder(tmp_path, capsys):
@@ -49,3 +49,26 @@ def test_gate_trust_refuses_a_used_output_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _script().main(["--out", str(tmp_path)])
     assert "is not empty: give a fresh --out" in capsys.readouterr().err
+
+
+def test_gate_trust_counts_host_contended_evaluations_apart_from_false_failures(tmp_path):
+    """An A/A evaluation the gate did not judge (the host was contended) counts neither as a pass
+    nor as a false failure; a planted one is named beside the detections. Reports written as a
+    `--moe-trust` run writes them, one per process."""
+    gt = _script()
+
+    def run(name, evaluations):
+        (tmp_path / name).write_text(json.dumps({"metrics": [dict(
+            metric_id="m", tolerance=0.05, portable=False, unit="us", verdict="pass", ratio=1.0,
+            evaluations=[{"verdict": v, "ratio": r} for v, r in evaluations])]}))
+        return {"rc": 0, "seconds": 1.0, "report": name}
+    aa = gt.Phase("aa", "aa", ["suites"], runs=[
+        run("aa0.json", [("pass", 1.0), ("regression", 0.9)]), run("aa1.json", [("host-contended", 0.7), ("pass", 1.01)])])
+    plant = gt.Phase("moe=0.5", "plant", ["suites"], runs=[run("p0.json", [("regression", 0.6), ("host-contended", 0.5)])])
+    phases = [(tmp_path, aa), (tmp_path, plant)]
+    table = gt.summarize(phases)
+    assert table["m"]["phases"]["aa"]["contended"] == 1 and table["m"]["phases"]["aa"]["regression"] == 1
+    text = gt.render(table, phases, ["# t"])
+    assert "| m | 5% | 4 | 1 | 0 | 1 |" in text
+    assert "A/A: 1 false failure(s) in 3 judged evaluation(s) (33.3%); 1 more not judged (host-contended" in text
+    assert "moe=0.5: 2, 1 (50%)" in text and "1 host-contended" in text
