@@ -10,7 +10,7 @@ import pytest
 from pytest_moeperf import device
 from pytest_moeperf.baselines import BaselineStore
 from pytest_moeperf.device import DeviceInfo, class_of, cpu_fingerprint, schema1_match
-from pytester_runs import PLANTED_SUITE, REMEASURE_SUITE, frozen, run_inner, this_device_store
+from pytester_runs import PLANTED_SUITE, REMEASURE_SUITE, frozen, quiet_host, run_inner, this_device_store
 
 SUITE = """
 import os
@@ -177,6 +177,7 @@ def test_bad_trust_and_plant_options_are_usage_errors(run, args, message):
 
 def test_a_slowdown_planted_in_a_backend_is_caught_and_named_in_the_header(pytester, monkeypatch):
     pytester.makepyfile(test_planted=PLANTED_SUITE)
+    quiet_host(monkeypatch)  # what the plant does, not whether the host was contended
     samples = ("--moe-samples", "15")
     run_inner(pytester, "--moe-bench", "--moe-freeze", *samples, monkeypatch=monkeypatch).assert_outcomes(passed=1)
     run_inner(pytester, "--moe-bench", *samples, monkeypatch=monkeypatch).assert_outcomes(passed=1)
