@@ -4,17 +4,18 @@ The signal is the kernel's pressure stall information (PSI, Linux 4.20+): the `s
 /proc/pressure/cpu has `total=`, the cumulative microseconds during which at least one runnable
 task waited for a CPU. Its growth over an interval divided by the interval's wall time is the
 *stall fraction*: 0 on a host with a CPU free for every runnable task, towards 1 when something
-waits all the time. It counts waiting, not CPU use, so a process that keeps every core busy by
-itself reads (almost) nothing, and another job that takes turns on those cores reads a lot.
+waits all the time. It counts waiting, not CPU use: another job taking turns on the cores reads
+a lot, and so does the measured process itself when it runs more threads than there are cores
+(torch at 4 threads on 2 cores read 47%, a spinning helper thread beside 2 torch threads 21%:
+a regression of the code, which must not pass as the host's). So a measurement counts as
+contended only when *other work* also took more than the threshold of all CPUs' time: /proc/stat's
+busy ticks over the interval less this process's own CPU time (`os.times`), over all ticks.
 
 Where PSI is missing (not Linux, a kernel built without it or booted with psi=0, a reading that
 fails) the stall is unknown, never guessed, and the gate judges as it would without this module:
 the 1-minute load average (`os.getloadavg`) is kept beside it for a reader of the report, but it
-lags by a minute and counts the measured process's own threads, and /proc/stat's CPU times say
-how busy the cores were, not how long anything waited: during a measurement neither can tell a
-contended host from one the measured process keeps busy itself. /proc/stat does serve while the
-gate waits for a contended host to quiet (`wait_for_quiet`): this process sleeps then, so every
-busy tick is other work.
+lags by a minute and counts the measured process's own threads; CPU time alone says how busy the
+cores were, not whether anything waited.
 """
 
 from __future__ import annotations
@@ -87,18 +88,26 @@ class HostLoad:
     wall_s: float
     source: str  # "psi", or "unknown: why"
     loadavg_1m: float | None = None  # at the end: informational only (see the module docstring)
+    other: float | None = None  # share of all CPUs' time other work used; None: unknown
 
     def contended(self, threshold: float | None) -> bool:
-        return threshold is not None and self.stall is not None and self.stall > threshold
+        """Some task waited for a CPU more than `threshold` of the time while other work (not this
+        process) used more than `threshold` of the CPUs: a stall of the process's own making (more
+        threads than cores) is the code's, and is judged."""
+        if threshold is None or self.stall is None or self.stall <= threshold:
+            return False
+        return self.other is None or self.other > threshold
 
     def describe(self) -> str:
         if self.stall is None:
             return f"CPU stall {self.source}"
-        return f"CPU stall {self.stall:.0%} of {self.wall_s:.2g} s ({self.source})"
+        other = "" if self.other is None else f", other work {self.other:.0%} of the CPUs"
+        return f"CPU stall {self.stall:.0%} of {self.wall_s:.3g} s{other} ({self.source})"
 
     def as_dict(self) -> dict:
         return {"stall": None if self.stall is None else round(self.stall, 4), "wall_s": round(self.wall_s, 4),
-                "source": self.source, "loadavg_1m": self.loadavg_1m}
+                "source": self.source, "loadavg_1m": self.loadavg_1m,
+                "other_work": None if self.other is None else round(self.other, 4)}
 
 
 class Meter:
@@ -108,10 +117,15 @@ class Meter:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
+        self._reset()
+
+    def _reset(self) -> None:
         self._stall_us = 0
         self._wall_s = 0.0
         self._unknown: str | None = None
         self._intervals = 0
+        self._other_ticks = 0.0
+        self._all_ticks: int | None = 0  # None: some interval had no CPU times
 
     @contextmanager
     def measuring(self):
@@ -119,12 +133,14 @@ class Meter:
             yield
             return
         before, source = read_counter()
+        times_before, own_before = read_cpu_times(), read_own_cpu_s()
         start = time.monotonic()
         try:
             yield
         finally:
             wall = time.monotonic() - start
             after, source_after = read_counter() if before is not None else (None, source)
+            times_after, own_after = read_cpu_times(), read_own_cpu_s()
             self._intervals += 1
             self._wall_s += wall
             if after is None or before is None:
@@ -133,16 +149,25 @@ class Meter:
                 self._unknown = self._unknown or "unknown: the PSI counter went backwards"
             else:
                 self._stall_us += after - before
+            ticks = other_ticks(times_before, times_after, own_after - own_before)
+            if ticks is None or self._all_ticks is None:
+                self._all_ticks = None
+            else:
+                self._other_ticks += ticks[0]
+                self._all_ticks += ticks[1]
 
     def take(self) -> HostLoad | None:
         if not self._intervals:
             return None
+        other = (min(1.0, self._other_ticks / self._all_ticks) if self._all_ticks else None)
         if self._unknown:
-            load = HostLoad(None, self._wall_s, self._unknown, load_average())
+            load = HostLoad(None, self._wall_s, self._unknown, load_average(), other)
+        elif self._wall_s <= 0:
+            load = HostLoad(None, self._wall_s, "unknown: no time measured", load_average(), other)
         else:
-            stall = min(1.0, self._stall_us / 1e6 / self._wall_s) if self._wall_s > 0 else 0.0
-            load = HostLoad(stall, self._wall_s, SOURCE_PSI, load_average())
-        self._stall_us, self._wall_s, self._unknown, self._intervals = 0, 0.0, None, 0
+            load = HostLoad(min(1.0, self._stall_us / 1e6 / self._wall_s), self._wall_s, SOURCE_PSI,
+                            load_average(), other)
+        self._reset()
         return load
 
 
@@ -172,12 +197,33 @@ def read_cpu_times() -> tuple[int, int] | None:
         return None
 
 
+def read_own_cpu_s() -> float:
+    """CPU seconds this process (all its threads) has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+# /proc/stat counts clock ticks (USER_HZ, 100 on Linux).
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def other_ticks(times_before, times_after, own_cpu_s: float) -> tuple[float, int] | None:
+    """(ticks of CPU time other work used, ticks of all CPUs) between two /proc/stat readings,
+    this process having used `own_cpu_s` meanwhile; None when a reading is missing or no tick
+    passed."""
+    if not times_before or not times_after or times_after[1] <= times_before[1]:
+        return None
+    busy = times_after[0] - times_before[0] - own_cpu_s * CLOCK_TICKS_PER_S
+    return max(0.0, busy), times_after[1] - times_before[1]
+
+
 @dataclass
 class Window:
-    """A short interval during which this process slept: how busy the CPUs were with other work
-    and the stall. The stall alone cannot say whether the host has room for a measurement: two
-    busy loops on two cores wait for nothing while this process sleeps (stall 0%, measured) and
-    stall it 98% once it runs; the busy share of the CPUs does say so."""
+    """A short interval during which the gate's thread slept: how busy the CPUs were with other
+    work (this process's own CPU time, from any thread, left out) and the stall. The stall alone
+    cannot say whether the host has room for a measurement: two busy loops on two cores wait for
+    nothing while this process sleeps (stall 0%, measured) and stall it 98% once it runs; the
+    busy share of the CPUs does say so."""
     busy: float | None
     stall: float | None
     wall_s: float
@@ -201,15 +247,15 @@ QUIET_WINDOW_S = 0.5
 def read_window(seconds: float) -> Window:
     """Sleep `seconds` and say how busy the host's CPUs were meanwhile."""
     stall_before, _ = read_counter()
-    times_before = read_cpu_times()
+    times_before, own_before = read_cpu_times(), read_own_cpu_s()
     start = time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - start
     stall_after, _ = read_counter()
-    times_after = read_cpu_times()
+    times_after, own_after = read_cpu_times(), read_own_cpu_s()
     busy = stall = None
-    if times_before and times_after and times_after[1] > times_before[1]:
-        busy = (times_after[0] - times_before[0]) / (times_after[1] - times_before[1])
+    if (ticks := other_ticks(times_before, times_after, own_after - own_before)) is not None:
+        busy = min(1.0, ticks[0] / ticks[1])
     if stall_before is not None and stall_after is not None and stall_after >= stall_before and wall > 0:
         stall = min(1.0, (stall_after - stall_before) / 1e6 / wall)
     return Window(busy, stall, wall)

@@ -85,8 +85,8 @@ class Sampler:
         self.benchmark = benchmark
         self.meter = meter
 
-    def _measuring(self):
-        return self.meter.measuring() if self.meter is not None else contextlib.nullcontext()
+    def _measuring(self, metered: bool = True):
+        return self.meter.measuring() if self.meter is not None and metered else contextlib.nullcontext()
 
     def _warm_up(self, one_round: Callable[[], object]) -> None:
         """`warmup` rounds, then more until `warmup_s` have passed."""
@@ -96,16 +96,20 @@ class Sampler:
             one_round()
             done += 1
 
-    def sample(self, fn: Callable[[], object], inner: int = 1, rounds: int | None = None) -> list[float]:
+    def sample(self, fn: Callable[[], object], inner: int = 1, rounds: int | None = None,
+               metered: bool = True) -> list[float]:
+        """`rounds` samples of `fn`. `metered=False`: a figure only reported, never gated, whose
+        host load must not be counted into the gated measurement's (the gate reads everything
+        the meter saw since its last figure)."""
         rounds = rounds or self.rounds
         self._warm_up(lambda: self._time(fn, inner))
         if self.benchmark is not None:
             benchmark, self.benchmark = self.benchmark(), None  # the fixture times one thing per test
             benchmark._timer = self.clock  # pytest-benchmark has no public hook for the timer
-            with self._measuring():
+            with self._measuring(metered):
                 benchmark.pedantic(fn, rounds=rounds, iterations=inner, warmup_rounds=0)
             return list(benchmark.stats.stats.data)
-        with self._measuring():
+        with self._measuring(metered):
             return [self._time(fn, inner) for _ in range(rounds)]
 
     def interleaved(self, fns: dict[str, Callable[[], object]], inner: int = 1, rounds: int | None = None,

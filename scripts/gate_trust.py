@@ -16,7 +16,7 @@ planted slowdown, per gated figure.
 Each verdict is the gate's own (tolerance, 95% interval, confirmation by a second measurement).
 The table gives, per figure: its tolerance, A/A evaluations and how many came out REGRESSION
 (false failure), REFREEZE or HOST-CONTENDED (not judged: the host's CPUs were busy with other
-work; counted apart, never as a pass), the range of A/A ratios, and per plant the evaluations,
+work; counted apart, never as a pass, their ratios left out), the range of A/A ratios, and per plant the evaluations,
 detections and the effective slowdown (1 - median planted ratio / median A/A ratio). Everything is written
 to --out as trust.json and trust.md, with each run's report and log.
 """
@@ -116,7 +116,8 @@ def summarize(phases: list[tuple[Path, Phase]]) -> dict:
                 evals = m["evaluations"] or ([] if m["verdict"] in ("no-baseline", "frozen") else [
                     {"verdict": m["verdict"], "ratio": m["ratio"]}])
                 p = row["phases"].setdefault(phase.name, {"kind": phase.kind, "ratios": [], "verdicts": []})
-                p["ratios"] += [e["ratio"] for e in evals]
+                # A ratio measured on a contended host says how busy the host was, not the code.
+                p["ratios"] += [e["ratio"] for e in evals if e["verdict"] != "host-contended"]
                 p["verdicts"] += [e["verdict"] for e in evals]
     for row in table.values():
         aa = [r for p in row["phases"].values() if p["kind"] == "aa" for r in p["ratios"]]
@@ -159,6 +160,12 @@ def render(table: dict, phases: list[tuple[Path, Phase]], header: list[str]) -> 
     if contended:
         summary += f"; {contended} more not judged (host-contended: the host's CPUs were busy with other work)"
     lines += ["", summary if total else "A/A: no evaluations"]
+    for out, phase in phases:
+        refused = sorted({m["metric_id"] for run in phase.runs for m in metrics_of(out, run)
+                          if phase.kind == "freeze" and m["verdict"] == "host-contended"})
+        if refused:
+            lines.append(f"{phase.name}: {len(refused)} figure(s) NOT FROZEN (the host's CPUs were contended), so "
+                         f"no later phase gates them: {', '.join(refused)}; freeze again on a quiet host")
     for _, phase in phases:
         bad = [r for r in phase.runs if r["rc"] not in (0, 1)]
         if bad:

@@ -102,8 +102,8 @@ def test_planted_slowdown_on_a_contended_host_is_host_contended_and_passes(froze
         "*latency_us*130 us*100 us*0.769*HOST-CONTENDED*9?.?%*",
         "*1 figure(s) compared*1 NOT JUDGED (host contended)*",
         "HOST-CONTENDED: latency_us: NOT JUDGED, HOST CONTENDED: it read as a regression while the host's CPUs "
-        "were contended (CPU stall 90% of *, threshold 5%)*waited 0.3 s for the host to quiet (last window: CPUs "
-        "100% busy with other work*"])
+        "were contended (CPU stall 90% of *, other work *% of the CPUs (psi), threshold 5%)*waited 0.3 s for the "
+        "host to quiet (last window: CPUs *% busy with other work*"])
     metric = _metric(frozen_suite)
     assert metric["verdict"] == "host-contended"
     assert metric["host_load"]["stall"] == pytest.approx(0.9, abs=0.02) and metric["host_load"]["source"] == "psi"

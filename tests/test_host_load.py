@@ -71,8 +71,33 @@ class FakeCounter:
         return int((time.monotonic() - self.origin) * self.rate * 1e6), "psi"
 
 
+class FakeCpus:
+    """Two CPUs on which other work keeps `other` CPUs busy and this process `own` CPUs
+    (/proc/stat's ticks and this process's CPU seconds growing with wall time)."""
+
+    def __init__(self, other: float, own: float) -> None:
+        self.other, self.own, self.origin = other, own, time.monotonic()
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self.origin
+
+    def times(self):
+        hz = host_load.CLOCK_TICKS_PER_S
+        return int(self._elapsed() * hz * (self.other + self.own)), int(self._elapsed() * hz * 2)
+
+    def own_cpu_s(self) -> float:
+        return self._elapsed() * self.own
+
+
+def fake_cpus(monkeypatch, other: float, own: float) -> None:
+    cpus = FakeCpus(other, own)
+    monkeypatch.setattr(host_load, "read_cpu_times", cpus.times)
+    monkeypatch.setattr(host_load, "read_own_cpu_s", cpus.own_cpu_s)
+
+
 def test_meter_gives_the_share_of_measured_wall_time_that_stalled(monkeypatch):
     monkeypatch.setattr(host_load, "read_counter", FakeCounter(0.6))
+    fake_cpus(monkeypatch, other=1.0, own=1.0)  # another job on one of the two CPUs
     meter = Meter()
     assert meter.take() is None  # nothing measured through it
     for _ in range(2):
@@ -82,8 +107,28 @@ def test_meter_gives_the_share_of_measured_wall_time_that_stalled(monkeypatch):
     load = meter.take()
     assert load.source == "psi" and load.stall == pytest.approx(0.6, abs=0.05)
     assert load.wall_s == pytest.approx(0.1, abs=0.05)
+    assert load.other == pytest.approx(0.5, abs=0.05)
     assert load.contended(0.05) and not load.contended(0.7) and not load.contended(None)
     assert meter.take() is None  # take starts over
+
+
+def test_a_stall_of_the_measured_processs_own_making_is_not_contention(monkeypatch):
+    """More threads than cores stall the process by itself: the same 60% stall with the CPUs busy
+    only with this process's own threads is the code's doing (judged), not the host's."""
+    monkeypatch.setattr(host_load, "read_counter", FakeCounter(0.6))
+    fake_cpus(monkeypatch, other=0.0, own=2.0)
+    meter = Meter()
+    with meter.measuring():
+        time.sleep(0.1)
+    load = meter.take()
+    assert load.stall == pytest.approx(0.6, abs=0.05) and load.other == pytest.approx(0.0, abs=0.02)
+    assert not load.contended(0.05)
+    assert "other work 0% of the CPUs" in load.describe()
+    # Negative control: the same stall beside other work is contention.
+    fake_cpus(monkeypatch, other=1.0, own=1.0)
+    with meter.measuring():
+        time.sleep(0.1)
+    assert meter.take().contended(0.05)
 
 
 def test_meter_reports_unknown_when_a_reading_fails_and_a_disabled_meter_measures_nothing(monkeypatch):
@@ -127,3 +172,26 @@ def test_wait_for_quiet_stops_at_the_first_quiet_window_or_at_its_budget(monkeyp
     waited, last = host_load.wait_for_quiet(0.05, budget_s=0.3, window_s=0.1)
     assert 0.3 <= time.monotonic() - start < 1.0 and last.busy == 1.0
     assert host_load.wait_for_quiet(0.05, budget_s=0)[1].wall_s == 0.0  # no budget: no wait
+
+
+def test_the_sampler_meters_its_timed_rounds_unless_told_a_figure_is_only_reported(monkeypatch):
+    """What the gate reads: moe_sampler's measurements go through the test's meter (warm-up not
+    counted); a figure sampled with metered=False (reported, never gated) adds nothing, so the
+    load the gate reads stays the gated measurement's."""
+    import torch
+
+    from pytest_moeperf.timing import Sampler
+    monkeypatch.setattr(host_load, "read_counter", FakeCounter(0.6))
+    fake_cpus(monkeypatch, other=1.0, own=1.0)
+    meter = Meter()
+    sampler = Sampler(torch.device("cpu"), rounds=3, warmup=1, warmup_s=0.0, meter=meter)
+
+    def work():
+        time.sleep(0.01)
+    sampler.sample(work, metered=False)
+    assert meter.take() is None
+    sampler.sample(work)
+    load = meter.take()
+    assert load is not None and load.wall_s == pytest.approx(0.03, abs=0.02) and load.contended(0.05)
+    sampler.interleaved({"a": work, "b": work})
+    assert meter.take().wall_s == pytest.approx(0.06, abs=0.03)
