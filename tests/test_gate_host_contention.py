@@ -123,6 +123,21 @@ def test_planted_slowdown_on_a_quiet_host_still_fails_as_a_regression(frozen_sui
     assert _metric(frozen_suite)["verdict"] == "regression"
 
 
+def test_a_stall_the_measured_code_makes_itself_is_judged_as_a_regression(frozen_suite, monkeypatch, host):
+    """A stall with no other work on the CPUs (the code ran more threads than cores) is the code's:
+    the slowdown fails as a REGRESSION, without waiting for the host."""
+    host(None)  # PSI reads a 90% stall throughout
+    monkeypatch.setattr(host_load, "read_cpu_times", lambda: (0, int(time.monotonic() * 200)))  # no other work
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "5", factors=SLOW)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)
+    result.stdout.no_fnmatch_line("*HOST-CONTENDED*")
+    result.stdout.no_fnmatch_line("*waited * s for the host to quiet*")
+    metric = _metric(frozen_suite)
+    assert metric["verdict"] == "regression" and metric["host_load"]["stall"] > 0.8
+    assert metric["host_load"]["other_work"] == 0.0
+
+
 def test_a_host_that_quiets_while_the_gate_waits_gets_the_regression_judged(frozen_suite, monkeypatch, host):
     host(0.5)  # contended through the first two measurements, quiet within the wait
     result = run(frozen_suite, monkeypatch, "--moe-host-wait", "5", factors=SLOW)
