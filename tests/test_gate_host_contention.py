@@ -99,14 +99,14 @@ def test_planted_slowdown_on_a_contended_host_is_host_contended_and_passes(froze
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines([
         "*HostContendedWarning: latency_us: NOT JUDGED, HOST CONTENDED*",
-        "*latency_us*130 us*100 us*0.769*HOST-CONTENDED*9?.?%*",
+        "*latency_us*130 us*100 us*0.769*HOST-CONTENDED**%*",
         "*1 figure(s) compared*1 NOT JUDGED (host contended)*",
         "HOST-CONTENDED: latency_us: NOT JUDGED, HOST CONTENDED: it read as a regression while the host's CPUs "
         "were contended (CPU stall 90% of *, other work *% of the CPUs (psi), threshold 5%)*waited 0.3 s for the "
         "host to quiet (last window: CPUs *% busy with other work*"])
     metric = _metric(frozen_suite)
     assert metric["verdict"] == "host-contended"
-    assert metric["host_load"]["stall"] == pytest.approx(0.9, abs=0.02) and metric["host_load"]["source"] == "psi"
+    assert 0.8 < metric["host_load"]["stall"] <= 1.0 and metric["host_load"]["source"] == "psi"
     # the first measurement, its confirmation, and the one after the wait
     assert len(metric["host_loads"]) == 3 and all(load["stall"] > 0.8 for load in metric["host_loads"])
 
@@ -182,7 +182,7 @@ def test_unknown_stall_and_the_check_turned_off_judge_as_before(frozen_suite, mo
     host(None)
     off = run(frozen_suite, monkeypatch, "--moe-host-stall", "off", factors=SLOW)
     off.assert_outcomes(failed=1)
-    off.stdout.fnmatch_lines(["*latency_us*REGRESSION*9?.?%*"])
+    off.stdout.fnmatch_lines(["*latency_us*REGRESSION**%*"])
 
 
 def test_a_freeze_on_a_contended_host_stores_nothing_and_fails_saying_so(frozen_suite, monkeypatch, host):
@@ -191,7 +191,7 @@ def test_a_freeze_on_a_contended_host_stores_nothing_and_fails_saying_so(frozen_
     result = run(frozen_suite, monkeypatch, "--moe-freeze", "--moe-host-wait", "0.3", factors="2,2,2,2")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([
-        "*latency_us*200 us*HOST-CONTENDED*9?.?%*",
+        "*latency_us*200 us*HOST-CONTENDED**%*",
         "HOST-CONTENDED: latency_us: NOT FROZEN: the host's CPUs were contended while it was measured*the figure "
         "frozen before, if any, is kept: freeze again on a quiet host",
         "the freeze is incomplete: 1 figure(s) measured on a contended host were not frozen; this run fails"])
