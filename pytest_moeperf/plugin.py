@@ -167,12 +167,17 @@ def parse_count(flag: str, value: str | None, minimum: int) -> int | None:
     return n
 
 
+def _number(value: str) -> float:
+    """The value as a float, NaN when it is none (NaN fails every range check below)."""
+    try:
+        return float(value)
+    except ValueError:
+        return float("nan")
+
+
 def parse_margin(value: str) -> float:
     """Percentage points -> a fraction (1 -> 0.01), in (0, 50]."""
-    try:
-        points = float(value)
-    except ValueError:
-        points = -1.0
+    points = _number(value)
     if not 0 < points <= 50:
         raise ValueError(f"--moe-margin must be in (0, 50] percentage points, got {value!r}")
     return points / 100
@@ -182,10 +187,7 @@ def parse_host_stall(value: str) -> float | None:
     """A stall fraction in (0, 1), or None for `off`."""
     if value.strip().lower() == "off":
         return None
-    try:
-        fraction = float(value)
-    except ValueError:
-        fraction = -1.0
+    fraction = _number(value)
     if not 0 < fraction < 1:
         raise ValueError(f"--moe-host-stall must be a fraction of wall time in (0, 1) or off, got {value!r}")
     return fraction
@@ -193,10 +195,7 @@ def parse_host_stall(value: str) -> float | None:
 
 def parse_host_wait(value: str) -> float:
     """Seconds in [0, 600]: 0 measures again at once; the bound keeps a busy host from stalling a run."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
+    seconds = _number(value)
     if not 0 <= seconds <= 600:
         raise ValueError(f"--moe-host-wait must be seconds in [0, 600], got {value!r}")
     return seconds
