@@ -155,7 +155,6 @@ class Gate:
                     self._publish(result)
                     warnings.warn(HostContendedWarning(result.message))
                     return result
-            result.host_load = None if load is None else load.as_dict()
             self.session.to_freeze[result.metric_id] = FrozenMetric(
                 result.current, samples, unit, direction, tolerance, config,
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
