@@ -4,13 +4,15 @@ REGRESSION (the negative control), a host that quiets while the gate waits gets 
 and a freeze never stores a figure measured on a contended host.
 
 No CPU is burnt: the suite's measurements go through the test's host meter (as moe_sampler's
-timed rounds do) and the host's PSI counter and CPU times are simulated (FakeHost), contended
-until a given moment, quiet after it.
+timed rounds do) and the host's PSI counter and CPU times are simulated: contended until a given
+moment and quiet after it (FakeHost), or contended during the measurements the suite's
+PLANTED_CONTENTION marks (ScriptedHost).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -19,10 +21,10 @@ from pytest_moeperf import host_load
 from pytester_runs import run_inner, this_device_store
 
 # Synthetic latencies (1% spread) scaled per measurement by the next entry of PLANTED_FACTORS; each
-# measurement is metered like moe_sampler's timed rounds, and says on stderr when it was taken.
+# measurement is metered like moe_sampler's timed rounds, and before it starts sets the switch a
+# ScriptedHost reads, SIMULATED_HOST_CONTENDED, to the next entry of PLANTED_CONTENTION ("1": contended).
 SUITE = """
 import os
-import sys
 import time
 import pytest
 
@@ -31,9 +33,11 @@ SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
 
 def test_latency(moe_gate, moe_host_meter):
     factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1,1,1").split(","))
+    contention = iter(os.environ.get("PLANTED_CONTENTION", "").split(","))
 
     def measure():
         f = next(factors)
+        os.environ["SIMULATED_HOST_CONTENDED"] = next(contention, "0")
         with moe_host_meter.measuring():
             time.sleep(0.02)
         return [100 * s * f for s in SPREAD]
@@ -63,10 +67,30 @@ class FakeHost:
         return int(self._contended_s() * ticks), int((time.monotonic() - self.origin) * ticks)
 
 
+class ScriptedHost(FakeHost):
+    """Contended (as FakeHost is) while SIMULATED_HOST_CONTENDED is "1": the suite sets it per
+    measurement from PLANTED_CONTENTION, and it stays so until the next measurement (through the
+    gate's wait for a quiet host, for one)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.last, self.contended, self.total = time.monotonic(), 0.0, 0.0
+
+    def _contended_s(self) -> float:
+        now = time.monotonic()
+        if os.environ.get("SIMULATED_HOST_CONTENDED") == "1":
+            self.contended += now - self.last
+        self.last = now
+        return self.contended
+
+
 @pytest.fixture
 def host(monkeypatch):
-    def simulate(quiet_after: float | None) -> FakeHost:
-        fake = FakeHost(quiet_after)
+    """host(quiet_after): a FakeHost; host("scripted"): a ScriptedHost."""
+    monkeypatch.setenv("SIMULATED_HOST_CONTENDED", "0")  # the suite sets it; restored after the test
+
+    def simulate(quiet_after: float | None | str) -> FakeHost:
+        fake = ScriptedHost() if quiet_after == "scripted" else FakeHost(quiet_after)
         monkeypatch.setattr(host_load, "read_counter", fake.read_counter)
         monkeypatch.setattr(host_load, "read_cpu_times", fake.read_cpu_times)
         return fake
@@ -82,8 +106,9 @@ def frozen_suite(pytester, monkeypatch, host):
     return pytester
 
 
-def run(pytester, monkeypatch, *args, factors: str = "1,1,1,1"):
+def run(pytester, monkeypatch, *args, factors: str = "1,1,1,1", contention: str = ""):
     monkeypatch.setenv("PLANTED_FACTORS", factors)
+    monkeypatch.setenv("PLANTED_CONTENTION", contention)
     return run_inner(pytester, "--moe-bench", "--moe-report", "report.json", *args, monkeypatch=monkeypatch)
 
 
@@ -162,6 +187,45 @@ def test_a_transient_on_a_contended_host_still_clears_on_its_confirmation(frozen
     result = run(frozen_suite, monkeypatch, "--moe-host-wait", "0.3", factors="1.3,1.0")
     result.assert_outcomes(passed=1)
     assert _metric(frozen_suite)["verdict"] == "pass"
+
+
+def test_a_regression_measured_quiet_but_confirmed_only_on_a_contended_host_is_not_judged(
+        frozen_suite, monkeypatch, host):
+    """The confirmation decides a regression; when it ran on a contended host, a quiet first
+    reading alone does not fail the run, and the gate waits and measures a third time."""
+    host("scripted")
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "0.3", factors=SLOW, contention="0,1,1")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*latency_us: NOT JUDGED, HOST CONTENDED*(re-measured after: latency_us: 130 us*"])
+    metric = _metric(frozen_suite)
+    assert metric["verdict"] == "host-contended"
+    assert [load["stall"] > 0.8 for load in metric["host_loads"]] == [False, True, True]
+
+
+def test_a_regression_confirmed_on_a_quiet_host_after_a_contended_confirmation_fails(frozen_suite, monkeypatch,
+                                                                                      host):
+    """Quiet, contended, quiet after the wait: the third measurement, on a quiet host, decides."""
+    host("scripted")
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "0.3", factors=SLOW, contention="0,1,0")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*latency_us: 130 us vs frozen 100 us*-> regression (waited * s for the host to "
+                                 "quiet*re-measured at CPU stall 0%*"])
+    metric = _metric(frozen_suite)
+    assert metric["verdict"] == "regression" and metric["host_load"]["stall"] < 0.05
+    assert [load["stall"] > 0.8 for load in metric["host_loads"]] == [False, True, False]
+
+
+def test_a_quiet_reading_cleared_by_a_contended_confirmation_passes(frozen_suite, monkeypatch, host):
+    """A slow quiet reading that the confirmation does not repeat was a transient: contention only
+    slows a timing, so a contended confirmation within tolerance clears it."""
+    host("scripted")
+    result = run(frozen_suite, monkeypatch, "--moe-host-wait", "0.3", factors="1.3,1.0", contention="0,1")
+    result.assert_outcomes(passed=1)
+    metric = _metric(frozen_suite)
+    assert metric["verdict"] == "pass"
+    assert [load["stall"] > 0.8 for load in metric["host_loads"]] == [False, True]
 
 
 def test_strict_fails_the_run_when_a_figure_was_not_judged_for_the_host(frozen_suite, monkeypatch, host):
