@@ -1,8 +1,12 @@
 """How contended the host's CPUs were while something was measured.
 
 The signal is the kernel's pressure stall information (PSI, Linux 4.20+): the `some` line of
-/proc/pressure/cpu has `total=`, the cumulative microseconds during which at least one runnable
-task waited for a CPU. Its growth over an interval divided by the interval's wall time is the
+a `cpu.pressure` file has `total=`, the cumulative microseconds during which at least one runnable
+task waited for a CPU. The file read is this process's own cgroup's (cgroup v2, found through
+/proc/self/cgroup), which counts only its cgroup's tasks, including their waits while a CPU quota
+(`cpu.max`) throttles them (Linux 5.7+); in a container, /proc/pressure/cpu would count every
+container's waiting and never a quota's. Where the process has no cgroup-v2 PSI file that reads,
+it is /proc/pressure/cpu, the whole system's. Its growth over an interval divided by the interval's wall time is the
 *stall fraction*: 0 on a host with a CPU free for every runnable task, towards 1 when something
 waits all the time. It counts waiting, not CPU use: another job taking turns on the cores reads
 a lot, and so does the measured process itself when it runs more threads than there are cores
@@ -20,6 +24,7 @@ cores were, not whether anything waited.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import contextmanager
@@ -28,6 +33,10 @@ from pathlib import Path
 
 PSI_CPU = Path("/proc/pressure/cpu")
 SOURCE_PSI = "psi"
+SOURCE_CGROUP_PSI = "psi:cgroup"
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+# Where a cgroup-v2 hierarchy is mounted: alone, or (hybrid hosts) beside the v1 controllers.
+CGROUP_V2_MOUNTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 
 # The stall fraction above which a measurement is taken as contended (--moe-host-stall).
 # Measured on a 2-core Xeon VM (2026-12-04), per measurement of suites/test_decode_bench.py
@@ -60,18 +69,55 @@ def parse_psi_some_total(text: str) -> int:
     raise ValueError("no `some` line in the PSI text")
 
 
+def cgroup_v2_path(text: str) -> str | None:
+    """The cgroup-v2 path (the `0::PATH` line) of a /proc/PID/cgroup text; None without one."""
+    for line in text.splitlines():
+        hierarchy, _, rest = line.strip().partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers and path.startswith("/"):
+            return path
+    return None
+
+
+def own_cgroup_psi(proc_cgroup: Path | None = None, mounts: tuple[Path, ...] | None = None) -> Path | None:
+    """This process's cgroup-v2 cpu.pressure, if it has one that reads as PSI (a cgroup with
+    pressure accounting off, `cgroup.pressure` 0, fails its reads); None otherwise."""
+    try:
+        path = cgroup_v2_path((proc_cgroup or PROC_SELF_CGROUP).read_text())
+    except OSError:
+        return None
+    for mount in (mounts or CGROUP_V2_MOUNTS) if path else ():
+        candidate = mount / path.lstrip("/") / "cpu.pressure"
+        try:
+            parse_psi_some_total(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        return candidate
+    return None
+
+
+@functools.cache
+def psi_file() -> tuple[Path, str]:
+    """(the PSI file this process reads, its source tag), chosen once: a process's cgroup does not
+    change while it measures, and a counter must be read from one file for its growth to mean anything."""
+    own = own_cgroup_psi()
+    return (own, SOURCE_CGROUP_PSI) if own is not None else (PSI_CPU, SOURCE_PSI)
+
+
 def read_counter() -> tuple[int | None, str]:
-    """(stall microseconds so far, "psi"), or (None, why it is unknown). Never raises."""
+    """(stall microseconds so far, its source: "psi" or "psi:cgroup"), or (None, why it is
+    unknown). Never raises."""
+    path, source = psi_file()
     try:
-        text = PSI_CPU.read_text()
+        text = path.read_text()
     except FileNotFoundError:
-        return None, f"unknown: no {PSI_CPU} (not Linux, or a kernel without PSI)"
+        return None, f"unknown: no {path} (not Linux, or a kernel without PSI)"
     except OSError as e:  # psi=0 at boot: the file exists and reading it fails (EOPNOTSUPP)
-        return None, f"unknown: {PSI_CPU} unreadable ({e.strerror or e})"
+        return None, f"unknown: {path} unreadable ({e.strerror or e})"
     try:
-        return parse_psi_some_total(text), SOURCE_PSI
+        return parse_psi_some_total(text), source
     except ValueError as e:
-        return None, f"unknown: {PSI_CPU} malformed ({e})"
+        return None, f"unknown: {path} malformed ({e})"
 
 
 def load_average() -> float | None:
@@ -86,7 +132,7 @@ class HostLoad:
     """The host's CPU contention over one or more measured intervals."""
     stall: float | None  # share of wall time some runnable task waited for a CPU; None: unknown
     wall_s: float
-    source: str  # "psi", or "unknown: why"
+    source: str  # "psi" (the system's), "psi:cgroup" (this process's cgroup's), or "unknown: why"
     loadavg_1m: float | None = None  # at the end: informational only (see the module docstring)
     other: float | None = None  # share of all CPUs' time other work used; None: unknown
 
@@ -126,6 +172,7 @@ class Meter:
         self._intervals = 0
         self._other_ticks = 0.0
         self._all_ticks: int | None = 0  # None: some interval had no CPU times
+        self._source = SOURCE_PSI
 
     @contextmanager
     def measuring(self):
@@ -134,6 +181,8 @@ class Meter:
             return
         before, source = read_counter()
         times_before, own_before = read_cpu_times(), read_own_cpu_s()
+        if before is not None:
+            self._source = source
         start = time.monotonic()
         try:
             yield
@@ -165,7 +214,7 @@ class Meter:
         elif self._wall_s <= 0:
             load = HostLoad(None, self._wall_s, "unknown: no time measured", load_average(), other)
         else:
-            load = HostLoad(min(1.0, self._stall_us / 1e6 / self._wall_s), self._wall_s, SOURCE_PSI,
+            load = HostLoad(min(1.0, self._stall_us / 1e6 / self._wall_s), self._wall_s, self._source,
                             load_average(), other)
         self._reset()
         return load

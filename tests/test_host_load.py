@@ -37,19 +37,76 @@ def test_psi_parser_rejects_malformed_texts_saying_why(text, problem):
 
 
 def test_a_missing_unreadable_or_malformed_psi_file_reads_as_unknown(tmp_path, monkeypatch):
-    monkeypatch.setattr(host_load, "PSI_CPU", tmp_path / "absent")
-    assert host_load.read_counter() == (None, f"unknown: no {tmp_path / 'absent'} (not Linux, or a kernel "
-                                              "without PSI)")
-    monkeypatch.setattr(host_load, "PSI_CPU", tmp_path)  # a folder: reading fails as psi=0's EOPNOTSUPP does
-    stall, source = host_load.read_counter()
+    def reading(path):
+        monkeypatch.setattr(host_load, "psi_file", lambda: (path, "psi"))
+        return host_load.read_counter()
+
+    assert reading(tmp_path / "absent") == (None, f"unknown: no {tmp_path / 'absent'} (not Linux, or a kernel "
+                                                  "without PSI)")
+    stall, source = reading(tmp_path)  # a folder: reading fails as psi=0's EOPNOTSUPP does
     assert stall is None and source.startswith(f"unknown: {tmp_path} unreadable")
     bad = tmp_path / "cpu"
     bad.write_text("some avg10=0.00\n")
-    monkeypatch.setattr(host_load, "PSI_CPU", bad)
-    stall, source = host_load.read_counter()
+    stall, source = reading(bad)
     assert stall is None and "malformed" in source and "no total= field" in source
     bad.write_text(PSI_TEXT)
-    assert host_load.read_counter() == (2583929198, "psi")
+    assert reading(bad) == (2583929198, "psi")
+
+
+@pytest.mark.parametrize("text, path", [
+    ("0::/system.slice/ci-runner.service\n", "/system.slice/ci-runner.service"),  # cgroup v2 alone
+    ("12:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n0::/docker/abc\n", "/docker/abc"),  # hybrid
+    ("0::/\n", "/"),  # the root, or a container's own cgroup namespace
+    ("4:memory:/job\n2:cpu:/job\n", None),  # cgroup v1 only
+    ("", None),
+])
+def test_cgroup_path_is_the_v2_line_of_proc_self_cgroup(text, path):
+    assert host_load.cgroup_v2_path(text) == path
+
+
+def _cgroup_host(tmp_path, pressure: str | None) -> tuple:
+    """A /proc/self/cgroup naming /ci/job, and the v2 hierarchy mounted at tmp_path/unified with
+    that cgroup's cpu.pressure holding `pressure` (None: no file)."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("3:cpu:/ci/job\n0::/ci/job\n")
+    folder = tmp_path / "unified" / "ci" / "job"
+    folder.mkdir(parents=True)
+    if pressure is not None:
+        (folder / "cpu.pressure").write_text(pressure)
+    return proc, (tmp_path / "v2-not-mounted-here", tmp_path / "unified")
+
+
+def test_the_own_cgroups_cpu_pressure_is_found_under_either_mount(tmp_path):
+    proc, mounts = _cgroup_host(tmp_path, PSI_TEXT)
+    assert host_load.own_cgroup_psi(proc, mounts) == tmp_path / "unified" / "ci" / "job" / "cpu.pressure"
+
+
+@pytest.mark.parametrize("pressure", [None, "some avg10=0.00\n"])
+def test_a_cgroup_without_a_readable_cpu_pressure_falls_back_to_the_system(tmp_path, pressure):
+    proc, mounts = _cgroup_host(tmp_path, pressure)
+    assert host_load.own_cgroup_psi(proc, mounts) is None
+    assert host_load.own_cgroup_psi(tmp_path / "no-proc-file", mounts) is None
+
+
+def test_the_counter_is_read_from_the_cgroups_file_where_there_is_one(tmp_path, monkeypatch):
+    proc, mounts = _cgroup_host(tmp_path, PSI_TEXT)
+    monkeypatch.setattr(host_load, "PROC_SELF_CGROUP", proc)
+    monkeypatch.setattr(host_load, "CGROUP_V2_MOUNTS", mounts)
+    monkeypatch.setattr(host_load, "PSI_CPU", tmp_path / "system-psi-absent")
+    host_load.psi_file.cache_clear()
+    try:
+        assert host_load.read_counter() == (2583929198, "psi:cgroup")
+        meter = Meter()
+        with meter.measuring():
+            time.sleep(0.01)
+        assert meter.take().source == "psi:cgroup"
+        (tmp_path / "unified" / "ci" / "job" / "cpu.pressure").unlink()  # chosen once: not the system's now
+        assert host_load.read_counter()[1].startswith(f"unknown: no {tmp_path / 'unified'}")
+        monkeypatch.setattr(host_load, "CGROUP_V2_MOUNTS", ())
+        host_load.psi_file.cache_clear()
+        assert host_load.psi_file() == (tmp_path / "system-psi-absent", "psi")
+    finally:
+        host_load.psi_file.cache_clear()
 
 
 def test_cpu_times_parser_counts_steal_as_busy_and_iowait_as_idle():
