@@ -147,9 +147,13 @@ def parse_ladder_option(value: str | None, device: str) -> str | None:
 
 
 def parse_workload_option(value: str):
-    from impl.data.workloads import parse_workload
+    """The workload spec, its local source (a prompts file, a GSM8K folder) read through once so
+    that a missing file or a malformed line is a usage error, not an error in every ladder test."""
+    from impl.data.workloads import check_source, parse_workload
     try:
-        return parse_workload(value)
+        spec = parse_workload(value)
+        check_source(spec)
+        return spec
     except ValueError as e:
         raise ValueError(f"--moe-workload: {e}") from None
 

@@ -67,19 +67,33 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~")) or Path(source).exists()
 
 
+def check_folder(source: str) -> Path:
+    """The folder `source` names, if it holds both splits' files; GSM8KError saying what is missing."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        raise GSM8KError(f"GSM8K folder {folder} does not exist (expected a folder holding "
+                         f"{' and '.join(SPLIT_FILES.values())})")
+    missing = [f for f in SPLIT_FILES.values() if not (folder / f).is_file()]
+    if missing:
+        raise GSM8KError(f"GSM8K folder {folder} lacks {', '.join(missing)}; expected "
+                         f"{' and '.join(SPLIT_FILES.values())} (one JSON object a line: question, answer)")
+    return folder
+
+
+def check_source(source: str | None) -> None:
+    """Fail early on a local source that cannot be read (a hub id is only checked when loaded:
+    that needs the network)."""
+    source = source or default_source()
+    if _looks_like_path(source):
+        check_folder(source)
+
+
 def load_splits(source: str | None = None):
     """(test, train) as `datasets.Dataset`s with `question` and `answer` columns."""
     source = source or default_source()
     datasets = _datasets()
     if _looks_like_path(source):
-        folder = Path(source).expanduser()
-        if not folder.is_dir():
-            raise GSM8KError(f"GSM8K folder {folder} does not exist (expected a folder holding "
-                             f"{' and '.join(SPLIT_FILES.values())})")
-        missing = [f for f in SPLIT_FILES.values() if not (folder / f).is_file()]
-        if missing:
-            raise GSM8KError(f"GSM8K folder {folder} lacks {', '.join(missing)}; expected "
-                             f"{' and '.join(SPLIT_FILES.values())} (one JSON object a line: question, answer)")
+        folder = check_folder(source)
         files = {split: str(folder / name) for split, name in SPLIT_FILES.items()}
         ds = datasets.load_dataset("json", data_files=files)
     else:

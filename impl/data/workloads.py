@@ -178,6 +178,15 @@ def parse_workload(text: str) -> WorkloadSpec:
                         output_len=_length(raw, parts[1], "output length"))
 
 
+def check_source(spec: WorkloadSpec) -> None:
+    """Fail before any model is built on a workload whose local source cannot be read: a prompts
+    file (its every record, naming file and line) or a GSM8K folder. A hub id is checked when loaded."""
+    if spec.kind == "jsonl":
+        read_jsonl(spec.source)
+    elif spec.kind == "gsm8k":
+        gsm8k.check_source(spec.source)
+
+
 # --------------------------------------------------------------------------- the workload
 
 
