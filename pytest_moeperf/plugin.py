@@ -98,6 +98,12 @@ def parse_model(value: str, rootpath: Path) -> str:
         return value
     path = Path(value) if Path(value).is_absolute() else rootpath / value
     if path.is_dir():
+        from impl.model.loading import read_config
+        from impl.model.weight_formats import CheckpointError
+        try:
+            read_config(path)  # a folder that is no checkpoint fails here, not in every test that builds it
+        except CheckpointError as e:
+            raise ValueError(f"--moe-model {value!r}: {e}") from None
         return str(path)
     raise ValueError(f"--moe-model {value!r} is neither a preset ({', '.join(sorted(PRESETS))}), an embedded "
                      f"checkpoint ({', '.join(sorted(EMBEDDED))}) nor a folder")

@@ -295,6 +295,12 @@ def test_invalid_json_config(glm_copy):
         build_model(str(glm_copy))
 
 
+def test_a_config_missing_a_field_names_the_file_and_the_field(glm_copy):
+    _edit_config(glm_copy, lambda raw: raw.pop("num_hidden_layers"))
+    with pytest.raises(CheckpointError, match=r"config.json: missing the field 'num_hidden_layers' \(glm4_moe"):
+        build_model(str(glm_copy))
+
+
 def test_unsupported_architecture(glm_copy):
     _edit_config(glm_copy, lambda raw: raw.update(model_type="mixtral", architectures=["MixtralForCausalLM"]))
     with pytest.raises(CheckpointError, match=r"architecture 'mixtral' is not supported.*qwen3_moe"):

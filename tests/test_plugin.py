@@ -217,6 +217,18 @@ def test_bad_options_are_usage_errors(run, args, message):
     result.stderr.fnmatch_lines([f"*{message}*"])
 
 
+def test_a_model_folder_that_is_no_checkpoint_is_a_usage_error(run, suite):
+    (suite.path / "weights").mkdir()
+    result = run("--moe-model", "weights")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-model 'weights': */weights has no config.json; expected a "
+                                 "transformers-format checkpoint folder*"])
+    (suite.path / "weights" / "config.json").write_text('{"model_type": "mixtral"}')
+    result = run("--moe-model", "weights")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-model 'weights': */config.json: architecture 'mixtral' is not supported*"])
+
+
 def test_a_prompts_file_with_a_bad_line_is_a_usage_error_naming_file_and_line(run, suite):
     (suite.path / "mine.jsonl").write_text('{"prompt": "2+2="}\n\n{"prompt": "3+3=", "answr": "6"}\n')
     result = run("--moe-workload", "jsonl:mine.jsonl")

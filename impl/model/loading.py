@@ -118,11 +118,20 @@ def _bailing_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -
 
 
 def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConfig:
+    """The model's config from a checkpoint folder's config.json; CheckpointError naming the file
+    and the problem (missing file or field, unsupported architecture or setting)."""
     folder = Path(folder)
     path, raw = _raw_config(folder)
-    arch = raw["model_type"]
-    if arch == "bailing_hybrid":
+    if raw["model_type"] == "bailing_hybrid":
         return _bailing_config(raw, path, folder.name, max_seq_len)
+    try:
+        return _family_config(raw, path, folder, max_seq_len)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: missing the field {e.args[0]!r} ({raw['model_type']} needs it)") from None
+
+
+def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None) -> ModelConfig:
+    arch = raw["model_type"]
     raw = {**_FAMILY_DEFAULTS[arch], **raw}
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
