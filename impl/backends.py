@@ -59,6 +59,9 @@ class Backend:
 
 _registry: dict[tuple[str, str], Backend] = {}
 _entry_points_loaded = False
+# Entry points that failed to load, "name = value" -> why: one broken installed package must not
+# take the others' backends down, and asking for a backend it would have given says why it is missing.
+_entry_point_failures: dict[str, str] = {}
 
 
 def register(backend: Backend, *, replace: bool = False) -> Backend:
@@ -77,12 +80,14 @@ def _load_entry_points() -> None:
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        obj = ep.load()
-        backend = obj if isinstance(obj, Backend) else obj()
-        if not isinstance(backend, Backend):
-            raise TypeError(f"entry point {ep.name!r} in {ENTRY_POINT_GROUP!r} gave {type(backend).__name__}, "
-                            "expected impl.backends.Backend")
-        register(backend)
+        try:
+            obj = ep.load()
+            backend = obj if isinstance(obj, Backend) else obj()
+            if not isinstance(backend, Backend):
+                raise TypeError(f"it gave {type(backend).__name__}, expected impl.backends.Backend")
+            register(backend)
+        except Exception as e:  # the user's code: any error, kept with the entry point's name
+            _entry_point_failures[f"{ep.name} = {ep.value}"] = f"{type(e).__name__}: {e}"
 
 
 def get(kind: str, name: str) -> Backend:
@@ -92,7 +97,9 @@ def get(kind: str, name: str) -> Backend:
     try:
         backend = _registry[(kind, name)]
     except KeyError:
-        raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}") from None
+        failed = "".join(f"; entry point {ep} in {ENTRY_POINT_GROUP!r} failed to load: {why}"
+                         for ep, why in _entry_point_failures.items())
+        raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}{failed}") from None
     # A planted slowdown (impl.plant, gate-trust runs) is handed out in the backend's place.
     plant = sys.modules.get("impl.plant")
     return backend if plant is None else plant.planted_backend(backend)
