@@ -37,16 +37,25 @@ MAX_REL = 1e-2
 
 
 def parse_variants(text: str) -> dict[str, dict[tuple[int, int], gemv.GemvLaunch]]:
+    """name -> {(N, K): launch} from `NAME=N,K:BLOCK_N,BLOCK_K,WARPS[+...]` items separated by `;`
+    (a bare NAME overrides nothing); ValueError naming the item that does not parse."""
     out = {}
     for item in filter(None, (v.strip() for v in text.split(";"))):
         name, _, spec = item.partition("=")
         tiles = {}
-        for part in filter(None, spec.split("+")):
-            shape, _, tile = part.partition(":")
-            n, k = (int(v) for v in shape.split(","))
-            bn, bk, w = (int(v) for v in tile.split(","))
-            tiles[(n, k)] = gemv.GemvLaunch(block_n=bn, block_k=bk, num_warps=w)
+        try:
+            for part in filter(None, spec.split("+")):
+                shape, _, tile = part.partition(":")
+                n, k = (int(v) for v in shape.split(","))
+                bn, bk, w = (int(v) for v in tile.split(","))
+                tiles[(n, k)] = gemv.GemvLaunch(block_n=bn, block_k=bk, num_warps=w)
+        except ValueError as e:
+            raise ValueError(f"variant {item!r}: expected NAME=N,K:BLOCK_N,BLOCK_K,WARPS[+...] ({e})") from None
+        if not name or name in out:
+            raise ValueError(f"variant {item!r}: {'no' if not name else 'a repeated'} name")
         out[name] = tiles
+    if not out:
+        raise ValueError("no variants")
     return out
 
 
