@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator
 
+import torch
+
 ENTRY_POINT_GROUP = "moeperf.backends"
 # Modules whose import registers the built-in backends; imported on the first lookup.
-BUILTIN_MODULES = ("impl.moe", "impl.head", "impl.generate", "impl.spec.decoder")
-KINDS = ("moe", "head", "decoder")
+BUILTIN_MODULES = ("impl.moe", "impl.head", "impl.generate", "impl.spec.decoder", "impl.model.attention_backends")
+KINDS = ("moe", "head", "decoder", "attention")
 WEIGHT_FORMATS = ("bf16", "fp32", "mxfp4")
 
 
@@ -145,7 +147,11 @@ def record_provenance() -> Iterator[Provenance]:
 
 
 def note(kind: str, backend: str, kernel: str, **config: Any) -> None:
-    """Called by a backend each time it runs; free when nothing is recording."""
+    """Called by a backend each time it runs; free when nothing is recording. Code being traced
+    by torch.compile records nothing (Dynamo cannot trace a ContextVar; the compiled graph, like a
+    replayed CUDA graph, runs no Python)."""
+    if torch.compiler.is_compiling():
+        return
     prov = _active.get()
     if prov is not None:
         prov.events.append(ProvenanceEvent(kind, backend, kernel, config))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from impl import backends
+from impl.model.attention_backends import set_attention_backend
 from impl.model.mla_decode import MLADecodeConfig, mla_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,7 +125,7 @@ def test_config_rejects_a_tile_tl_dot_cannot_take():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_module_dispatch_on_the_device(dtype, batch, tokens):
     """A cached call of one token (of one sequence or of a batch), or of a verify step's four, on
-    CUDA takes the kernels; with decode_kernel off the same call runs SDPA over the masked cache:
+    CUDA takes the kernels; through the torch attention backend the same call runs SDPA over the masked cache:
     the two agree, and write the same cache rows, with the cache longer than the context."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -148,7 +149,7 @@ def test_module_dispatch_on_the_device(dtype, batch, tokens):
         got = m(x, cos, sin, pos, mask)
         rows = cache.kv.clone()
         cache.kv.copy_(before)
-        m.decode_kernel = False
+        set_attention_backend(m, "torch")
         want = m(x, cos, sin, pos, mask)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = float((got.float() - want.float()).norm() / want.float().norm())
@@ -156,8 +157,9 @@ def test_module_dispatch_on_the_device(dtype, batch, tokens):
     written = rows[:, ctx:ctx + tokens].float()
     assert float((written - cache.kv[:, ctx:ctx + tokens].float()).norm() / written.norm()) <= tol
     assert torch.equal(rows[:, :ctx], before[:, :ctx]) and torch.equal(rows[:, ctx + tokens:], before[:, ctx + tokens:])
-    assert [e.kernel for e in prov.events if e.kind == "attention"] == [
-        "mla_query_kernel+mla_decode_kernel+mla_output_kernel"], prov.events
+    assert [(e.backend, e.kernel) for e in prov.events if e.kind == "attention"] == [
+        ("triton", "mla_query_kernel+mla_decode_kernel+mla_output_kernel"), ("torch", "mla_absorbed_sdpa")], \
+        prov.events
 
 
 def test_a_build_that_spills_is_refused_before_launch_and_a_clean_one_checked_once():

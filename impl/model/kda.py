@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
+from impl.model import attention_backends
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
 
@@ -288,7 +289,8 @@ class KDAAttention(nn.Module):
         self.state: KDAState | None = None
         self.track: VerifyTrack | None = None
         self.in_proj: torch.Tensor | None = None  # q|k|v|f|g|b weights in one tensor (fuse_projections)
-        self.decode_kernel = True  # one-token calls on CUDA through impl.model.kda_decode
+        # How forward runs (impl.model.attention_backends): kernels for decode on CUDA, or torch.
+        self.backend = backends.get("attention", attention_backends.DEFAULT)
 
     _IN_PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_proj", "g_proj", "b_proj")
 
@@ -302,7 +304,8 @@ class KDAAttention(nn.Module):
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         from impl.model.kda_decode import kda_decode
-        backends.note("attention", "kda", "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim)
+        backends.note("attention", self.backend.name, "kda_decode_kernel", heads=self.num_heads,
+                      head_dim=self.head_dim)
         b, hd = x.shape[0], self.qkv_dim
         proj = self._projections(x[:, 0])
         keep = _keep_flag(input_pos, x.device)
@@ -324,7 +327,7 @@ class KDAAttention(nn.Module):
         from impl.model.kda_decode import kda_decode
         b, t, _ = x.shape
         hd, kern, track = self.qkv_dim, self.conv_kernel_size, self.track
-        backends.note("attention", "kda", "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim,
+        backends.note("attention", self.backend.name, "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim,
                       tokens=t)
         proj = self._projections(x)                                       # [B, T, P]
         recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
@@ -429,14 +432,28 @@ class KDAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Through the module's attention backend (impl.model.attention_backends)."""
         self._check(x, input_pos)
-        b, t, _ = x.shape
-        h, d, kern = self.num_heads, self.head_dim, self.conv_kernel_size
-        if self.state is not None and x.is_cuda and self.decode_kernel:
+        return self.backend.fn(self, x, cos, sin, input_pos, mask)
+
+    def forward_kernels(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                        input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode token or a verify pass on CUDA through the kernels; anything else as forward_torch."""
+        if self.state is not None and x.is_cuda:
+            t = x.shape[1]
             if t == 1:
                 return self._decode_kernel(x, input_pos)
             if self.track is not None and t <= self.track.tokens:
                 return self._verify_kernel(x, input_pos)
+        return self.forward_torch(x, cos, sin, input_pos, mask)
+
+    def forward_torch(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                      input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The recurrent step (one token), the verify pass token by token, or the chunked form (a
+        prompt), in torch ops."""
+        b, t, _ = x.shape
+        h, d, kern = self.num_heads, self.head_dim, self.conv_kernel_size
+        backends.note("attention", self.backend.name, "kda_torch", tokens=t)
         if self.state is not None:
             recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
             if input_pos is not None:

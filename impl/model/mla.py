@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
+from impl.model import attention_backends
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
@@ -170,7 +171,8 @@ class MLAAttention(nn.Module):
         self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
         self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
-        self.decode_kernel = True  # one cached token on CUDA: impl.model.mla_decode
+        # How forward runs (impl.model.attention_backends): kernels for decode on CUDA, or torch.
+        self.backend = backends.get("attention", attention_backends.DEFAULT)
 
     def _in_names(self) -> tuple[str, ...]:
         first = "q_proj" if self.config.q_lora_rank is None else "q_a_proj"
@@ -238,16 +240,29 @@ class MLAAttention(nn.Module):
         positions); with a cache, input_pos [T] absolute positions and mask [T, S] bool (True =
         attend: cache rows <= input_pos); without one, both None and attention is causal in x."""
         self._check(x, cos, sin, input_pos, mask)
+        if absorb is None:
+            absorb = x.shape[1] <= self.absorb_max_tokens
+        return self.backend.fn(self, x, cos, sin, input_pos, mask, absorb=absorb)
+
+    def forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
+                        mask: torch.Tensor | None, absorb: bool = True) -> torch.Tensor:
+        """The absorbed form of one token, or of one sequence's verify tokens, with a cache on CUDA
+        through the kernels (`_decode_kernels`); anything else as forward_torch."""
+        b, t, _ = x.shape
+        if (absorb and (t == 1 or b == 1) and self.kv_cache is not None and x.is_cuda
+                and self._kernel_shapes_ok()):
+            return self._decode_kernels(*self._projections(x), cos, sin, input_pos)
+        return self.forward_torch(x, cos, sin, input_pos, mask, absorb)
+
+    def forward_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
+                      mask: torch.Tensor | None, absorb: bool = True) -> torch.Tensor:
+        """The absorbed (`_absorbed`) or expanded (`_expanded`) form through SDPA, in torch ops."""
         c = self.config
         b, t, _ = x.shape
         nh, dn, dr = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        if absorb is None:
-            absorb = t <= self.absorb_max_tokens
-
+        backends.note("attention", self.backend.name, "mla_absorbed_sdpa" if absorb else "mla_expanded_sdpa",
+                      tokens=t)
         q, kv_a, g = self._projections(x)
-        if (absorb and (t == 1 or b == 1) and self.kv_cache is not None and x.is_cuda and self.decode_kernel
-                and self._kernel_shapes_ok()):
-            return self._decode_kernels(q, kv_a, g, cos, sin, input_pos)
         q = q.view(b, t, nh, c.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = q[..., :dn], apply_interleaved_rope(q[..., dn:], cos, sin)
 
@@ -320,7 +335,7 @@ class MLAAttention(nn.Module):
         step 40 ms)."""
         from impl.model.mla_absorb import mla_output, mla_query
         from impl.model.mla_decode import mla_decode_attention
-        backends.note("attention", "mla", "mla_query_kernel+mla_decode_kernel+mla_output_kernel",
+        backends.note("attention", self.backend.name, "mla_query_kernel+mla_decode_kernel+mla_output_kernel",
                       heads=self.config.num_heads, kv_lora_rank=self.config.kv_lora_rank)
         c = self.config
         b, t, _ = q.shape

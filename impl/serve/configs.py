@@ -13,6 +13,10 @@ override:
                             names) or a full head backend name (fp8-triton, ...). Without B, the
                             device's default: fp8-triton on CUDA, fp8-scaled-mm on CPU
     head_scales=row|tensor  FP8 head scale granularity (fp8 only; default row)
+    attention=NAME          the attention backend of KDA and MLA layers (impl.backends kind
+                            "attention": triton, the default, takes their decode and verify steps
+                            through Triton kernels on CUDA; torch runs them in torch ops and SDPA).
+                            Models without such layers ignore it
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
     accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):
@@ -63,7 +67,9 @@ EXPERT_FORMATS = ("auto", *backends.WEIGHT_FORMATS)
 HEADS = ("bf16", "fp8")
 HEAD_SCALES = ("row", "tensor")
 SPECULATION = ("off", "mtp")
-KEYS = ("moe", "experts", "head", "head_scales", "spec", "accept", "temperature", "top_k", "top_p", "seed")
+KEYS = ("moe", "experts", "head", "head_scales", "attention", "spec", "accept", "temperature", "top_k", "top_p",
+        "seed")
+DEFAULT_ATTENTION = "triton"  # impl.model.attention_backends.DEFAULT: what a model is built with
 
 
 def _device_type(device) -> str:
@@ -99,8 +105,12 @@ class ServeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     assumed_accept: float | None = None  # mean accept length assumed (impl.spec.assumed); None: judged
+    attention: str = DEFAULT_ATTENTION  # the KDA/MLA attention backend
 
     def __post_init__(self) -> None:
+        if self.attention not in backends.available("attention"):
+            raise ValueError(f"attention: unknown attention backend {self.attention!r}; "
+                             f"known: {backends.available('attention')}")
         moe_names = backends.available("moe")
         if self.moe not in moe_names:
             raise ValueError(f"moe: unknown MoE backend {self.moe!r}; known: {moe_names}")
@@ -164,6 +174,8 @@ class ServeConfig:
         parts = [f"moe={self.moe}", f"experts={self.experts}", f"head={head}"]
         if self.head == "fp8":
             parts.append(f"head_scales={self.head_scales}")
+        if self.attention != DEFAULT_ATTENTION:  # left out at the default: rows' texts (and gate keys) stay
+            parts.append(f"attention={self.attention}")
         parts.append("spec=off" if self.spec == "off" else f"spec=mtp:{self.k}")
         if self.assumed_accept is not None:
             parts.append(f"accept={self.assumed_accept:g}")
@@ -278,6 +290,11 @@ def _parse(text: str, kind: str, k: int) -> ServeConfig:
         if changes.get("head", config.head) != "fp8":
             raise ValueError(f"head_scales: {values['head_scales']!r} applies to head=fp8 only")
         changes["head_scales"] = values["head_scales"]
+    if "attention" in values:
+        known = backends.available("attention")
+        if values["attention"] not in known:
+            raise ValueError(f"attention: unknown attention backend {values['attention']!r}; known: {known}")
+        changes["attention"] = values["attention"]
     if "spec" in values:
         mode, colon, kk = values["spec"].partition(":")
         if mode in ("off", "none") and not colon:

@@ -2,8 +2,8 @@
 
 Two sources, both needed:
 
-* Backend provenance events (impl.backends.note) recorded during each request: which MoE and
-  head kernels the target ran (prefill, decode or verify steps) and which the draft ran. A step
+* Backend provenance events (impl.backends.note) recorded during each request: which MoE,
+  attention and head kernels the target ran (prefill, decode or verify steps) and which the draft ran. A step
   replayed from a CUDA graph runs no Python and so records nothing; its events are the ones
   recorded while that graph was captured (what the graph replays), added for every request that
   replayed it (`RowProvenance.graphs` says so).
@@ -152,6 +152,7 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
         problems.append(f"head: the row names an FP8 head but the model's head was {sorted(prov.head_class)}")
     if config.head == "bf16" and "FP8Head" in prov.head_class:
         problems.append("head: the row names the bf16 head but the model's head was an FP8Head")
+    problems += _attention_problems(config, prov)
     if config.head == "fp8" and prov.head_scales != {config.head_scales}:
         problems.append(f"head_scales: the row names {config.head_scales} scales, the head had "
                         f"{sorted(prov.head_scales)}")
@@ -184,6 +185,23 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
     if not prov.verify_steps:
         problems.append(f"{label}: no verify step ran (every request ended at its first token)")
     return problems
+
+
+def _attention_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
+    """The KDA/MLA layers ran the row's attention backend, and on CUDA the triton backend's decode
+    ran its kernels, not only the torch form (a model without such layers notes nothing)."""
+    from impl.model.attention_backends import TORCH_PATHS
+    ran = prov.backends("attention")
+    if not ran:
+        return []
+    if ran != {config.attention}:
+        return [f"attention: the row names the {config.attention!r} attention backend but {sorted(ran)} ran "
+                f"(kernels {sorted(k for _, k in prov.attention)})"]
+    kernels = {k for _, k in prov.attention}
+    if config.attention == "triton" and prov.device == "cuda" and kernels <= set(TORCH_PATHS):
+        return [f"attention: the row names the triton attention kernels but only the torch form ran "
+                f"({sorted(kernels)}): no decode or verify step took the kernels"]
+    return []
 
 
 def check_provenance(name: str, config: ServeConfig, prov: RowProvenance) -> None:

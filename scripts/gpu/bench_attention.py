@@ -157,12 +157,8 @@ def kda_cases(ctx: int, dtype, gen, dev):
         m._projections(x[:, 0])
         m.o_proj(o_in)
 
-    def torch_step():
-        m.decode_kernel = False
-        try:
-            return m(x, None, None, pos, None)
-        finally:
-            m.decode_kernel = True
+    def torch_step():  # the same step through the torch attention backend
+        return m.forward_torch(x, None, None, pos, None)
 
     with torch.inference_mode():
         ok = bool(torch.isfinite(m(x, None, None, pos, None)).all())
@@ -199,11 +195,7 @@ def mla_cases(ctx: int, dtype, gen, dev):
         yield dict(base, form=form, fused_sdpa=fused_sdpa_ok(fn)), fn
 
     def absorbed_torch():  # the kernel's peer: the absorbed form through SDPA over the masked cache
-        m.decode_kernel = False
-        try:
-            return m(x, cos, sin, pos, mask)
-        finally:
-            m.decode_kernel = True
+        return m.forward_torch(x, cos, sin, pos, mask)
     yield dict(base, form="absorbed-torch"), absorbed_torch
     o_in = torch.randn(1, 1, FLASH_MLA.num_heads * FLASH_MLA.v_head_dim, device=dev, generator=gen).to(dtype)
 
