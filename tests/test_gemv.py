@@ -94,12 +94,14 @@ def test_the_kernel_takes_one_16_bit_row_on_a_gpu_and_nothing_else():
     assert not gemv_applies(fake_cuda(one), w.t().contiguous().t(), None)   # strided rows
 
 
-def test_linear_off_the_kernel_is_f_linear_and_notes_nothing():
+def test_linear_off_the_kernel_is_f_linear_and_notes_its_fallback():
     x, w = inputs(24, 64, torch.float32, seed=3)
     with backends.record_provenance() as prov:
         out = linear(x, w)
-    assert torch.equal(out, torch.nn.functional.linear(x, w))
-    assert not prov.events
+        cublas = linear(x, w, backend=backends.get("projection", "cublas"))
+    assert torch.equal(out, torch.nn.functional.linear(x, w)) and torch.equal(cublas, out)
+    assert [(e.kind, e.backend, e.kernel) for e in prov.events] == [("projection", "gemv", "F.linear"),
+                                                                    ("projection", "cublas", "F.linear")]
 
 
 def test_launches_are_data_keyed_by_shape():
@@ -108,9 +110,10 @@ def test_launches_are_data_keyed_by_shape():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the decode step's projections take the kernel on a GPU only")
-def test_a_ling_decode_step_through_the_kernel_matches_cublas(monkeypatch):
+def test_a_ling_decode_step_through_the_kernel_matches_cublas():
     """ling-3.0-tiny in bf16 on the GPU: one decode token's logits with every one-row projection
-    through gemv_kernel (noted as provenance) against the same token through F.linear. Tolerance
+    through gemv_kernel (the gemv projection backend, noted as provenance) against the same token
+    through the cublas backend. Tolerance
     2e-2 relative: each of the step's projections rounds its bf16 output once in either path, but
     the two sum in another order, and 6 layers of bf16 activations carry the difference on."""
     from impl.model.build import build_model
@@ -124,11 +127,11 @@ def test_a_ling_decode_step_through_the_kernel_matches_cublas(monkeypatch):
             model(tokens[:, :8], torch.arange(8, device=DEVICE))
             with backends.record_provenance() as prov:
                 out = model(tokens[:, 8:], torch.tensor([8], device=DEVICE))
-        return out.float(), {(e.kind, e.backend) for e in prov.events}
+        return out.float(), {(e.backend, e.kernel) for e in prov.events if e.kind == "projection"}
 
-    got, kinds = last_logits()
-    assert ("projection", "gemv") in kinds
-    monkeypatch.setattr(gemv_module, "gemv_applies", lambda *a: False)
-    want, kinds = last_logits()
-    assert ("projection", "gemv") not in kinds
+    got, ran = last_logits()
+    assert ran == {("gemv", "gemv_kernel")}
+    model.set_layer_backend("projection", "cublas")
+    want, ran = last_logits()
+    assert ran == {("cublas", "F.linear")}
     assert rel(got, want) <= 2e-2

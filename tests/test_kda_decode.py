@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl.model.attention_backends import set_attention_backend
+from impl.model.layer_backends import set_layer_backend
 from impl.model.kda import KDAAttention
 from impl.model.kda_decode import kda_decode
 
@@ -33,7 +33,7 @@ def module(hidden=64, heads=2, dim=32, safe_gate=True, seed=0, device=DEVICE) ->
         m.forget_gate.A_log.uniform_(-1, 1)
         m.forget_gate.dt_bias.uniform_(-6, -3)
         m.o_norm.weight.uniform_(0.5, 1.5)
-    set_attention_backend(m, "torch")  # the module's own torch step is the reference here
+    set_layer_backend(m, "attention", "torch")  # the module's own torch step is the reference here
     return m
 
 
@@ -116,11 +116,11 @@ def test_module_dispatch_on_the_device(dtype, tokens):
         snap = m.state_snapshot()
         x = torch.randn(1, tokens, 256, device="cuda", generator=g).to(dtype)
         pos = torch.arange(9, 9 + tokens, device="cuda")
-        set_attention_backend(m, "triton")
+        set_layer_backend(m, "attention", "triton")
         got = m(x, input_pos=pos)
         after = m.state_snapshot()
         m.state_restore(snap)
-        set_attention_backend(m, "torch")
+        set_layer_backend(m, "attention", "torch")
         want = m(x, input_pos=pos)
     tol = REL if dtype == torch.float32 else 2e-2
     err, state_err = rel(got.float(), want.float()), rel(after.recurrent, m.state.recurrent)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from impl import backends
-from impl.model.attention_backends import set_attention_backend
+from impl.model.layer_backends import set_layer_backend
 from impl.model.mla_decode import MLADecodeConfig, mla_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,7 +149,7 @@ def test_module_dispatch_on_the_device(dtype, batch, tokens):
         got = m(x, cos, sin, pos, mask)
         rows = cache.kv.clone()
         cache.kv.copy_(before)
-        set_attention_backend(m, "torch")
+        set_layer_backend(m, "attention", "torch")
         want = m(x, cos, sin, pos, mask)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = float((got.float() - want.float()).norm() / want.float().norm())

@@ -16,7 +16,7 @@ from impl import backends
 from impl.head import BF16Head, FP8Head
 from impl.model.add_rms_norm import add_rms_norm
 from impl.model.attention import make_attention
-from impl.model.attention_backends import attention_modules, set_attention_backend
+from impl.model.layer_backends import layer_backend, set_layer_backend
 from impl.model.config import ModelConfig
 from impl.model.kda import KDAAttention
 from impl.model.layers import DecoderLayer, Experts, RMSNorm, rope_tables
@@ -63,15 +63,13 @@ class MoECausalLM(nn.Module):
             if hasattr(layer.mlp, "backend"):
                 layer.mlp.backend = backend
 
-    @property
-    def attention_backend(self) -> str:
-        """The attention backend of the KDA and MLA layers (impl.model.attention_backends), "none"
-        for a model without them (its softmax attention has one form)."""
-        names = sorted({m.backend.name for m in attention_modules(self)})
-        return ",".join(names) if names else "none"
+    def layer_backend(self, kind: str) -> str:
+        """The backend part `kind` ("attention", "projection") of the KDA and MLA layers runs
+        through (impl.model.layer_backends); "none" for a model without them."""
+        return layer_backend(self, kind)
 
-    def set_attention_backend(self, name: str) -> None:
-        set_attention_backend(self, name)
+    def set_layer_backend(self, kind: str, name: str) -> None:
+        set_layer_backend(self, kind, name)
 
     @property
     def head_kind(self) -> str:

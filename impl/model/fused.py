@@ -40,5 +40,7 @@ def fused_linear(module: nn.Module, names: tuple[str, ...], fused: torch.Tensor 
                 break
             offset += w.shape[0]
         else:
-            return linear(x, fused)
-    return torch.cat([module.get_submodule(n)(x) for n in names], dim=-1)
+            return linear(x, fused, backend=getattr(module, "projection_backend", None))
+    linears = [module.get_submodule(n) for n in names]
+    return torch.cat([linear(x, lin.weight, lin.bias, getattr(module, "projection_backend", None))
+                      for lin in linears], dim=-1)

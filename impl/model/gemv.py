@@ -133,13 +133,32 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
             and x.numel() == w.shape[1] and w.stride(1) == 1)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias), through `gemv_kernel` where `gemv_applies` (noted as provenance)."""
+def _gemv_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), through `gemv_kernel` where `gemv_applies`; each call noted."""
     if not gemv_applies(x, w, bias):
+        backends.note("projection", "gemv", "F.linear", rows=x.numel() // max(w.shape[1], 1))
         return F.linear(x, w, bias)
     n, k = w.shape
     backends.note("projection", "gemv", "gemv_kernel", n=n, k=k)
     return gemv(x, w, launch_for(n, k))
+
+
+def _cublas_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    backends.note("projection", "cublas", "F.linear", rows=x.numel() // max(w.shape[1], 1))
+    return F.linear(x, w, bias)
+
+
+GEMV_BACKEND = backends.register(backends.Backend(
+    "projection", "gemv", _gemv_linear, "one row of 16-bit activations on CUDA through the PDL-launched Triton "
+    "GEMV; more rows (a verify or prompt pass) and other devices through F.linear"))
+backends.register(backends.Backend("projection", "cublas", _cublas_linear, "F.linear (cuBLAS on CUDA) always"))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           backend: backends.Backend | None = None) -> torch.Tensor:
+    """The models' projection: F.linear(x, w, bias) through the projection backend `backend`
+    (default `gemv`: the kernel where `gemv_applies`)."""
+    return (backend or GEMV_BACKEND).fn(x, w, bias)
 
 
 __all__ = ["DEFAULT_LAUNCH", "TUNED", "GemvLaunch", "gemv", "gemv_applies", "gemv_kernel", "gemv_reference",

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model import attention_backends
+from impl.model.layer_backends import default_backend
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
 
@@ -289,8 +289,9 @@ class KDAAttention(nn.Module):
         self.state: KDAState | None = None
         self.track: VerifyTrack | None = None
         self.in_proj: torch.Tensor | None = None  # q|k|v|f|g|b weights in one tensor (fuse_projections)
-        # How forward runs (impl.model.attention_backends): kernels for decode on CUDA, or torch.
-        self.backend = backends.get("attention", attention_backends.DEFAULT)
+        # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
+        self.attention_backend = default_backend("attention")
+        self.projection_backend = default_backend("projection")
 
     _IN_PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_proj", "g_proj", "b_proj")
 
@@ -304,7 +305,7 @@ class KDAAttention(nn.Module):
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         from impl.model.kda_decode import kda_decode
-        backends.note("attention", self.backend.name, "kda_decode_kernel", heads=self.num_heads,
+        backends.note("attention", self.attention_backend.name, "kda_decode_kernel", heads=self.num_heads,
                       head_dim=self.head_dim)
         b, hd = x.shape[0], self.qkv_dim
         proj = self._projections(x[:, 0])
@@ -315,7 +316,7 @@ class KDAAttention(nn.Module):
                        self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
                        keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
                        self.o_norm.eps)
-        return linear(o, self.o_proj.weight, self.o_proj.bias).unsqueeze(1)
+        return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
 
     def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """A verify pass of T tokens (2..track.tokens) through the decode kernel token by token:
@@ -327,8 +328,8 @@ class KDAAttention(nn.Module):
         from impl.model.kda_decode import kda_decode
         b, t, _ = x.shape
         hd, kern, track = self.qkv_dim, self.conv_kernel_size, self.track
-        backends.note("attention", self.backend.name, "kda_decode_kernel", heads=self.num_heads, head_dim=self.head_dim,
-                      tokens=t)
+        backends.note("attention", self.attention_backend.name, "kda_decode_kernel", heads=self.num_heads,
+                      head_dim=self.head_dim, tokens=t)
         proj = self._projections(x)                                       # [B, T, P]
         recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
         keep = _keep_flag(input_pos, x.device)
@@ -346,7 +347,7 @@ class KDAAttention(nn.Module):
                 self.forget_gate.lower_bound, self.o_norm.eps))
         recurrent.copy_(track.states[t - 1, :b])
         track.length, track.batch_in_use = t, b
-        return self.o_proj(torch.stack(outs, dim=1))
+        return linear(torch.stack(outs, dim=1), self.o_proj.weight, self.o_proj.bias, self.projection_backend)
 
     @classmethod
     def from_hf_config(cls, config, **kwargs) -> "KDAAttention":
@@ -432,9 +433,9 @@ class KDAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Through the module's attention backend (impl.model.attention_backends)."""
+        """Through the module's attention backend (impl.model.layer_backends)."""
         self._check(x, input_pos)
-        return self.backend.fn(self, x, cos, sin, input_pos, mask)
+        return self.attention_backend.fn(self, x, cos, sin, input_pos, mask)
 
     def forward_kernels(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                         input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -453,7 +454,7 @@ class KDAAttention(nn.Module):
         prompt), in torch ops."""
         b, t, _ = x.shape
         h, d, kern = self.num_heads, self.head_dim, self.conv_kernel_size
-        backends.note("attention", self.backend.name, "kda_torch", tokens=t)
+        backends.note("attention", self.attention_backend.name, "kda_torch", tokens=t)
         if self.state is not None:
             recurrent, conv_state = self.state.recurrent[:b], self.state.conv[:b]
             if input_pos is not None:
@@ -500,4 +501,4 @@ class KDAAttention(nn.Module):
             o = tr(chunked_kda(tr(q), tr(k), tr(v), tr(g), tr(beta), recurrent, self.chunk_size))
         o = o.to(x.dtype)
         o = self.o_norm(o, proj[..., 4 * hd:5 * hd].reshape(b, t, h, d)).reshape(b, t, -1)
-        return self.o_proj(o)
+        return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model import attention_backends
+from impl.model.layer_backends import default_backend
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
@@ -171,8 +171,9 @@ class MLAAttention(nn.Module):
         self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
         self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
-        # How forward runs (impl.model.attention_backends): kernels for decode on CUDA, or torch.
-        self.backend = backends.get("attention", attention_backends.DEFAULT)
+        # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
+        self.attention_backend = default_backend("attention")
+        self.projection_backend = default_backend("projection")
 
     def _in_names(self) -> tuple[str, ...]:
         first = "q_proj" if self.config.q_lora_rank is None else "q_a_proj"
@@ -242,7 +243,7 @@ class MLAAttention(nn.Module):
         self._check(x, cos, sin, input_pos, mask)
         if absorb is None:
             absorb = x.shape[1] <= self.absorb_max_tokens
-        return self.backend.fn(self, x, cos, sin, input_pos, mask, absorb=absorb)
+        return self.attention_backend.fn(self, x, cos, sin, input_pos, mask, absorb=absorb)
 
     def forward_kernels(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
                         mask: torch.Tensor | None, absorb: bool = True) -> torch.Tensor:
@@ -260,8 +261,8 @@ class MLAAttention(nn.Module):
         c = self.config
         b, t, _ = x.shape
         nh, dn, dr = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
-        backends.note("attention", self.backend.name, "mla_absorbed_sdpa" if absorb else "mla_expanded_sdpa",
-                      tokens=t)
+        path = "mla_absorbed_sdpa" if absorb else "mla_expanded_sdpa"
+        backends.note("attention", self.attention_backend.name, path, tokens=t)
         q, kv_a, g = self._projections(x)
         q = q.view(b, t, nh, c.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = q[..., :dn], apply_interleaved_rope(q[..., dn:], cos, sin)
@@ -284,7 +285,8 @@ class MLAAttention(nn.Module):
         # dtype, scaling each head's attention output before o_proj.
         gate = torch.sigmoid(g.float()).to(x.dtype)
         y = y.transpose(1, 2) * gate.unsqueeze(-1)
-        return linear(y.reshape(b, t, nh * c.v_head_dim), self.o_proj.weight, self.o_proj.bias)
+        return linear(y.reshape(b, t, nh * c.v_head_dim), self.o_proj.weight, self.o_proj.bias,
+                      self.projection_backend)
 
     @staticmethod
     def _valid_prefix(rows: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor):
@@ -335,7 +337,8 @@ class MLAAttention(nn.Module):
         step 40 ms)."""
         from impl.model.mla_absorb import mla_output, mla_query
         from impl.model.mla_decode import mla_decode_attention
-        backends.note("attention", self.backend.name, "mla_query_kernel+mla_decode_kernel+mla_output_kernel",
+        backends.note("attention", self.attention_backend.name,
+                      "mla_query_kernel+mla_decode_kernel+mla_output_kernel",
                       heads=self.config.num_heads, kv_lora_rank=self.config.kv_lora_rank)
         c = self.config
         b, t, _ = q.shape
@@ -349,7 +352,7 @@ class MLAAttention(nn.Module):
         # read them before the query kernel ends.
         o_lat = mla_decode_attention(query, kv, None, c.kv_lora_rank, c.scaling, positions=input_pos)
         y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
-        return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias)
+        return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias, self.projection_backend)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config

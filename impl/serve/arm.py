@@ -107,12 +107,13 @@ class Arm:
         return self.model.embed_tokens.weight.device
 
     def activate(self) -> None:
-        """Switch the shared model to this arm: MoE and attention backends, head module, FP8 head backend."""
+        """Switch the shared model to this arm: MoE and layer backends, head module, FP8 head backend."""
         model, config = self.model, self.config
         if model.moe_backend != config.moe:
             model.set_moe_backend(config.moe)
-        if model.attention_backend not in ("none", config.attention):
-            model.set_attention_backend(config.attention)
+        for kind, name in config.layer_backends().items():
+            if model.layer_backend(kind) not in ("none", name):
+                model.set_layer_backend(kind, name)
         if model.lm_head is not self.head:
             model.set_head(self.head)
         from impl.head import FP8Head

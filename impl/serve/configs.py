@@ -13,10 +13,12 @@ override:
                             names) or a full head backend name (fp8-triton, ...). Without B, the
                             device's default: fp8-triton on CUDA, fp8-scaled-mm on CPU
     head_scales=row|tensor  FP8 head scale granularity (fp8 only; default row)
-    attention=NAME          the attention backend of KDA and MLA layers (impl.backends kind
-                            "attention": triton, the default, takes their decode and verify steps
-                            through Triton kernels on CUDA; torch runs them in torch ops and SDPA).
-                            Models without such layers ignore it
+    attention=NAME          the attention backend of KDA and MLA layers (impl.model.layer_backends:
+                            triton, the default, takes their decode and verify steps through Triton
+                            kernels on CUDA; torch runs them in torch ops and SDPA)
+    projection=NAME         their projections' backend: gemv (the default: one token through the
+                            Triton GEMV on CUDA) or cublas (F.linear always). Models without KDA or
+                            MLA layers ignore both
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
     accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):
@@ -57,6 +59,7 @@ import torch
 
 from impl import backends
 from impl.generate import SamplingConfig
+from impl.model.layer_backends import DEFAULTS as LAYER_DEFAULTS
 
 __all__ = ["DEFAULT_K", "EXPERT_FORMATS", "PRESETS", "Row", "ServeConfig", "parse_ladder", "parse_row",
            "parse_serve_config", "resolve_preset"]
@@ -67,9 +70,8 @@ EXPERT_FORMATS = ("auto", *backends.WEIGHT_FORMATS)
 HEADS = ("bf16", "fp8")
 HEAD_SCALES = ("row", "tensor")
 SPECULATION = ("off", "mtp")
-KEYS = ("moe", "experts", "head", "head_scales", "attention", "spec", "accept", "temperature", "top_k", "top_p",
-        "seed")
-DEFAULT_ATTENTION = "triton"  # impl.model.attention_backends.DEFAULT: what a model is built with
+KEYS = ("moe", "experts", "head", "head_scales", *LAYER_DEFAULTS, "spec", "accept", "temperature", "top_k",
+        "top_p", "seed")
 
 
 def _device_type(device) -> str:
@@ -105,12 +107,13 @@ class ServeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     assumed_accept: float | None = None  # mean accept length assumed (impl.spec.assumed); None: judged
-    attention: str = DEFAULT_ATTENTION  # the KDA/MLA attention backend
+    attention: str = LAYER_DEFAULTS["attention"]  # the KDA/MLA layers' backends (impl.model.layer_backends)
+    projection: str = LAYER_DEFAULTS["projection"]
 
     def __post_init__(self) -> None:
-        if self.attention not in backends.available("attention"):
-            raise ValueError(f"attention: unknown attention backend {self.attention!r}; "
-                             f"known: {backends.available('attention')}")
+        for kind, name in self.layer_backends().items():
+            if name not in backends.available(kind):
+                raise ValueError(f"{kind}: unknown {kind} backend {name!r}; known: {backends.available(kind)}")
         moe_names = backends.available("moe")
         if self.moe not in moe_names:
             raise ValueError(f"moe: unknown MoE backend {self.moe!r}; known: {moe_names}")
@@ -164,6 +167,10 @@ class ServeConfig:
         from impl.spec.assumed import AcceptanceProfile
         return AcceptanceProfile.from_mean(self.assumed_accept, self.k)
 
+    def layer_backends(self) -> dict[str, str]:
+        """kind -> backend of the KDA/MLA layers' parts this row runs."""
+        return {kind: getattr(self, kind) for kind in LAYER_DEFAULTS}
+
     @property
     def speculative(self) -> bool:
         return self.spec == "mtp"
@@ -174,8 +181,8 @@ class ServeConfig:
         parts = [f"moe={self.moe}", f"experts={self.experts}", f"head={head}"]
         if self.head == "fp8":
             parts.append(f"head_scales={self.head_scales}")
-        if self.attention != DEFAULT_ATTENTION:  # left out at the default: rows' texts (and gate keys) stay
-            parts.append(f"attention={self.attention}")
+        # Left out at their defaults: rows' texts, and the gate's keys built from them, stay as they were.
+        parts += [f"{kind}={name}" for kind, name in self.layer_backends().items() if name != LAYER_DEFAULTS[kind]]
         parts.append("spec=off" if self.spec == "off" else f"spec=mtp:{self.k}")
         if self.assumed_accept is not None:
             parts.append(f"accept={self.assumed_accept:g}")
@@ -290,11 +297,11 @@ def _parse(text: str, kind: str, k: int) -> ServeConfig:
         if changes.get("head", config.head) != "fp8":
             raise ValueError(f"head_scales: {values['head_scales']!r} applies to head=fp8 only")
         changes["head_scales"] = values["head_scales"]
-    if "attention" in values:
-        known = backends.available("attention")
-        if values["attention"] not in known:
-            raise ValueError(f"attention: unknown attention backend {values['attention']!r}; known: {known}")
-        changes["attention"] = values["attention"]
+    for kind in LAYER_DEFAULTS.keys() & values.keys():
+        known = backends.available(kind)
+        if values[kind] not in known:
+            raise ValueError(f"{kind}: unknown {kind} backend {values[kind]!r}; known: {known}")
+        changes[kind] = values[kind]
     if "spec" in values:
         mode, colon, kk = values["spec"].partition(":")
         if mode in ("off", "none") and not colon:

@@ -3,7 +3,8 @@
 Two sources, both needed:
 
 * Backend provenance events (impl.backends.note) recorded during each request: which MoE,
-  attention and head kernels the target ran (prefill, decode or verify steps) and which the draft ran. A step
+  attention, projection and head kernels the target ran (prefill, decode or verify steps) and
+  which the draft ran. A step
   replayed from a CUDA graph runs no Python and so records nothing; its events are the ones
   recorded while that graph was captured (what the graph replays), added for every request that
   replayed it (`RowProvenance.graphs` says so).
@@ -68,7 +69,7 @@ class RowProvenance:
     moe: set[tuple[str, str]] = field(default_factory=set)  # (backend, kernel), target and draft
     # Attention decode kernels that ran (impl.model.kda / mla), target and draft
     attention: set[tuple[str, str]] = field(default_factory=set)
-    # Projection kernels that ran (impl.model.gemv), target and draft; cuBLAS calls note nothing
+    # KDA/MLA projections that ran (impl.model.gemv's backends: the GEMV kernel or F.linear), target and draft
     projection: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
@@ -152,7 +153,7 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
         problems.append(f"head: the row names an FP8 head but the model's head was {sorted(prov.head_class)}")
     if config.head == "bf16" and "FP8Head" in prov.head_class:
         problems.append("head: the row names the bf16 head but the model's head was an FP8Head")
-    problems += _attention_problems(config, prov)
+    problems += _layer_problems(config, prov)
     if config.head == "fp8" and prov.head_scales != {config.head_scales}:
         problems.append(f"head_scales: the row names {config.head_scales} scales, the head had "
                         f"{sorted(prov.head_scales)}")
@@ -187,21 +188,24 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
     return problems
 
 
-def _attention_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
-    """The KDA/MLA layers ran the row's attention backend, and on CUDA the triton backend's decode
-    ran its kernels, not only the torch form (a model without such layers notes nothing)."""
-    from impl.model.attention_backends import TORCH_PATHS
-    ran = prov.backends("attention")
-    if not ran:
-        return []
-    if ran != {config.attention}:
-        return [f"attention: the row names the {config.attention!r} attention backend but {sorted(ran)} ran "
-                f"(kernels {sorted(k for _, k in prov.attention)})"]
-    kernels = {k for _, k in prov.attention}
-    if config.attention == "triton" and prov.device == "cuda" and kernels <= set(TORCH_PATHS):
-        return [f"attention: the row names the triton attention kernels but only the torch form ran "
-                f"({sorted(kernels)}): no decode or verify step took the kernels"]
-    return []
+def _layer_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
+    """Per part of the KDA/MLA layers (attention, projection): the row's backend ran, and on CUDA a
+    kernel backend's kernels ran, not only its fallbacks (a model without such layers notes nothing)."""
+    from impl.model.layer_backends import DEFAULTS, FALLBACKS
+    problems = []
+    for kind, named in config.layer_backends().items():
+        events = getattr(prov, kind)
+        ran = {b for b, _ in events}
+        if not ran:
+            continue
+        kernels = sorted({k for _, k in events})
+        if ran != {named}:
+            problems.append(f"{kind}: the row names the {named!r} {kind} backend but {sorted(ran)} ran "
+                            f"(kernels {kernels})")
+        elif named == DEFAULTS[kind] and prov.device == "cuda" and set(kernels) <= set(FALLBACKS[kind]):
+            problems.append(f"{kind}: the row names the {named} {kind} kernels but only their fallback ran "
+                            f"({kernels}): no decode step took the kernels")
+    return problems
 
 
 def check_provenance(name: str, config: ServeConfig, prov: RowProvenance) -> None:
