@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model.layer_backends import default_backend
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
+from impl.model.layer_backends import default_backend
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
 # reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model.layer_backends import default_backend
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
+from impl.model.layer_backends import default_backend
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
 # transformers builds kv_a_layernorm and q_a_layernorm with the RMSNorm's default eps (1e-6),
