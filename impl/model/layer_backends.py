@@ -24,7 +24,7 @@ from impl import backends
 # kind -> (the attribute of a KDA/MLA module that holds its backend, the backend a model is built with)
 PARTS = {"attention": ("attention_backend", "triton"), "projection": ("projection_backend", "gemv")}
 DEFAULTS = {kind: default for kind, (_, default) in PARTS.items()}
-# What each kind's kernel backend notes when it runs the plain path instead of its kernel.
+# What each kind's default backend, the kernel one, notes when it runs the plain path instead of its kernel.
 FALLBACKS = {"attention": ("kda_torch", "mla_absorbed_sdpa", "mla_expanded_sdpa"), "projection": ("F.linear",)}
 
 
