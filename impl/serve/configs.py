@@ -44,6 +44,10 @@ Presets, the ladder of this project's optimizations, resolved per device (`resol
                Triton GEMV would run interpreted too)
     +mtp       +fp8-head with MTP speculation, K drafts
 
+Every preset keeps the KDA/MLA layers' default backends (attention=triton, projection=gemv): the
+ladder measures the MoE, head and speculation rungs; a row turns the layer kernels off by naming
+attention=torch or projection=cublas (their text, and so the frozen figures' keys, stay as they were).
+
 Rows (`parse_row`) are `PRESET`, `NAME=SPEC` (a name of the user's choosing) or a bare `SPEC`
 (named by its text); a ladder (`parse_ladder`, the `--moe-ladder` option) is rows separated by
 ";" (the spec itself uses ","), e.g. `baseline;+mtp;mine=moe=gather,head=fp8`. A ladder of
