@@ -1,19 +1,20 @@
 """How contended the host's CPUs were while something was measured.
 
-The signal is the kernel's pressure stall information (PSI, Linux 4.20+): the `some` line of
-a `cpu.pressure` file has `total=`, the cumulative microseconds during which at least one runnable
+The signal is the kernel's pressure stall information (PSI, Linux 4.20+): the `some` line of a
+`cpu.pressure` file has `total=`, the cumulative microseconds during which at least one runnable
 task waited for a CPU. The file read is this process's own cgroup's (cgroup v2, found through
-/proc/self/cgroup), which counts only its cgroup's tasks, including their waits while a CPU quota
-(`cpu.max`) throttles them (Linux 5.7+); in a container, /proc/pressure/cpu would count every
-container's waiting and never a quota's. Where the process has no cgroup-v2 PSI file that reads,
-it is /proc/pressure/cpu, the whole system's. Its growth over an interval divided by the interval's wall time is the
-*stall fraction*: 0 on a host with a CPU free for every runnable task, towards 1 when something
-waits all the time. It counts waiting, not CPU use: another job taking turns on the cores reads
-a lot, and so does the measured process itself when it runs more threads than there are cores
-(torch at 4 threads on 2 cores read 47%, a spinning helper thread beside 2 torch threads 21%:
-a regression of the code, which must not pass as the host's). So a measurement counts as
-contended only when *other work* also took more than the threshold of all CPUs' time: /proc/stat's
-busy ticks over the interval less this process's own CPU time (`os.times`), over all ticks.
+/proc/self/cgroup), which counts only its cgroup's tasks, including their waits while a CPU
+quota (`cpu.max`) throttles them (Linux 5.7+); in a container, /proc/pressure/cpu would count
+every container's waiting and never a quota's. Where the process has no cgroup-v2 PSI file that
+reads, it is /proc/pressure/cpu, the whole system's. Its growth over an interval divided by the
+interval's wall time is the *stall fraction*: 0 on a host with a CPU free for every runnable
+task, towards 1 when something waits all the time. It counts waiting, not CPU use: another job
+taking turns on the cores reads a lot, and so does the measured process itself when it runs more
+threads than there are cores (torch at 4 threads on 2 cores read 47%, a spinning helper thread
+beside 2 torch threads 21%: a regression of the code, which must not pass as the host's). So a
+measurement counts as contended only when *other work* also took more than the threshold of all
+CPUs' time: /proc/stat's busy ticks over the interval less this process's own CPU time
+(`os.times`), over all ticks.
 
 Where PSI is missing (not Linux, a kernel built without it or booted with psi=0, a reading that
 fails) the stall is unknown, never guessed, and the gate judges as it would without this module:

@@ -75,9 +75,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--moe-ab-report", "moe_ab_report", "folder for the ladder's report (JSON, Markdown, PNG figures), "
         "relative to rootdir (default: ab-report)", metavar="DIR")
     add("--moe-host-stall", "moe_host_stall", "CPU timings: the share of wall time runnable tasks waited for a CPU "
-        "(the kernel's /proc/pressure/cpu) above which, with other processes' work also above it, a measurement "
-        "is taken as made on a contended host: "
-        "a regression it shows is not judged (HOST-CONTENDED) and it is not frozen; off: never "
+        "(the kernel's PSI: this process's cgroup's cpu.pressure, else /proc/pressure/cpu) above which, with "
+        "other processes' work also above it, a measurement is taken as made on a contended host: a regression "
+        "it shows is not judged (HOST-CONTENDED) and it is not frozen; off: never "
         f"(default: {DEFAULT_STALL_THRESHOLD})", metavar="FRACTION")
     add("--moe-host-wait", "moe_host_wait", "seconds to wait for a contended host to quiet before measuring once "
         f"more (default: {DEFAULT_WAIT_S:g})", metavar="SECONDS")

@@ -32,6 +32,7 @@ def fused_linear(module: nn.Module, names: tuple[str, ...], fused: torch.Tensor 
     """The outputs of `module`'s Linears `names` on x, concatenated on the last dim: one GEMV over
     `fused` while every weight is still its view (a later .to() or load replaces the parameters,
     the fused tensor goes stale, and the Linears run one by one)."""
+    backend = getattr(module, "projection_backend", None)
     if fused is not None:
         offset, base, step = 0, fused.data_ptr(), fused.stride(0) * fused.element_size()
         for n in names:
@@ -40,7 +41,5 @@ def fused_linear(module: nn.Module, names: tuple[str, ...], fused: torch.Tensor 
                 break
             offset += w.shape[0]
         else:
-            return linear(x, fused, backend=getattr(module, "projection_backend", None))
-    linears = [module.get_submodule(n) for n in names]
-    return torch.cat([linear(x, lin.weight, lin.bias, getattr(module, "projection_backend", None))
-                      for lin in linears], dim=-1)
+            return linear(x, fused, backend=backend)
+    return torch.cat([linear(x, lin.weight, lin.bias, backend) for lin in map(module.get_submodule, names)], dim=-1)

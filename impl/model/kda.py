@@ -37,7 +37,7 @@ from torch import nn
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
-from impl.model.layer_backends import default_backend
+from impl.model.layer_backends import init_layer_backends
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
 # reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.
@@ -290,8 +290,7 @@ class KDAAttention(nn.Module):
         self.track: VerifyTrack | None = None
         self.in_proj: torch.Tensor | None = None  # q|k|v|f|g|b weights in one tensor (fuse_projections)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
-        self.attention_backend = default_backend("attention")
-        self.projection_backend = default_backend("projection")
+        init_layer_backends(self)
 
     _IN_PROJ = ("q_proj", "k_proj", "v_proj", "forget_gate.f_proj", "g_proj", "b_proj")
 

@@ -43,8 +43,10 @@ backends.register(backends.Backend(
     "attention", "torch", _torch, "KDA and MLA through torch ops and SDPA (the kernels' reference)"))
 
 
-def default_backend(kind: str) -> backends.Backend:
-    return backends.get(kind, DEFAULTS[kind])
+def init_layer_backends(module) -> None:
+    """Give a KDA or MLA module every part's default backend (what a model is built with)."""
+    for kind, (attr, default) in PARTS.items():
+        setattr(module, attr, backends.get(kind, default))
 
 
 def layer_modules(module) -> list:
@@ -73,4 +75,5 @@ def layer_backend(module, kind: str) -> str:
     return ",".join(names) if names else "none"
 
 
-__all__ = ["DEFAULTS", "FALLBACKS", "PARTS", "default_backend", "layer_backend", "layer_modules", "set_layer_backend"]
+__all__ = ["DEFAULTS", "FALLBACKS", "PARTS", "init_layer_backends", "layer_backend", "layer_modules",
+           "set_layer_backend"]

@@ -39,7 +39,7 @@ from torch import nn
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
-from impl.model.layer_backends import default_backend
+from impl.model.layer_backends import init_layer_backends
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
 # transformers builds kv_a_layernorm and q_a_layernorm with the RMSNorm's default eps (1e-6),
@@ -172,8 +172,7 @@ class MLAAttention(nn.Module):
         self.kv_cache: MLACache | None = None
         self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
-        self.attention_backend = default_backend("attention")
-        self.projection_backend = default_backend("projection")
+        init_layer_backends(self)
 
     def _in_names(self) -> tuple[str, ...]:
         first = "q_proj" if self.config.q_lora_rank is None else "q_a_proj"

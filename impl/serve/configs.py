@@ -301,11 +301,7 @@ def _parse(text: str, kind: str, k: int) -> ServeConfig:
         if changes.get("head", config.head) != "fp8":
             raise ValueError(f"head_scales: {values['head_scales']!r} applies to head=fp8 only")
         changes["head_scales"] = values["head_scales"]
-    for kind in LAYER_DEFAULTS.keys() & values.keys():
-        known = backends.available(kind)
-        if values[kind] not in known:
-            raise ValueError(f"{kind}: unknown {kind} backend {values[kind]!r}; known: {known}")
-        changes[kind] = values[kind]
+    changes.update({kind: values[kind] for kind in LAYER_DEFAULTS.keys() & values.keys()})  # ServeConfig checks them
     if "spec" in values:
         mode, colon, kk = values["spec"].partition(":")
         if mode in ("off", "none") and not colon:
