@@ -50,6 +50,18 @@ def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, defa
         ling.set_layer_backend("moe", "triton")
 
 
+def test_a_row_naming_a_layer_backend_for_a_model_without_such_layers_is_refused():
+    """Nothing to switch: the row would run exactly as without its key, so naming one is an error."""
+    from impl.serve.arm import build_arm
+    from tests.test_serve_engine import ByteTokenizer
+    model = build_model("tiny")
+    with pytest.raises(ValueError, match=r"mine: projection: model 'tiny' has no KDA or MLA layers, whose "
+                                         r"projection projection=cublas would choose"):
+        build_arm(model, parse_row("mine=moe=gather,projection=cublas", "cpu").config, tokenizer=ByteTokenizer(),
+                  name="mine")
+    build_arm(model, parse_row("+fp8-head", "cpu").config, tokenizer=ByteTokenizer())  # the defaults are fine
+
+
 def test_a_model_without_kda_or_mla_has_no_layer_backends():
     model = build_model("tiny")
     assert model.layer_backend("attention") == model.layer_backend("projection") == "none"

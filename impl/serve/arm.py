@@ -123,7 +123,8 @@ class Arm:
 
 def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None) -> Arm:
     """The arm running `config` on `model` (shared, switched in place; see the module docstring).
-    ValueError when the model cannot run it (its experts' format, its device, no MTP layer)."""
+    ValueError when the model cannot run it (its experts' format, its device, no MTP layer, a layer
+    backend named for layers it does not have)."""
     if not isinstance(config, ServeConfig):
         raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
     for attr in ("encode", "decode", "eos_id"):
@@ -142,6 +143,11 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
     if fmt != "none" and fmt not in moe.formats:
         raise ValueError(f"{name}: moe: the {config.moe!r} MoE backend takes {list(moe.formats)} experts, the model "
                          f"holds {fmt}")
+    from impl.model.layer_backends import DEFAULTS
+    for kind, backend in config.layer_backends().items():
+        if backend != DEFAULTS[kind] and model.layer_backend(kind) == "none":
+            raise ValueError(f"{name}: {kind}: model {model.config.name!r} has no KDA or MLA layers, whose {kind} "
+                             f"{kind}={backend} would choose: the row would run the same as without it")
     config = dataclasses.replace(config, experts=fmt if config.experts == "auto" else config.experts)
     head = _bank(model).get(config)
     arm = Arm(name, config, model, tokenizer, head)

@@ -18,7 +18,7 @@ override:
                             kernels on CUDA; torch runs them in torch ops and SDPA)
     projection=NAME         their projections' backend: gemv (the default: one token through the
                             Triton GEMV on CUDA) or cublas (F.linear always). Models without KDA or
-                            MLA layers ignore both
+                            MLA layers refuse a row that names anything but the defaults
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
     accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):
