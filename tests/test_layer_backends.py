@@ -40,7 +40,8 @@ def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, defa
     try:
         ling.set_layer_backend(kind, other)
         assert ling.layer_backend(kind) == other
-        assert ling.layer_backend("attention" if kind == "projection" else "projection") != other  # the other part stays
+        other_kind = "attention" if kind == "projection" else "projection"
+        assert ling.layer_backend(other_kind) != other  # the other part stays
     finally:
         ling.set_layer_backend(kind, default)
     with pytest.raises(ValueError, match=rf"unknown {kind} backend 'flash'; available: \['{min(default, other)}'"):
@@ -82,7 +83,8 @@ def test_each_call_notes_its_backends_and_paths(ling):
             prefill = ling(ids, torch.arange(6))
             step = ling(ids[:, -1:], torch.tensor([6]))
         out[attention] = (prefill, step)
-        events[attention] = {(e.kind, e.backend, e.kernel) for e in prov.events if e.kind in ("attention", "projection")}
+        events[attention] = {(e.kind, e.backend, e.kernel) for e in prov.events
+                             if e.kind in ("attention", "projection")}
     ling.set_layer_backend("attention", "triton")
     ling.set_layer_backend("projection", "gemv")
     assert events["triton"] == {("attention", "triton", "kda_torch"), ("attention", "triton", "mla_absorbed_sdpa"),

@@ -233,7 +233,8 @@ def test_a_prompts_file_with_a_bad_line_is_a_usage_error_naming_file_and_line(ru
     (suite.path / "mine.jsonl").write_text('{"prompt": "2+2="}\n\n{"prompt": "3+3=", "answr": "6"}\n')
     result = run("--moe-workload", "jsonl:mine.jsonl")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--moe-workload: mine.jsonl:3: unknown field 'answr'; allowed fields: prompt, answer,*"])
+    result.stderr.fnmatch_lines(["*--moe-workload: mine.jsonl:3: unknown field 'answr'; "
+                                 "allowed fields: prompt, answer,*"])
     (suite.path / "mine.jsonl").write_text('{"prompt": "2+2="}\n')
     run("--moe-workload", "jsonl:mine.jsonl").assert_outcomes(skipped=1)
 

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
             ratios = [a / b for a, b in zip(s, base)]
             rows.append((ctx, name, statistics.median(s), statistics.median(ratios), min(ratios), max(ratios)))
             print(f"context {ctx} {name}: {statistics.median(s):.1f} us, x{statistics.median(ratios):.4f}", flush=True)
-    print("\n| context | variant | step us (median) | / first (median of rounds) | min | max |\n|---|---|---|---|---|---|")
+    print("\n| context | variant | step us (median) | / first (median of rounds) | min | max |")
+    print("|---|---|---|---|---|---|")
     for ctx, name, us, r, lo, hi in rows:
         print(f"| {ctx} | {name} | {us:.1f} | {r:.4f} | {lo:.4f} | {hi:.4f} |")
     return 0
