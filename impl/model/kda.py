@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model import l2_prefetch
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
 from impl.model.layer_backends import init_layer_backends
@@ -309,15 +308,13 @@ class KDAAttention(nn.Module):
                       head_dim=self.head_dim)
         b, hd = x.shape[0], self.qkv_dim
         proj = self._projections(x[:, 0])
-        side = l2_prefetch.prefetch_async(self.o_proj.weight, target="kda")
         keep = _keep_flag(input_pos, x.device)
         recurrent = self.state.recurrent[:b]
         o = kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
                        self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
                        self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
                        keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
-                       self.o_norm.eps)
-        side.join()
+                       self.o_norm.eps, next_weight=self.o_proj.weight)
         return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
 
     def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model import l2_prefetch
 from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
 from impl.model.layer_backends import init_layer_backends
@@ -342,18 +341,17 @@ class MLAAttention(nn.Module):
                       heads=self.config.num_heads, kv_lora_rank=self.config.kv_lora_rank)
         c = self.config
         b, t, _ = q.shape
-        side = l2_prefetch.prefetch_async(self.o_proj.weight, target="mla")
         w_uk, w_uv = self._up_weights()
         cache = self.kv_cache.kv
         query = mla_query(q.reshape(b * t, -1), kv_a.reshape(b * t, -1), w_uk, cos, sin,
-                          self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache)
+                          self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache,
+                          next_weight=self.o_proj.weight)
         # b == 1 with T tokens: the T rows share the cache (batch stride 0), each up to its position.
         kv = cache[:b] if t == 1 else cache[:1].expand(t, *cache.shape[1:])
         # The positions are the step's input, written launches ago: the attention and its combine
         # read them before the query kernel ends.
         o_lat = mla_decode_attention(query, kv, None, c.kv_lora_rank, c.scaling, positions=input_pos)
         y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
-        side.join()
         return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias, self.projection_backend)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:

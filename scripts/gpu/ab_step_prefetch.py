@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Row 3's whole decode step of ling-3.0-flash under side-stream L2 prefetch variants
-(impl/model/l2_prefetch.py), timed interleaved in one process.
+"""Row 3's whole decode step of ling-3.0-flash with o_proj's weight asked for in L2 by the
+kernels before it (KDA's decode kernel, MLA's query kernel), timed interleaved in one process.
 
-Variants `NAME=TARGETS[,programs=P][,lines=L][,warps=W][,evict_last=0|1]` separated by `;`,
-TARGETS a `+`-joined subset of mla, kda (`off`: no prefetch). Each variant's step must give the
-same logits as the first's, bit for bit (the prefetch writes nothing).
+Variants `NAME=kda:MODE,mla:MODE` separated by `;` (kda modes 0 none, 1 after its wait, 2 at its
+end; mla 0 or 1). Each variant's step must give the same logits as the first's, bit for bit (a
+prefetch writes nothing).
 
-    PYTHONPATH=. python3 scripts/gpu/ab_step_prefetch.py --contexts 1024,32768 --variants "off=off;both=mla+kda"
+    PYTHONPATH=. python3 scripts/gpu/ab_step_prefetch.py --contexts 1024,32768 --variants "off=kda:0,mla:0;both=kda:2,mla:1"
 """
 
 from __future__ import annotations
@@ -23,29 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ling_flash import build_row3, cuda_device  # noqa: E402
 from impl.gpu_timing import interleaved_replay_us  # noqa: E402
 from impl.graphs import capture_graph  # noqa: E402
-from impl.model import l2_prefetch  # noqa: E402
+from impl.model import kda_decode, mla_absorb  # noqa: E402
 from impl.model.kda import KDAAttention  # noqa: E402
 
 CACHE_SLACK = 16
 
 
-def parse_variants(text: str) -> dict[str, tuple[set[str], l2_prefetch.PrefetchLaunch]]:
+def parse_variants(text: str) -> dict[str, dict[str, int]]:
     out = {}
     for item in filter(None, (v.strip() for v in text.split(";"))):
         name, _, spec = item.partition("=")
-        targets, *opts = spec.split(",")
-        kw = {}
-        for o in opts:
-            k, _, v = o.partition("=")
-            kw[{"warps": "num_warps"}.get(k, k)] = bool(int(v)) if k in ("evict_last", "late_join") else int(v)
-        out[name] = (set() if targets == "off" else set(targets.split("+")), l2_prefetch.PrefetchLaunch(**kw))
+        out[name] = {k: int(v) for k, _, v in (o.partition(":") for o in spec.split(","))}
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024")
-    ap.add_argument("--variants", default="off=off;both=mla+kda")
+    ap.add_argument("--variants", default="off=kda:0,mla:0;both=kda:2,mla:1")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
     dev = cuda_device()
@@ -61,12 +56,11 @@ def main(argv=None) -> int:
         pos = torch.tensor([ctx], device=dev)
         graphs, outs = {}, {}
         with torch.inference_mode():
-            for name, (targets, launch) in variants.items():
-                l2_prefetch.TARGETS = targets
-                l2_prefetch.LAUNCH = launch
+            for name, modes in variants.items():
+                kda_decode.PREFETCH_MODE = modes.get("kda", 0)
+                mla_absorb.PREFETCH_MODE = modes.get("mla", 0)
                 holder = {}
-                graphs[name] = capture_graph([lambda: holder.__setitem__("y", model(token, pos)),
-                                              l2_prefetch.join_pending])
+                graphs[name] = capture_graph([lambda: holder.__setitem__("y", model(token, pos))])
                 for m in kda_layers:
                     m.reset_state()
                 graphs[name].replay()
