@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait, prefetch_l2
-from impl.triton_env import ASM, tl, triton
-
-PREFETCH_MODE = 0  # experiment: 0 none, 1 after the wait, 2 at the end
+from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
+from impl.triton_env import tl, triton
 
 L2_EPS = tl.constexpr(1e-6)  # impl.model.kda.L2_EPS: inside the square root
 
@@ -73,11 +71,11 @@ def _shift_window(mixed_row_ptr, conv_state_ptr, ch, keep, KERN: tl.constexpr, K
 
 @triton.jit
 def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bias_ptr, a_log_ptr,
-                      state_in_ptr, state_out_ptr, keep_ptr, out_ptr, next_ptr, next_numel,
+                      state_in_ptr, state_out_ptr, keep_ptr, out_ptr,
                       stride_mixed, stride_f, stride_b, stride_out,
                       H, lower_bound,
                       D: tl.constexpr, BLOCK_V: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr,
-                      SAFE_GATE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                      SAFE_GATE: tl.constexpr, PDL: tl.constexpr):
     """Program (row * H + head, value block): the delta rule on the state's columns [D, BLOCK_V]
     (columns are independent: the recall and the output sum over the key dim only); writes the
     head's output o unnormalized (rounded to the activation dtype, as the module rounds it)."""
@@ -89,8 +87,6 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
     s = tl.load(state_in_ptr + offs_s)  # written by an earlier token's launch (or a verify pass's, two launches ago)
     pdl_wait(PDL)  # the projections, the convolution window (shifted by the launch before in a verify pass), keep
     pdl_release(PDL)
-    if PREFETCH == 1:
-        _prefetch_share(next_ptr, next_numel)
     keep = tl.load(keep_ptr)
     hd = H * D
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -118,19 +114,6 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
     tl.store(state_out_ptr + offs_s, s)
     o = tl.sum(q[:, None] * s, axis=0)
     tl.store(out_ptr + row * stride_out + h * D + offs_v, o.to(out_dtype))
-    if PREFETCH == 2:
-        _prefetch_share(next_ptr, next_numel)
-
-
-@triton.jit
-def _prefetch_share(next_ptr, next_numel):
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    share = tl.cdiv(next_numel, programs)
-    lo = pid * share
-    hi = tl.minimum(lo + share, next_numel)
-    if lo < hi:
-        prefetch_l2(next_ptr + lo, next_ptr + hi, ASM)
 
 
 @triton.jit
@@ -165,7 +148,7 @@ BLOCK_V = 32  # state columns a program of kda_decode_kernel updates: 4 programs
 def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_state: torch.Tensor,
                conv_w: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, norm_w: torch.Tensor,
                state_in: torch.Tensor, state_out: torch.Tensor, keep: torch.Tensor, num_heads: int,
-               safe_gate: bool, lower_bound: float, norm_eps: float, next_weight: torch.Tensor | None = None) -> torch.Tensor:
+               safe_gate: bool, lower_bound: float, norm_eps: float) -> torch.Tensor:
     """One token of B rows: mixed [B, 3*H*D] (q|k|v projections before the convolution), f and gate
     [B, H*D], b [B, H] (rows may be strided views, the last dim contiguous); conv_state
     [B, 3*H*D, kernel-1] and the states [B, H, D, D] fp32, updated; conv_w [3*H*D, kernel] fp32.
@@ -190,10 +173,8 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
     pdl = pdl_supported(mixed.device)
     kda_decode_kernel[(bsz * num_heads, d // block_v)](
         mixed, f, b, conv_state, conv_w, dt_bias, a_log, state_in, state_out, keep, out,
-        next_weight if next_weight is not None else out, next_weight.numel() if next_weight is not None else 0,
         mixed.stride(0), f.stride(0), b.stride(0), out.stride(0), num_heads, float(lower_bound),
-        D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, PDL=pdl,
-        PREFETCH=PREFETCH_MODE if (pdl and next_weight is not None) else 0, launch_pdl=pdl, num_warps=4)
+        D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, PDL=pdl, launch_pdl=pdl, num_warps=4)
     kda_output_kernel[(bsz * num_heads,)](
         mixed, gate, conv_state, norm_w, keep, out, mixed.stride(0), gate.stride(0), out.stride(0), num_heads,
         float(norm_eps), D=d, KERN=kern, KP=kp, PDL=pdl, launch_pdl=pdl, num_warps=4)

@@ -344,8 +344,7 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._up_weights()
         cache = self.kv_cache.kv
         query = mla_query(q.reshape(b * t, -1), kv_a.reshape(b * t, -1), w_uk, cos, sin,
-                          self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache,
-                          next_weight=self.o_proj.weight)
+                          self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, input_pos, cache)
         # b == 1 with T tokens: the T rows share the cache (batch stride 0), each up to its position.
         kv = cache[:b] if t == 1 else cache[:1].expand(t, *cache.shape[1:])
         # The positions are the step's input, written launches ago: the attention and its combine

@@ -32,10 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from impl.model.layers import apply_rope
-from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait, prefetch_l2
-from impl.triton_env import ASM, tl, triton
-
-PREFETCH_MODE = 0  # experiment: 1 the query kernel asks for o_proj in L2 at its end
+from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
+from impl.triton_env import tl, triton
 
 
 @dataclass(frozen=True)
@@ -81,11 +79,11 @@ def _store_rope(out_ptr, even, odd, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.con
 
 @triton.jit
 def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, pos_ptr, query_ptr, cache_ptr,
-                     next_ptr, next_numel, ROWS, TOKENS, H, eps,
+                     ROWS, TOKENS, H, eps,
                      stride_q, stride_kv_a, stride_wuk_h, stride_wuk_d, stride_cos, stride_sin,
                      stride_query_row, stride_query_h, stride_cache_b, stride_cache_s,
                      DN: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, QK: tl.constexpr,
-                     BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Row i = b * TOKENS + t: token t of batch row b, at position pos[t]. q rows hold each head's
     [q_nope (DN), q_rope (DR)] (QK apart), kv_a rows [latent (R), k_rope (DR)]. A program loads
     its weights before its wait, and after it all of a row's inputs before it stores anything (a
@@ -129,13 +127,6 @@ def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, po
             cache_row = cache_ptr + (i // TOKENS) * stride_cache_b + pos * stride_cache_s
             tl.store(cache_row + offs_l, (latent * rstd * norm_w).to(cache_ptr.dtype.element_ty))
             _store_rope(cache_row + R, even, odd, cos_lo, cos_hi, sin_lo, sin_hi, DR // 2)
-    if PREFETCH:
-        programs = tl.num_programs(0)
-        share = tl.cdiv(next_numel, programs)
-        lo = pid * share
-        hi = tl.minimum(lo + share, next_numel)
-        if lo < hi:
-            prefetch_l2(next_ptr + lo, next_ptr + hi, ASM)
 
 
 @triton.jit
@@ -170,7 +161,7 @@ def _rows_2d(name: str, t: torch.Tensor, width: int) -> None:
 
 def mla_query(q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               norm_weight: torch.Tensor, eps: float, input_pos: torch.Tensor, cache: torch.Tensor,
-              launch: MLAAbsorbLaunch = DEFAULT_LAUNCH, next_weight: torch.Tensor | None = None) -> torch.Tensor:
+              launch: MLAAbsorbLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """For rows = B * T token rows (q [rows, H * (dn + dr)], kv_a [rows, r + dr], both views with
     contiguous rows; T = input_pos's length, the tokens of each batch row, at positions input_pos
     [T]; cos/sin [T, dr] fp32): writes every row's cache row into cache [>= B, S, r + dr] at its
@@ -199,13 +190,10 @@ def mla_query(q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, cos: torc
     pdl = launch.pdl and pdl_supported(q.device)
     grid = (h * triton.cdiv(r, launch.block_r) + 1,)
     mla_query_kernel[grid](q, kv_a, w_uk, cos, sin, norm_weight, input_pos, query, cache,
-                           next_weight if next_weight is not None else query,
-                           next_weight.numel() if next_weight is not None else 0, rows, tokens, h, float(eps), q.stride(0), kv_a.stride(0), w_uk.stride(0), w_uk.stride(1),
+                           rows, tokens, h, float(eps), q.stride(0), kv_a.stride(0), w_uk.stride(0), w_uk.stride(1),
                            cos.stride(0), sin.stride(0), query.stride(0), query.stride(1), cache.stride(0),
                            cache.stride(1), DN=dn, R=r, DR=dr, QK=dn + dr, BLOCK_DN=triton.next_power_of_2(dn),
-                           BLOCK_R=min(launch.block_r, r), PDL=pdl,
-                           PREFETCH=PREFETCH_MODE if (pdl and next_weight is not None) else 0,
-                           launch_pdl=pdl, num_warps=launch.num_warps)
+                           BLOCK_R=min(launch.block_r, r), PDL=pdl, launch_pdl=pdl, num_warps=launch.num_warps)
     return query
 
 
