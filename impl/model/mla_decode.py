@@ -220,8 +220,6 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, (o / total).to(out_ptr.dtype.element_ty))
 
 
-SKIP = ""  # experiment: "combine" or "attention+combine" leave those launches out (timing only)
-_PERSIST: dict = {}
 _NO_SPILLS: set = set()  # the builds checked by `_refuse_spills`
 
 
@@ -293,14 +291,8 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if query.is_cuda:
         _refuse_spills(mla_decode_kernel, cfg, (b, nsplit), args, meta)
-    key = (kv.data_ptr(), b, h, r)
-    if SKIP == "attention+combine" and key in _PERSIST:
-        return _PERSIST[key]
     mla_decode_kernel[(b, nsplit)](*args, **meta)
-    if SKIP == "combine" and key in _PERSIST:
-        return _PERSIST[key]
     out = torch.empty(b, h, r, dtype=query.dtype, device=query.device)
-    _PERSIST[key] = out
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
         m, lse, acc, lengths, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h,
         BLOCK_R=block_r, BLOCK_SPLITS=triton.next_power_of_2(nsplit), BLOCK_ROWS=cfg.block_rows,
