@@ -119,7 +119,8 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
 @triton.jit
 def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr, out_ptr,
                       stride_mixed, stride_gate, stride_out, H, norm_eps,
-                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+                      D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
+                      EARLY: tl.constexpr = False):
     """Program row * H + head, after kda_decode_kernel: the gated RMS norm of the head's o over Dv
     (then the sigmoid of the output gate), in place, and the shift of the head's q, k, v
     convolution inputs (every program of the first kernel has read them by now)."""
@@ -127,8 +128,11 @@ def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr,
     row, h = pid // H, pid % H
     offs_d = tl.arange(0, D)
     norm_w = tl.load(norm_w_ptr + offs_d).to(tl.float32)
+    if EARLY:
+        pdl_release(PDL)
     pdl_wait(PDL)  # o comes from the launch before
-    pdl_release(PDL)
+    if not EARLY:
+        pdl_release(PDL)
     hd = H * D
     o_ptrs = out_ptr + row * stride_out + h * D + offs_d
     o = tl.load(o_ptrs).to(tl.float32)
@@ -143,6 +147,7 @@ def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr,
 
 
 BLOCK_V = 32  # state columns a program of kda_decode_kernel updates: 4 programs a head at D = 128
+EARLY_RELEASE = False  # experiment: release the next launch before waiting
 
 
 def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_state: torch.Tensor,
@@ -177,5 +182,5 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
         D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, PDL=pdl, launch_pdl=pdl, num_warps=4)
     kda_output_kernel[(bsz * num_heads,)](
         mixed, gate, conv_state, norm_w, keep, out, mixed.stride(0), gate.stride(0), out.stride(0), num_heads,
-        float(norm_eps), D=d, KERN=kern, KP=kp, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        float(norm_eps), D=d, KERN=kern, KP=kp, PDL=pdl, EARLY=EARLY_RELEASE, launch_pdl=pdl, num_warps=4)
     return out

@@ -63,6 +63,8 @@ class MLADecodeConfig:
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
+EARLY_RELEASE = False  # experiment: release the next launch before waiting
+
 # Per device name, written by scripts/gpu/bench_attention.py --adopt-best (the config of the least
 # time summed over 1k, 8k and 32k rows, the kernel alone); the file names the run it came from.
 TUNED_PATH = Path(__file__).with_name("mla_decode_tuned.json")
@@ -199,7 +201,8 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
 @triton.jit
 def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh, stride_len,
                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+                       EARLY_REL: tl.constexpr = False):
     """One head's BLOCK_R latent values from every chunk's partial result, loaded at once
     (BLOCK_SPLITS >= NSPLIT): one round trip to memory, not one a group of chunks. The length
     (a position under EARLY) was written two or more launches back: read before the wait."""
@@ -210,8 +213,11 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     n = _valid_rows(length_ptr, b, stride_len, EARLY)
     ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
     part = (b * NSPLIT + offs_p) * BLOCK_H + h
+    if EARLY_REL:
+        pdl_release(PDL)
     pdl_wait(PDL)  # the partials come from the launch before
-    pdl_release(PDL)
+    if not EARLY_REL:
+        pdl_release(PDL)
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
     w = tl.exp(m - tl.max(m, axis=0))
     total = tl.sum(w * tl.load(l_ptr + part, mask=ok, other=0.0), axis=0)
@@ -296,5 +302,5 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
         m, lse, acc, lengths, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h,
         BLOCK_R=block_r, BLOCK_SPLITS=triton.next_power_of_2(nsplit), BLOCK_ROWS=cfg.block_rows,
-        MIN_CHUNK=cfg.min_chunk_rows, EARLY=early, PDL=pdl, launch_pdl=pdl, num_warps=4)
+        MIN_CHUNK=cfg.min_chunk_rows, EARLY=early, PDL=pdl, EARLY_REL=EARLY_RELEASE, launch_pdl=pdl, num_warps=4)
     return out
