@@ -135,6 +135,27 @@ def test_a_head_dim_the_tiles_cannot_hold_is_refused():
                    z(h * d), z(h), z(d), z(1, h, d, d), z(1, h, d, d), torch.ones(1), h, True, -5.0, 1e-6)
 
 
+def test_only_a_decode_token_lets_o_proj_start_before_the_output_kernel_waits(monkeypatch):
+    """`release_early` (the output kernel releases the next launch before its wait) is asked for a
+    decode token, whose next launch is o_proj's GEMV (weights only before its wait), and never in
+    a verify pass, where the next token's first kernel reads the state this token writes."""
+    from impl.model import kda_decode as kd
+    asked, original = [], kd.kda_decode
+
+    def recording(*args, release_early=False, **kwargs):
+        asked.append(release_early)
+        return original(*args, release_early=release_early, **kwargs)
+
+    monkeypatch.setattr(kd, "kda_decode", recording)
+    m = module(seed=4)
+    m.setup_cache(1, verify_tokens=4)
+    g = torch.Generator(DEVICE).manual_seed(6)
+    with torch.inference_mode():
+        m._decode_kernel(torch.randn(1, 1, 64, generator=g, device=DEVICE), torch.tensor([3], device=DEVICE))
+        m._verify_kernel(torch.randn(1, 4, 64, generator=g, device=DEVICE), torch.arange(4, 8, device=DEVICE))
+    assert asked == [True, False, False, False, False]
+
+
 @pytest.mark.parametrize("tokens,count", [(4, 1), (4, 3), (2, 2)])
 def test_a_verify_pass_through_the_kernel_equals_the_torch_pass(tokens, count):
     """A verify pass of T tokens token by token through the kernel (`_verify_kernel`, what CUDA

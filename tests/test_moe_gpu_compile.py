@@ -99,6 +99,13 @@ def writes_before_wait(ptx: str) -> list[str]:
     return offending
 
 
+def releases_before_wait(ptx: str) -> bool:
+    """Whether a PDL kernel lets the next launch start (`griddepcontrol.launch_dependents`) before
+    it waits for the launch before (`griddepcontrol.wait`), in the PTX's order."""
+    release, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
+    return 0 <= release < wait
+
+
 def _sass_loops(cubin: bytes) -> list[list[tuple[int, str]]]:
     """The loops of a compiled kernel, each as its instructions (address, text) from a backward
     branch's target to the branch, read from the SASS that the Triton wheel's nvdisasm prints."""
@@ -231,15 +238,18 @@ def _compile_all(tiles) -> int:
     assert not FP32_MATH, "compile with TRITON_INTERPRET=0"
     failures = 0
 
-    def attempt(label, fn, consts, *args, barrier_free=False, **kwargs):
-        """Compile; a PDL kernel must also write nothing before it waits (writes_before_wait), and
-        a `barrier_free` one hold no barrier in its loops (loop_barriers)."""
+    def attempt(label, fn, consts, *args, barrier_free=False, releases_early=None, **kwargs):
+        """Compile; a PDL kernel must also write nothing before it waits (writes_before_wait), a
+        `barrier_free` one hold no barrier in its loops (loop_barriers), and where
+        `releases_early` is given, release the next launch before its wait exactly when it is True."""
         nonlocal failures
         try:
             compiled = compile_one(fn, consts, *args, **kwargs)
             early = writes_before_wait(compiled.asm["ptx"]) if consts.get("PDL") else []
             if early:
                 raise AssertionError(f"global writes before griddepcontrol.wait: {early[:3]}")
+            if releases_early is not None and releases_before_wait(compiled.asm["ptx"]) != releases_early:
+                raise AssertionError(f"releases the next launch {'after' if releases_early else 'before'} its wait")
             bars = loop_barriers(compiled.asm["cubin"]) if barrier_free else []
             if bars:
                 raise AssertionError(f"barriers inside K loops: {bars[:4]}")
@@ -274,6 +284,21 @@ def _compile_all(tiles) -> int:
     stamp, spin = plant.kernels()
     attempt("plant_stamp_kernel", stamp, {}, dict(stamp_ptr="*i64"))
     attempt("plant_spin_kernel", spin, {}, dict(stamp_ptr="*i64"), ("fraction",))
+    # The kernels before the attention layers' o_proj: KDA's output kernel lets the GEMV start
+    # before it waits only when asked (a decode token; a verify pass's next token reads the state),
+    # MLA's combine and output kernels always (what follows them reads only weights before its wait).
+    from impl.model import kda_decode as kd
+    from impl.model import mla_absorb as ma
+    from impl.model import mla_decode as md
+    kda_ptrs = dict(conv_state_ptr="*fp32", keep_ptr="*fp32")
+    for early in (False, True):
+        attempt(f"kda_output_kernel release_early={early}", kd.kda_output_kernel,
+                dict(D=128, KERN=4, KP=4, PDL=True, RELEASE_EARLY=early), kda_ptrs, ("norm_eps",), releases_early=early)
+    attempt("mla_combine_kernel", md.mla_combine_kernel,
+            dict(R=512, BLOCK_H=32, BLOCK_R=32, BLOCK_SPLITS=256, BLOCK_ROWS=64, MIN_CHUNK=64, EARLY=True, PDL=True),
+            dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", length_ptr="*i64"), releases_early=True)
+    attempt("mla_output_kernel", ma.mla_output_kernel, dict(R=512, DV=128, BLOCK_V=32, PDL=True), {},
+            releases_early=True)
     # The decode step's residual add + RMS norm (impl/model/add_rms_norm.py) at Ling-3.0-flash's width.
     from impl.model import add_rms_norm as arn
     attempt("add_rms_norm_kernel", arn.add_rms_norm_kernel, dict(BLOCK_H=4096), {}, ("eps",), arn.NUM_WARPS)

@@ -314,7 +314,7 @@ class KDAAttention(nn.Module):
                        self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
                        self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
                        keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
-                       self.o_norm.eps)
+                       self.o_norm.eps, release_early=True)
         return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
 
     def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:

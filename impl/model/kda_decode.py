@@ -16,7 +16,10 @@ round: the convolution's SiLU output and o to the activation dtype, as the modul
 
 Both launch with programmatic dependent launch where the GPU has it (impl/moe/triton_pdl.py's
 rules): the first loads its columns of the state, written a token ago, while the input projection
-before it still runs; the second its norm weight.
+before it still runs; the second its norm weight. For a decode token the second lets the launch
+after it, o_proj's GEMV, start before it waits (`release_early`), so the GEMV loads its first
+weight tiles during the first kernel: row 3's step of Ling-3.0-flash 0.989-0.991x at 1k, 8k and
+32k, logits bit for bit the same (notes/runs/2026-12-04-ab-step-early-release-h200.log).
 
 The state is read once and written once (`state_in` may be `state_out`: decode updates in place);
 `keep` (1.0, or 0.0 at position 0) multiplies the stored state and convolution inputs, so a new
@@ -120,7 +123,7 @@ def kda_decode_kernel(mixed_ptr, f_ptr, b_ptr, conv_state_ptr, conv_w_ptr, dt_bi
 def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr, out_ptr,
                       stride_mixed, stride_gate, stride_out, H, norm_eps,
                       D: tl.constexpr, KERN: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
-                      EARLY: tl.constexpr = False):
+                      RELEASE_EARLY: tl.constexpr):
     """Program row * H + head, after kda_decode_kernel: the gated RMS norm of the head's o over Dv
     (then the sigmoid of the output gate), in place, and the shift of the head's q, k, v
     convolution inputs (every program of the first kernel has read them by now)."""
@@ -128,10 +131,10 @@ def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr,
     row, h = pid // H, pid % H
     offs_d = tl.arange(0, D)
     norm_w = tl.load(norm_w_ptr + offs_d).to(tl.float32)
-    if EARLY:
+    if RELEASE_EARLY:  # the launch after reads nothing but weights before its wait
         pdl_release(PDL)
     pdl_wait(PDL)  # o comes from the launch before
-    if not EARLY:
+    if not RELEASE_EARLY:
         pdl_release(PDL)
     hd = H * D
     o_ptrs = out_ptr + row * stride_out + h * D + offs_d
@@ -147,17 +150,19 @@ def kda_output_kernel(mixed_ptr, gate_ptr, conv_state_ptr, norm_w_ptr, keep_ptr,
 
 
 BLOCK_V = 32  # state columns a program of kda_decode_kernel updates: 4 programs a head at D = 128
-EARLY_RELEASE = False  # experiment: release the next launch before waiting
 
 
 def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_state: torch.Tensor,
                conv_w: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, norm_w: torch.Tensor,
                state_in: torch.Tensor, state_out: torch.Tensor, keep: torch.Tensor, num_heads: int,
-               safe_gate: bool, lower_bound: float, norm_eps: float) -> torch.Tensor:
+               safe_gate: bool, lower_bound: float, norm_eps: float, release_early: bool = False) -> torch.Tensor:
     """One token of B rows: mixed [B, 3*H*D] (q|k|v projections before the convolution), f and gate
     [B, H*D], b [B, H] (rows may be strided views, the last dim contiguous); conv_state
     [B, 3*H*D, kernel-1] and the states [B, H, D, D] fp32, updated; conv_w [3*H*D, kernel] fp32.
-    Returns o [B, H*D] in mixed's dtype, ready for o_proj."""
+    Returns o [B, H*D] in mixed's dtype, ready for o_proj. `release_early`: the launch after this
+    one may start before the first kernel has finished, so it must read nothing but weights before
+    its wait (o_proj's GEMV; not the next token's first kernel in a verify pass, which reads the
+    state this token writes)."""
     bsz, hd = f.shape
     d = hd // num_heads
     kern = conv_w.shape[-1]
@@ -182,5 +187,6 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
         D=d, BLOCK_V=block_v, KERN=kern, KP=kp, SAFE_GATE=safe_gate, PDL=pdl, launch_pdl=pdl, num_warps=4)
     kda_output_kernel[(bsz * num_heads,)](
         mixed, gate, conv_state, norm_w, keep, out, mixed.stride(0), gate.stride(0), out.stride(0), num_heads,
-        float(norm_eps), D=d, KERN=kern, KP=kp, PDL=pdl, EARLY=EARLY_RELEASE, launch_pdl=pdl, num_warps=4)
+        float(norm_eps), D=d, KERN=kern, KP=kp, PDL=pdl, RELEASE_EARLY=release_early,
+        launch_pdl=pdl, num_warps=4)
     return out

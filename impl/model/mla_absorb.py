@@ -56,8 +56,6 @@ class MLAAbsorbLaunch:
 
 
 DEFAULT_LAUNCH = MLAAbsorbLaunch()
-EARLY_RELEASE = False  # experiment: release the next launch before waiting
-
 
 
 @triton.jit
@@ -134,8 +132,7 @@ def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, po
 @triton.jit
 def mla_output_kernel(lat_ptr, g_ptr, w_uv_ptr, out_ptr, ROWS,
                       stride_lat_row, stride_lat_h, stride_g, stride_wuv_h, stride_wuv_v, stride_out,
-                      R: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
-                      EARLY: tl.constexpr = False):
+                      R: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """out[i, h * DV + v] = round(round(W_uv[h, v] . lat[i, h]) * round(sigmoid(g[i, h])))."""
     blocks_v = tl.cdiv(DV, BLOCK_V)
     h = tl.program_id(0) // blocks_v
@@ -144,11 +141,8 @@ def mla_output_kernel(lat_ptr, g_ptr, w_uv_ptr, out_ptr, ROWS,
     v_ok = offs_v < DV
     w = tl.load(w_uv_ptr + h * stride_wuv_h + offs_v[:, None] * stride_wuv_v + offs_r[None, :],
                 mask=v_ok[:, None], other=0.0)
-    if EARLY:
-        pdl_release(PDL)
+    pdl_release(PDL)  # before the wait: o_proj's GEMV after it loads its weight during the attention
     pdl_wait(PDL)  # the latents come from the attention's combine, launched just before
-    if not EARLY:
-        pdl_release(PDL)
     dtype = out_ptr.dtype.element_ty
     for i in range(ROWS):
         g = tl.load(g_ptr + i * stride_g + h)
@@ -207,7 +201,9 @@ def mla_output(lat: torch.Tensor, g: torch.Tensor, w_uv: torch.Tensor,
                launch: MLAAbsorbLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """lat [rows, H, r] (attention-weighted latents, contiguous latents), g [rows, H] (the gate's
     pre-activation, a view with contiguous rows), w_uv [H, dv, r] (a view of kv_b_proj's weight):
-    returns [rows, H * dv] in lat's dtype, each head's W_uv lat times sigmoid(g)."""
+    returns [rows, H * dv] in lat's dtype, each head's W_uv lat times sigmoid(g). The launch after
+    this one may start before the launch before it has finished: before its wait it may read only
+    weights (o_proj's GEMV)."""
     h, dv, r = w_uv.shape
     if lat.dim() != 3 or lat.shape[1:] != (h, r) or lat.stride(2) != 1:
         raise ValueError(f"mla_output: lat must be [rows, H={h}, r={r}] with contiguous latents, got {tuple(lat.shape)}")
@@ -221,7 +217,7 @@ def mla_output(lat: torch.Tensor, g: torch.Tensor, w_uv: torch.Tensor,
     pdl = launch.pdl and pdl_supported(lat.device)
     mla_output_kernel[(h * triton.cdiv(dv, block_v),)](
         lat, g, w_uv, out, rows, lat.stride(0), lat.stride(1), g.stride(0), w_uv.stride(0), w_uv.stride(1),
-        out.stride(0), R=r, DV=dv, BLOCK_V=block_v, PDL=pdl, EARLY=EARLY_RELEASE, launch_pdl=pdl,
+        out.stride(0), R=r, DV=dv, BLOCK_V=block_v, PDL=pdl, launch_pdl=pdl,
         num_warps=launch.num_warps)
     return out
 

@@ -18,7 +18,8 @@ the context costs a few idle programs only.
 
 Called with the step's positions instead of lengths (the model's call), both kernels read them
 before waiting for the launch before (PDL), so a program knows its chunk while the query kernel
-still runs. A build that spills registers is refused before it launches (`_refuse_spills`).
+still runs. The combine lets the launch after it start before it waits (impl/moe/triton_pdl.py's
+rules: that launch reads nothing but weights before its wait, as MLA's output kernel does). A build that spills registers is refused before it launches (`_refuse_spills`).
 
 The torch form (impl.model.mla: `MLAAttention._absorbed` through SDPA over the masked cache) is
 its reference.
@@ -63,8 +64,6 @@ class MLADecodeConfig:
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
-EARLY_RELEASE = False  # experiment: release the next launch before waiting
-
 # Per device name, written by scripts/gpu/bench_attention.py --adopt-best (the config of the least
 # time summed over 1k, 8k and 32k rows, the kernel alone); the file names the run it came from.
 TUNED_PATH = Path(__file__).with_name("mla_decode_tuned.json")
@@ -201,8 +200,7 @@ def mla_decode_kernel(q_ptr, kv_ptr, length_ptr, m_ptr, l_ptr, acc_ptr,
 @triton.jit
 def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, stride_ob, stride_oh, stride_len,
                        R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-                       EARLY_REL: tl.constexpr = False):
+                       BLOCK_ROWS: tl.constexpr, MIN_CHUNK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """One head's BLOCK_R latent values from every chunk's partial result, loaded at once
     (BLOCK_SPLITS >= NSPLIT): one round trip to memory, not one a group of chunks. The length
     (a position under EARLY) was written two or more launches back: read before the wait."""
@@ -213,11 +211,8 @@ def mla_combine_kernel(m_ptr, l_ptr, acc_ptr, length_ptr, out_ptr, NSPLIT, strid
     n = _valid_rows(length_ptr, b, stride_len, EARLY)
     ok = offs_p < tl.cdiv(n, _chunk_rows(n, NSPLIT, BLOCK_ROWS, MIN_CHUNK))  # the chunks that saw rows
     part = (b * NSPLIT + offs_p) * BLOCK_H + h
-    if EARLY_REL:
-        pdl_release(PDL)
+    pdl_release(PDL)  # before the wait: the output kernel after it loads its weights during the attention
     pdl_wait(PDL)  # the partials come from the launch before
-    if not EARLY_REL:
-        pdl_release(PDL)
     m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
     w = tl.exp(m - tl.max(m, axis=0))
     total = tl.sum(w * tl.load(l_ptr + part, mask=ok, other=0.0), axis=0)
@@ -260,6 +255,8 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     Instead of `length`, `positions` ([1] or [B]: row b attends to rows 0..positions[b]) lets the
     kernel read each row's length before the launch just before it has finished (PDL): the caller
     promises the positions were written two or more launches back (the step's input positions).
+    The launch after this call may start before its attention kernel has finished: before its own
+    wait it may read only what was written before this call (weights).
     """
     b, h, width = query.shape
     if (length is None) == (positions is None):
@@ -302,5 +299,5 @@ def mla_decode_attention(query: torch.Tensor, kv: torch.Tensor, length: torch.Te
     mla_combine_kernel[(b, h, triton.cdiv(r, block_r))](
         m, lse, acc, lengths, out, nsplit, out.stride(0), out.stride(1), stride_len, R=r, BLOCK_H=block_h,
         BLOCK_R=block_r, BLOCK_SPLITS=triton.next_power_of_2(nsplit), BLOCK_ROWS=cfg.block_rows,
-        MIN_CHUNK=cfg.min_chunk_rows, EARLY=early, PDL=pdl, EARLY_REL=EARLY_RELEASE, launch_pdl=pdl, num_warps=4)
+        MIN_CHUNK=cfg.min_chunk_rows, EARLY=early, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out

@@ -12,6 +12,11 @@ Rules every PDL kernel here follows (what makes the early start safe):
   logits, freed when `route_triton` returns);
 - each launch has programs that wait before they release (`pdl_release`), so the launch after it
   starts only once everything before this one has completed: "two launches earlier" is done.
+  A kernel may release before it waits only where the launch after it reads nothing but weights
+  before its wait (KDA's output kernel for a decode token, MLA's combine and output kernels,
+  followed by MLA's output kernel and the o_proj GEMV): that launch then becomes resident while
+  the one before still runs. Its writes stay safe: each wait returns once the launch before has
+  completed, which it did only after its own wait returned, so every launch before has completed.
 Launched without PDL (and under the interpreter, where launches run one after another) both are
 skipped at compile time.
 
