@@ -19,7 +19,8 @@ the context costs a few idle programs only.
 Called with the step's positions instead of lengths (the model's call), both kernels read them
 before waiting for the launch before (PDL), so a program knows its chunk while the query kernel
 still runs. The combine lets the launch after it start before it waits (impl/moe/triton_pdl.py's
-rules: that launch reads nothing but weights before its wait, as MLA's output kernel does). A build that spills registers is refused before it launches (`_refuse_spills`).
+rules: that launch reads nothing but weights before its wait, as MLA's output kernel does). A
+build that spills registers is refused before it launches (`_refuse_spills`).
 
 The torch form (impl.model.mla: `MLAAttention._absorbed` through SDPA over the masked cache) is
 its reference.
