@@ -231,7 +231,9 @@ class Gate:
 
     @staticmethod
     def _compare(result: GateResult, samples: list[float], frozen: FrozenMetric) -> None:
-        cmp = compare(samples, frozen.samples, result.direction, frozen.tolerance)
+        # A fraction of answers can be 0 (a model that gets every answer wrong, and did when frozen).
+        cmp = compare(samples, frozen.samples, result.direction, frozen.tolerance,
+                      zero_ok=result.unit == "fraction" and result.direction == "higher")
         result.current, result.samples = statistics.median(samples), samples
         result.ratio, result.ci_low, result.ci_high, result.p_value = cmp.ratio, cmp.ci_low, cmp.ci_high, cmp.p_value
         result.verdict = cmp.verdict

@@ -22,7 +22,8 @@ def rows(results) -> list[tuple[str, ...]]:
     out = []
     for r in results:
         ci = "-" if r.ci_low is None else f"{r.ci_low:.3f}-{r.ci_high:.3f}"
-        out.append((r.metric_id, f"{_fmt(r.current)} {r.unit}", f"{_fmt(r.frozen)} {r.unit}" if r.frozen else "-",
+        frozen = "-" if r.frozen is None else f"{_fmt(r.frozen)} {r.unit}"
+        out.append((r.metric_id, f"{_fmt(r.current)} {r.unit}", frozen,
                     _fmt(r.ratio, ".3f"), ci, r.scope or "-", r.verdict.upper(), _stall(r.host_load)))
     return out
 

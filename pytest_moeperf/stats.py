@@ -29,22 +29,28 @@ class Comparison:
 
 
 def _median_ratio(a, b, axis=-1):
-    return np.median(a, axis=axis) / np.median(b, axis=axis)
+    """median(a) / median(b); 0 / 0 is 1 (a fraction of answers can be 0 on both sides)."""
+    num, den = np.median(a, axis=axis), np.median(b, axis=axis)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((num == 0) & (den == 0), 1.0, num / den)
 
 
 def ratio_interval(current, frozen, confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float, float]:
     """Ratio of medians current/frozen and its percentile-bootstrap interval (independent resampling)."""
     a, b = np.asarray(current, dtype=float), np.asarray(frozen, dtype=float)
     point = float(_median_ratio(a, b))
-    if len(a) < 2 or len(b) < 2 or np.ptp(a) == 0 and np.ptp(b) == 0:
-        return point, point, point
+    if len(a) < 2 or len(b) < 2 or np.ptp(a) == 0 and np.ptp(b) == 0 or np.median(b) == 0:
+        return point, point, point  # nothing to resample, or (a zero frozen fraction) no scale to resample on
     res = sps.bootstrap((a, b), _median_ratio, n_resamples=N_RESAMPLES, confidence_level=confidence,
                         method="percentile", vectorized=True, rng=np.random.default_rng(seed))
     return point, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def compare(current, frozen, direction: str, tolerance: float, confidence: float = CONFIDENCE) -> Comparison:
-    """Verdict for `current` samples against `frozen` ones, both positive, in the metric's units."""
+def compare(current, frozen, direction: str, tolerance: float, confidence: float = CONFIDENCE,
+            zero_ok: bool = False) -> Comparison:
+    """Verdict for `current` samples against `frozen` ones in the metric's units, all positive.
+    `zero_ok` (a fraction of answers, higher is better): zero is a value too; a zero frozen median
+    is matched by a zero current one and beaten by anything above it."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     if not 0 < tolerance < 1:
@@ -52,8 +58,10 @@ def compare(current, frozen, direction: str, tolerance: float, confidence: float
     cur, ref = np.asarray(current, dtype=float), np.asarray(frozen, dtype=float)
     if cur.size == 0 or ref.size == 0:
         raise ValueError("compare needs at least one current and one frozen sample")
-    if not (np.all(np.isfinite(cur)) and np.all(cur > 0)):
-        # NaN, inf or a non-positive time/throughput is never a pass.
+    if zero_ok and direction != "higher":
+        raise ValueError("zero_ok is for higher-is-better fractions")
+    if not np.all(np.isfinite(cur)) or np.any(cur < 0) or (not zero_ok and np.any(cur == 0)):
+        # NaN, inf, a negative figure or a zero time or rate is never a pass.
         return Comparison(math.nan, math.nan, math.nan, 0.0, "regression")
     if direction == "lower":
         cur, ref = 1 / cur, 1 / ref

@@ -69,6 +69,31 @@ def test_unchanged_run_passes_after_freezing(run, suite):
     again.stdout.fnmatch_lines(["*moeperf gate*", "*latency_us*100 us*100 us*1.000*PASS*"])
 
 
+FRACTION_SUITE = """
+import os
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+
+def test_accuracy(moe_gate):
+    correct = float(os.environ.get("PLANTED_ACCURACY", "0"))
+    moe_gate.check("accuracy", [correct] * 4, unit="fraction", direction="higher", tolerance=0.05)
+"""
+
+
+@pytest.mark.parametrize("now, verdict, outcome", [("0", "PASS", "passed"), ("0.5", "REFREEZE", "passed")])
+def test_a_fraction_frozen_at_zero_gates_without_a_false_regression(pytester, monkeypatch, now, verdict, outcome):
+    """A model that got no answer right when frozen: the same again passes (it read as a
+    regression with a ratio of 0/0), any right answer now asks for a refreeze."""
+    pytester.makepyfile(test_fraction=FRACTION_SUITE)
+    monkeypatch.setenv("PLANTED_ACCURACY", "0")
+    run_inner(pytester, "--moe-bench", "--moe-freeze", monkeypatch=monkeypatch).assert_outcomes(passed=1)
+    monkeypatch.setenv("PLANTED_ACCURACY", now)
+    result = run_inner(pytester, "--moe-bench", monkeypatch=monkeypatch)
+    result.assert_outcomes(**{outcome: 1})
+    result.stdout.fnmatch_lines([f"*accuracy*0 fraction*{verdict}*"])
+
+
 def test_planted_20_percent_slowdown_fails(run):
     run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
     result = run("--moe-bench", factor=1.2)

@@ -74,6 +74,20 @@ def test_non_finite_or_non_positive_samples_never_pass(bad):
     assert compare([100.0] * 9 + [bad], [100.0] * 10, "higher", 0.1).verdict == "regression"
 
 
+def test_a_fraction_of_answers_may_be_zero_on_either_side():
+    """A model that got every answer wrong when frozen and again now passes; rising from zero asks
+    for a refreeze; falling to zero is a regression. Only fractions (zero_ok) may be zero."""
+    none, some = [0.0] * 5, [0.4, 0.5, 0.5, 0.6, 0.5]
+    same = compare(none, none, "higher", 0.05, zero_ok=True)
+    assert (same.verdict, same.ratio) == ("pass", 1.0)
+    assert compare(some, none, "higher", 0.05, zero_ok=True).verdict == "refreeze"
+    fell = compare(none, some, "higher", 0.05, zero_ok=True)
+    assert (fell.verdict, fell.ratio) == ("regression", 0.0)
+    assert compare(none, none, "higher", 0.05).verdict == "regression"  # a zero rate is never a pass
+    with pytest.raises(ValueError, match="zero_ok is for higher-is-better"):
+        compare(none, none, "lower", 0.05, zero_ok=True)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(direction="up", tolerance=0.1), "direction must be one of"),
     (dict(direction="lower", tolerance=0.0), "tolerance must be a fraction"),
