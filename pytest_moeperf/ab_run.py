@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 WARMUP = 2  # requests per row before timing: graphs captured, every compile of a first shape done
+# The speed figures are medians of per-request paired ratios; below three there is no median to gate.
+MIN_REQUESTS = 3
 
 
 @dataclass
@@ -39,16 +41,25 @@ def arm_entry(arm) -> dict:
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
 
 
-def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, warmup: int = WARMUP,
+def _usage_exit(message: str) -> None:
+    """Stop the session as a usage error (exit status 4), once: what the user asked for cannot run
+    on this model, so every test of the ladder would fail the same way."""
+    pytest.exit(f"usage error: {message}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup: int = WARMUP,
                      optional: tuple[str, ...] = ()) -> LadderRun:
-    """Serve `workload_spec` (impl.data.workloads) for `n` requests once per row of `rows`
-    (impl.serve.configs.Row), interleaved, on `model`; the report goes to `report_dir`, also when
-    the run stops part-way (it holds what completed). The model's MoE backend and head are put
-    back afterwards. `optional`: rows warmed up last and left out, the reason in the result's
-    "dropped", where their warm-up runs out of device memory (impl.serve.runner)."""
-    from impl.data.text import tokenizer_for
-    from impl.data.workloads import ContextError, load_workload
-    from impl.serve import build_arms, run_ladder
+    """Serve `workload_spec` (impl.data.workloads) for `n` requests (a count, or
+    impl.data.workloads.AtMost for a default that a smaller file or split caps) once per row of
+    `rows` (impl.serve.configs.Row), interleaved, on `model`; the report goes to `report_dir`, also
+    when the run stops part-way (it holds what completed). The model's MoE backend and head are
+    put back afterwards. `optional`: rows warmed up last and left out, the reason in the result's
+    "dropped", where their warm-up runs out of device memory (impl.serve.runner). A workload or a
+    row this model cannot run stops the session as a usage error."""
+    from impl.data.gsm8k import GSM8KError
+    from impl.data.text import TokenizerError, tokenizer_for
+    from impl.data.workloads import ContextError, WorkloadError, load_workload
+    from impl.serve import ArmError, build_arms, run_ladder
     from pytest_moeperf.ab_report import write_ab_report
     from pytest_moeperf.ab_summary import summarize_ab
     opts = session.options
@@ -58,12 +69,19 @@ def run_suite_ladder(session, model, rows, workload_spec, n: int, report_dir, wa
         workload = load_workload(workload_spec, tokenizer, model.config.max_seq_len - reserve, n=n, shots=opts.shots)
         workload.check()
     except ContextError as e:
-        hint = " (fewer with --moe-shots)" if e.shots else ""
-        raise pytest.UsageError(f"--moe-workload {workload_spec}: {e}{hint}") from None
+        _usage_exit(f"--moe-workload {workload_spec}: {e}" + (" (shots: --moe-shots)" if e.shots else ""))
+    except (WorkloadError, GSM8KError, TokenizerError) as e:
+        _usage_exit(f"--moe-workload {workload_spec}: {e}")
     requests = list(workload)
+    if len(requests) < MIN_REQUESTS:
+        _usage_exit(f"--moe-workload {workload_spec}: {len(requests)} request(s); the ladder's speed figures are "
+                    f"medians of per-request ratios and need at least {MIN_REQUESTS}")
     by_id = {r.request_id: r for r in requests}
     restore = (model.moe_backend, model.lm_head)
-    arms = build_arms(model, rows, tokenizer=tokenizer)
+    try:
+        arms = build_arms(model, rows, tokenizer=tokenizer)
+    except ArmError as e:
+        _usage_exit(f"--moe-ladder: {e}")
     records: list[dict] = []
 
     def scored(record: dict) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_moeperf.ab_run import MIN_REQUESTS
 from pytest_moeperf.device import parse_device
 from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
     moe_backend, moe_checked_backend, moe_device, moe_gate, moe_host_meter, moe_model, moe_sampler, moe_session)
@@ -66,8 +67,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add("--moe-workload", "moe_workload", "prompts of the ladder suite: arith, gsm8k[:FOLDER|HUB_ID], "
         "synthetic[:IN:OUT] or jsonl:FILE (prompt, optional answer and max_tokens) (default: arith)",
         metavar="WORKLOAD")
-    add("--moe-requests", "moe_requests", "requests the ladder suite serves per row (default: 60 on CPU, 1000 "
-        "on CUDA; at most the workload's size)", metavar="N")
+    add("--moe-requests", "moe_requests", "requests the ladder suite serves per row, at least 3 (default: 60 on "
+        "CPU, 1000 on CUDA, or all of a smaller file or split)", metavar="N")
     add("--moe-shots", "moe_shots", "few-shot examples of the gsm8k workload (default: 5, as lm-evaluation-harness)",
         metavar="K")
     add("--moe-margin", "moe_margin", "equivalence margin of the ladder's accuracy comparison, in percentage "
@@ -229,7 +230,7 @@ def parse_options(config: pytest.Config) -> Options:
         trust=parse_trust(_option(config, "moe_trust")),
         ladder=_option(config, "moe_ladder") or None,
         workload=parse_workload_option(_option(config, "moe_workload")),
-        requests=parse_count("--moe-requests", _option(config, "moe_requests"), 1),
+        requests=parse_count("--moe-requests", _option(config, "moe_requests"), MIN_REQUESTS),
         shots=parse_count("--moe-shots", _option(config, "moe_shots"), 0),
         margin=parse_margin(_option(config, "moe_margin")),
         ab_report=root / _option(config, "moe_ab_report"),

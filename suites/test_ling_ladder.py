@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pytest
 
+from impl.data.workloads import AtMost
 from impl.model.roofline import Formats
 from pytest_moeperf.ab_run import fail_on_provenance, paired, row_config, run_suite_ladder
 from pytest_moeperf.baselines import atomic_write_text
@@ -150,7 +151,7 @@ def _run_ladder(ling_session, moe_model, context):
         if not with_humming or not fits:
             _dropped[context] = ("the 32k prompt pass needs the room" if not with_humming else why)
             rows = [r for r in rows if r.config.moe != "humming"]
-    ladder = run_suite_ladder(ling_session, moe_model, rows, workload, opts.requests or n,
+    ladder = run_suite_ladder(ling_session, moe_model, rows, workload, opts.requests or AtMost(n),
                               Path(opts.ab_report) / f"ling-{context}", warmup=WARMUP,
                               optional=tuple(r.name for r in rows if r.config.moe == "humming"))
     if ladder.result["dropped"]:  # the runner has released what a dropped row converted

@@ -93,3 +93,51 @@ def test_an_unknown_row_is_a_usage_error_naming_it(pytester):
                                            "baseline;+turbo", "test_ab_ladder.py", timeout=300)
     assert result.ret == 4, result.stdout.str()[-2000:] + result.stderr.str()[-2000:]
     result.stderr.fnmatch_lines(["*--moe-ladder*+turbo*"])
+
+
+def _usage_exit(result) -> str:
+    out = result.stdout.str() + result.stderr.str()
+    assert result.ret == 4, out[-3000:]
+    return out
+
+
+def test_a_row_the_model_cannot_run_stops_the_session_once_as_a_usage_error(pytester):
+    """A layer backend named for layers tiny-gsm does not have: one usage error (exit 4) naming
+    the row and the key, instead of the same error in every test of the ladder."""
+    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", "synthetic:8:4",
+                     "--moe-ladder", "baseline;ta=attention=torch")
+    out = _usage_exit(result)
+    assert "usage error: --moe-ladder: ta: attention: model 'tiny' has no KDA or MLA layers" in out
+    assert "ERROR at setup" not in out
+
+
+def test_a_workload_the_model_cannot_serve_stops_the_session_once_as_a_usage_error(pytester):
+    prompts = pytester.path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "word " * 400, "max_tokens": 8}) + "\n" for _ in range(4)))
+    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+                     "--moe-ladder", "baseline;+fp8-head")
+    out = _usage_exit(result)
+    assert f"usage error: --moe-workload jsonl:{prompts}" in out and "more than the model's context" in out
+
+
+@pytest.mark.parametrize("lines, outcome", [(4, "served"), (2, "too few")])
+def test_without_a_request_count_a_small_prompts_file_is_served_whole(pytester, lines, outcome):
+    """The default count (60 on a CPU) is capped by the file's size; a file of fewer prompts than a
+    median needs is a usage error, not a failure of every speed test."""
+    prompts = pytester.path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "max_tokens": 4}) + "\n" for i in range(lines)))
+    result, report = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+                          "--moe-ladder", "baseline;+fp8-head", "-k", "provenance")
+    if outcome == "served":
+        assert result.ret == 0, result.stdout.str()[-3000:]
+        assert report["summary"]["workload"]["n_requests"] == 4 and len(report["requests"]) == 8
+    else:
+        assert "2 request(s); the ladder's speed figures are medians of per-request ratios and need at least 3" \
+            in _usage_exit(result)
+
+
+def test_fewer_requests_than_a_median_needs_is_a_usage_error(pytester):
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-requests", "2",
+                                           "test_ab_ladder.py", timeout=300)
+    assert "--moe-requests must be a whole number >= 3" in _usage_exit(result)

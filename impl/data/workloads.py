@@ -287,9 +287,17 @@ def _score_jsonl(request: Request, text: str) -> dict:
     return out
 
 
-def _count(n: int | None, default: int, available: int | None, what: str) -> int:
+@dataclass(frozen=True)
+class AtMost:
+    """A request count for `load_workload`'s `n`: this many, or all of a smaller file or split."""
+    n: int
+
+
+def _count(n: int | AtMost | None, default: int, available: int | None, what: str) -> int:
     if n is None:
         n = default if available is None else available
+    elif isinstance(n, AtMost):
+        n = n.n if available is None else min(n.n, available)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise WorkloadError(f"{what}: n must be a positive number of requests, got {n!r}")
     if available is not None and n > available:
@@ -466,7 +474,7 @@ def load_workload(spec: str | WorkloadSpec, tokenizer: Tokenizer, context_length
     of `context_length` tokens (`model.config.max_seq_len`).
 
     `n`: how many requests (default: all of gsm8k and of a file, ARITH_N arith problems,
-    SYNTHETIC_N synthetic requests); `shots`: gsm8k's few-shot examples (default 5; other kinds
+    SYNTHETIC_N synthetic requests; `AtMost(k)`: k, or all of a smaller file or split); `shots`: gsm8k's few-shot examples (default 5; other kinds
     take none); `seed`: the stream of generated workloads (arith problems, synthetic ids; 0 is
     eval_tiny's problems). GSM8K's few-shot draw always uses the harness's seed 1234, so its
     prompts are the harness's. The first request is made and checked here, so a prompt that

@@ -27,7 +27,13 @@ from torch import nn
 from impl import backends
 from impl.serve.configs import Row, ServeConfig
 
-__all__ = ["Arm", "build_arm", "build_arms", "expert_format"]
+__all__ = ["Arm", "ArmError", "build_arm", "build_arms", "expert_format"]
+
+
+class ArmError(ValueError):
+    """The model cannot run a ladder row as asked (its experts' format, its device, its head, no MTP
+    layer, a layer backend for layers it does not have): the row's or the model's choice, a usage
+    error, not a failure of the code under test."""
 
 
 def expert_format(model) -> str:
@@ -46,8 +52,8 @@ def expert_format(model) -> str:
             dtype = experts.gate_up_proj.dtype
             formats.add({torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype).replace("torch.", "")))
     if len(formats) != 1:
-        raise ValueError(f"the model's MoE layers hold experts in several formats {sorted(formats)}; an arm "
-                         "runs one format")
+        raise ArmError(f"the model's MoE layers hold experts in several formats {sorted(formats)}; an arm "
+                       "runs one format")
     return formats.pop()
 
 
@@ -64,14 +70,14 @@ class _HeadBank:
         from impl.head import FP8Head
         if config.head == "bf16":
             if self.bf16 is None:
-                raise ValueError("head: this row runs the bf16 head, but the model's head was quantized to FP8 "
-                                 "when it was built (build_model(..., head='fp8')); build the model with its bf16 "
-                                 "head so that bf16 and FP8 arms share it")
+                raise ArmError("head: this row runs the bf16 head, but the model's head was quantized to FP8 "
+                               "when it was built (build_model(..., head='fp8')); build the model with its bf16 "
+                               "head so that bf16 and FP8 arms share it")
             return self.bf16
         if config.head_scales not in self.fp8:
             if self.bf16 is None:
-                raise ValueError(f"head: this row runs an FP8 head with {config.head_scales} scales, but the model's "
-                                 f"head is already FP8 with {sorted(self.fp8)} scales and its bf16 head is gone")
+                raise ArmError(f"head: this row runs an FP8 head with {config.head_scales} scales, but the model's "
+                               f"head is already FP8 with {sorted(self.fp8)} scales and its bf16 head is gone")
             self.fp8[config.head_scales] = FP8Head.from_linear(self.bf16, granularity=config.head_scales,
                                                                backend=config.head_backend)
         return self.fp8[config.head_scales]
@@ -134,27 +140,27 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
     device = model.embed_tokens.weight.device
     moe = backends.get("moe", config.moe)
     if device.type not in moe.devices:
-        raise ValueError(f"{name}: moe: the {config.moe!r} MoE backend runs on {list(moe.devices)}, the model is on "
-                         f"{device}")
+        raise ArmError(f"{name}: moe: the {config.moe!r} MoE backend runs on {list(moe.devices)}, the model is on "
+                       f"{device}")
     fmt = expert_format(model)
     if config.experts != "auto" and config.experts != fmt:
-        raise ValueError(f"{name}: experts: the row expects {config.experts} experts but the model holds {fmt}; "
-                         "arms share one model, so convert the model's experts before building its arms")
+        raise ArmError(f"{name}: experts: the row expects {config.experts} experts but the model holds {fmt}; "
+                       "arms share one model, so convert the model's experts before building its arms")
     if fmt != "none" and fmt not in moe.formats:
-        raise ValueError(f"{name}: moe: the {config.moe!r} MoE backend takes {list(moe.formats)} experts, the model "
-                         f"holds {fmt}")
+        raise ArmError(f"{name}: moe: the {config.moe!r} MoE backend takes {list(moe.formats)} experts, the model "
+                       f"holds {fmt}")
     from impl.model.layer_backends import DEFAULTS
     for kind, backend in config.layer_backends().items():
         if backend != DEFAULTS[kind] and model.layer_backend(kind) == "none":
-            raise ValueError(f"{name}: {kind}: model {model.config.name!r} has no KDA or MLA layers, whose {kind} "
-                             f"{kind}={backend} would choose: the row would run the same as without it")
+            raise ArmError(f"{name}: {kind}: model {model.config.name!r} has no KDA or MLA layers, whose {kind} "
+                           f"{kind}={backend} would choose: the row would run the same as without it")
     config = dataclasses.replace(config, experts=fmt if config.experts == "auto" else config.experts)
     head = _bank(model).get(config)
     arm = Arm(name, config, model, tokenizer, head)
     if config.speculative:
         from impl.spec import SpeculativeDecoder
         if not len(getattr(model, "mtp", ())):
-            raise ValueError(f"{name}: spec: model {model.config.name!r} has no MTP (NEXTN) layer to draft with")
+            raise ArmError(f"{name}: spec: model {model.config.name!r} has no MTP (NEXTN) layer to draft with")
         arm.activate()  # the decoder checks that the draft holds the head this arm runs
         arm.decoder = SpeculativeDecoder(model, config.k, config.sampling, assume=config.acceptance_profile())
     return arm
@@ -164,5 +170,5 @@ def build_arms(model, rows: list[Row], *, tokenizer) -> list[Arm]:
     """One arm per ladder row (impl.serve.configs.parse_ladder), all on `model`."""
     names = [r.name for r in rows]
     if len(set(names)) != len(names):
-        raise ValueError(f"row names must differ, got {names}")
+        raise ArmError(f"row names must differ, got {names}")
     return [build_arm(model, r.config, tokenizer=tokenizer, name=r.name) for r in rows]
