@@ -44,7 +44,8 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
 
     Returns {kind: path} for what was written: "json", "markdown", "ladder", "latency", and
     "accept" (only with a speculative arm that reported accept lengths) and "accuracy" (only when
-    some answers were scored).
+    some answers were scored). A figure of an earlier report in the same folder that this one has
+    no data for is removed, so the folder never shows a figure of another run.
     """
     summary = summarize_ab(result, margin)
     out = Path(out_dir)
@@ -54,6 +55,9 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
         path = out / FILES[kind]
         atomic_write_bytes(path, png)
         written[kind] = path
+    for kind, name in FILES.items():
+        if kind not in written and kind not in ("json", "markdown"):
+            (out / name).unlink(missing_ok=True)
     # The rows and every per-request record too: a reader can redo any statistic from the file.
     doc = {"schema": "pytest-moeperf/ab-report/1", "summary": summary,
            "figures": {k: p.name for k, p in written.items()},

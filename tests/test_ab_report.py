@@ -337,6 +337,18 @@ def test_write_full_report(tmp_path, full):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_a_report_written_over_an_earlier_one_leaves_none_of_its_figures(tmp_path, full, partial):
+    """The folder is reused from run to run: figures this report has no data for (no scored
+    answers, no accept lengths) go, instead of showing the earlier run's."""
+    write_ab_report(full, tmp_path)
+    r = copy.deepcopy(partial)
+    for rec in r["requests"]:
+        rec.update(correct=None, strict_correct=None, flexible_correct=None)
+    paths = write_ab_report(r, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+    assert not (tmp_path / "ab-accuracy.png").exists() and not (tmp_path / "ab-accept.png").exists()
+
+
 def test_write_partial_flagged_unscored_report(tmp_path, partial, broken):
     r = copy.deepcopy(partial)
     for rec in r["requests"]:
