@@ -109,7 +109,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             "dropped": dropped,
         }
         report = write_ab_report(result, report_dir, margin=opts.margin)
-        print(f"\nmoeperf ladder: report in {report['markdown']}", file=sys.stderr)
+        session.ab_reports.append(report["markdown"])
     arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
     return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records)
 

@@ -57,6 +57,7 @@ class MoePerfSession:
         self.results: list = []
         self.to_freeze: dict = {}
         self.finish_lines: list[str] = []  # what finish() wrote, for the terminal summary
+        self.ab_reports: list = []  # the A/B ladder reports the suites wrote (their Markdown files)
         # On the controller of an xdist run: each finished worker's GPU, device and figures to
         # freeze (workers.merge_payload), the GPU each live worker holds, and workers that crashed.
         self.workers: list[dict] = []
@@ -215,6 +216,8 @@ class MoePerfSession:
         if self.options.report is not None and self.results:
             json_path, md_path = report.write(self.options.report, self.results, self.header())
             lines.append(f"report written to {json_path} and {md_path}")
+        for md_path in self.ab_reports:
+            lines.append(f"A/B ladder report: {md_path} (every request in the JSON beside it, figures as PNG)")
         return lines
 
 

@@ -131,6 +131,7 @@ def test_without_a_request_count_a_small_prompts_file_is_served_whole(pytester, 
     if outcome == "served":
         assert result.ret == 0, result.stdout.str()[-3000:]
         assert report["summary"]["workload"]["n_requests"] == 4 and len(report["requests"]) == 8
+        result.stdout.fnmatch_lines([f"A/B ladder report: {pytester.path / 'ab' / 'ab-report.md'} (every request*"])
     else:
         assert "2 request(s); the ladder's speed figures are medians of per-request ratios and need at least 3" \
             in _usage_exit(result)
