@@ -13,6 +13,7 @@ from pytest_moeperf.ab_figures import render_figures
 from pytest_moeperf.ab_summary import MARGIN, METRICS, QS, SPEED_METRIC, summarize_ab
 from pytest_moeperf.baselines import atomic_write_bytes
 
+PROVENANCE_HEADS = {"requests": "requests (with warm-up)"}
 FILES = {
     "json": "ab-report.json",
     "markdown": "ab-report.md",
@@ -208,12 +209,14 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
                              "-" if r is None else _ci(r["ci"], ".4f")])
         lines += _table(["rung", "figure", "pairs", "ratio", "95% CI"], rows)
     lines += ["", "## Provenance", ""]
-    keys = []
+    keys = []  # what provenance recorded, past the columns already shown (its own "speculative")
     for s in summary["arms"]:
-        keys += [k for k in s["provenance"] if k not in keys]
+        keys += [k for k in s["provenance"] if k not in keys and k != "speculative"]
     rows = [[s["name"], f"`{s['config']}`" if s["config"] else "-", "yes" if s["speculative"] else "no",
              *[_f(s["provenance"].get(k), "") if not isinstance(s["provenance"].get(k), bool)
                else str(s["provenance"][k]) for k in keys],
              f"⚠ {s['provenance_error']}" if s["provenance_error"] else "-"] for s in summary["arms"]]
-    lines += _table(["arm", "config", "speculative", *keys, "provenance error"], rows)
+    # Provenance counts every request the row served, its warm-up requests too.
+    heads = [PROVENANCE_HEADS.get(k, k) for k in keys]
+    lines += _table(["arm", "config", "speculative", *heads, "provenance error"], rows)
     return "\n".join(lines) + "\n"

@@ -142,14 +142,18 @@ def parse_trust(value: str | None) -> int:
 
 def parse_ladder_option(value: str | None, device: str) -> str | None:
     """The ladder text as given (None: the device's default), after checking that every row
-    parses for `device`: an unknown preset, key, backend or a bad combination is a usage error."""
+    parses for `device`: an unknown preset, key, backend or a bad combination is a usage error, and
+    so is a single row (the suites compare every row with the first: nothing would be compared)."""
     if not value:
         return None
     from impl.serve.configs import parse_ladder
     try:
-        parse_ladder(value, device)
+        rows = parse_ladder(value, device)
     except ValueError as e:
         raise ValueError(f"--moe-ladder: {e}") from None
+    if len(rows) < 2:
+        raise ValueError(f"--moe-ladder {value!r}: one row; the ladder compares each row with its first, so give "
+                         "at least two (e.g. 'baseline;+fp8-head')")
     return value
 
 

@@ -142,3 +142,11 @@ def test_fewer_requests_than_a_median_needs_is_a_usage_error(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-requests", "2",
                                            "test_ab_ladder.py", timeout=300)
     assert "--moe-requests must be a whole number >= 3" in _usage_exit(result)
+
+
+def test_a_ladder_of_one_row_is_a_usage_error(pytester):
+    """Every figure compares a row with the first: one row would compare nothing and pass."""
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-ladder", "baseline",
+                                           "test_ab_ladder.py", timeout=300)
+    assert "--moe-ladder 'baseline': one row; the ladder compares each row with its first" in _usage_exit(result)

@@ -349,6 +349,15 @@ def test_a_report_written_over_an_earlier_one_leaves_none_of_its_figures(tmp_pat
     assert not (tmp_path / "ab-accuracy.png").exists() and not (tmp_path / "ab-accept.png").exists()
 
 
+def test_the_provenance_table_names_each_column_once(tmp_path, full):
+    r = copy.deepcopy(full)
+    for arm in r["arms"]:
+        arm["provenance"].update(speculative=arm["speculative"], requests=12)
+    md = write_ab_report(r, tmp_path)["markdown"].read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| arm | config |"))
+    assert header.count("speculative") == 1 and "requests (with warm-up)" in header
+
+
 def test_write_partial_flagged_unscored_report(tmp_path, partial, broken):
     r = copy.deepcopy(partial)
     for rec in r["requests"]:

@@ -125,3 +125,15 @@ def test_rows_and_ladders():
         parse_ladder("baseline;x=head=fp9", "cpu")
     with pytest.raises(ValueError, match="empty ladder"):
         parse_ladder(" ", "cpu")
+
+
+def test_a_row_named_after_a_preset_must_run_it():
+    """`+mtp=spec=mtp:2` would run gather + bf16 head + MTP under the preset's name: refused when
+    the ladder is parsed (provenance refused it only after the whole ladder had run). Spelling out
+    the preset's own configuration under its name is fine."""
+    with pytest.raises(ValueError, match=r"\+mtp: the row is named after the preset but runs .*give the row a name "
+                                         r"of its own"):
+        parse_ladder("baseline;+mtp=spec=mtp:2", "cpu")
+    spelled = resolve_preset("+fp8-head", "cpu").spec_text()
+    assert parse_row(f"+fp8-head={spelled}", "cpu").config == resolve_preset("+fp8-head", "cpu")
+    assert parse_row("mine=spec=mtp:2", "cpu").config.k == 2

@@ -205,6 +205,20 @@ class ServeConfig:
         return self.spec_text()
 
 
+def preset_mismatch(name: str, config: ServeConfig, device=None) -> str | None:
+    """Why a row named after the preset `name` does not run that preset on `device` (its MoE
+    backend, head, head kernel or speculation differ), or None when it does or `name` is no preset."""
+    if name not in PRESETS:
+        return None
+    preset = resolve_preset(name, device, config.k or DEFAULT_K)
+    mine = (config.moe, config.head, config.head_backend, config.spec, config.k if config.speculative else 0)
+    theirs = (preset.moe, preset.head, preset.head_backend, preset.spec, preset.k if preset.speculative else 0)
+    if mine == theirs:
+        return None
+    return (f"{name}: the row is named after the preset but runs {config.spec_text()}, not the preset's "
+            f"{preset.spec_text()} on {_device_type(device)}")
+
+
 def resolve_preset(name: str, device=None, k: int = DEFAULT_K) -> ServeConfig:
     """The preset `name` (PRESETS) on `device` (cpu, cuda; None: cuda when available)."""
     kind = _device_type(device)
@@ -348,7 +362,11 @@ def parse_row(text: str, device=None, k: int = DEFAULT_K) -> Row:
         name = head.strip()
         if not name or ";" in name:
             raise ValueError(f"ladder row {text!r}: bad row name {name!r}")
-        return Row(name, parse_serve_config(rest, device, k))
+        config = parse_serve_config(rest, device, k)
+        mismatch = preset_mismatch(name, config, device)
+        if mismatch:  # provenance would refuse the row after the whole ladder has run
+            raise ValueError(f"{mismatch}; give the row a name of its own")
+        return Row(name, config)
     if text in PRESETS:
         return Row(text, resolve_preset(text, device, k))
     return Row(text, parse_serve_config(text, device, k))

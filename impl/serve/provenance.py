@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from impl.serve.configs import DEFAULT_K, PRESETS, ServeConfig, resolve_preset
+from impl.serve.configs import ServeConfig, preset_mismatch
 
 __all__ = ["ProvenanceError", "RowProvenance", "check_provenance", "provenance_problems", "unshared_head_arm"]
 
@@ -127,13 +127,9 @@ class RowProvenance:
 def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> list[str]:
     """Each part of row `name` (configuration `config`) that provenance shows is not what ran."""
     problems = []
-    if name in PRESETS:
-        preset = resolve_preset(name, prov.device, config.k or DEFAULT_K)
-        mine = (config.moe, config.head, config.head_backend, config.spec, config.k if config.speculative else 0)
-        theirs = (preset.moe, preset.head, preset.head_backend, preset.spec, preset.k if preset.speculative else 0)
-        if mine != theirs:
-            problems.append(f"{name}: the row is named after the preset but runs {config.spec_text()}, not the "
-                            f"preset's {preset.spec_text()} on {prov.device}")
+    mismatch = preset_mismatch(name, config, prov.device)
+    if mismatch:
+        problems.append(mismatch)
     if not prov.requests:
         return problems + [f"{name}: no request ran, so nothing shows what this row runs"]
     moe = prov.backends("moe")
