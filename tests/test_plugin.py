@@ -193,6 +193,21 @@ def test_freeze_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".dev.json.lock", "dev.json"]
 
 
+def test_a_freeze_keeps_the_baseline_files_permissions(tmp_path):
+    """Rewritten through a private temporary file, the file still has the mode it had (a shared
+    baselines folder stays readable), and a new one the mode the umask gives."""
+    import os
+    import stat
+    store = BaselineStore(tmp_path, {"kind": "cpu", "name": "x"}, "dev")
+    store.freeze({"a::m": _frozen(value=1.0)})
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o666 & ~mask
+    store.path.chmod(0o644)
+    store.freeze({"b::m": _frozen(value=2.0)})
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o644
+
+
 FREEZES_PER_WORKER = 40
 
 
