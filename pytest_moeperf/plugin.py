@@ -97,7 +97,7 @@ def parse_model(value: str, rootpath: Path) -> str:
     from impl.model.config import PRESETS
     if value in PRESETS or value in EMBEDDED:
         return value
-    path = Path(value) if Path(value).is_absolute() else rootpath / value
+    path = _under_root(value, rootpath)
     if path.is_dir():
         from impl.model.loading import read_config
         from impl.model.weight_formats import CheckpointError
@@ -216,9 +216,15 @@ def parse_host_wait(value: str) -> float:
     return seconds
 
 
+def _under_root(value: str, root: Path) -> Path:
+    """A path option: relative ones are taken from rootdir, as ini values are (one rule for every
+    path option, wherever pytest was started)."""
+    path = Path(value)
+    return path if path.is_absolute() else root / path
+
+
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
-    baselines = Path(_option(config, "moe_baselines"))
     report = _option(config, "moe_report")
     options = Options(
         bench=bool(_option(config, "moe_bench")),
@@ -226,9 +232,9 @@ def parse_options(config: pytest.Config) -> Options:
         model=parse_model(_option(config, "moe_model"), root),
         backend=parse_backend(_option(config, "moe_backend")),
         head=parse_head(_option(config, "moe_head")),
-        baselines=baselines if baselines.is_absolute() else root / baselines,
+        baselines=_under_root(_option(config, "moe_baselines"), root),
         freeze=bool(_option(config, "moe_freeze")),
-        report=None if not report else Path(report),
+        report=None if not report else _under_root(report, root),
         samples=parse_samples(_option(config, "moe_samples")),
         strict=bool(_option(config, "moe_strict")),
         trust=parse_trust(_option(config, "moe_trust")),
@@ -237,7 +243,7 @@ def parse_options(config: pytest.Config) -> Options:
         requests=parse_count("--moe-requests", _option(config, "moe_requests"), MIN_REQUESTS),
         shots=parse_count("--moe-shots", _option(config, "moe_shots"), 0),
         margin=parse_margin(_option(config, "moe_margin")),
-        ab_report=root / _option(config, "moe_ab_report"),
+        ab_report=_under_root(_option(config, "moe_ab_report"), root),
         host_stall=parse_host_stall(_option(config, "moe_host_stall")),
         host_wait=parse_host_wait(_option(config, "moe_host_wait")),
     )

@@ -295,6 +295,19 @@ def test_options_fall_back_to_ini_keys(suite, monkeypatch):
     result.stderr.fnmatch_lines(["*--moe-model 'no-such-model'*"])
 
 
+def test_relative_report_paths_are_taken_from_rootdir_wherever_pytest_starts(suite, monkeypatch):
+    """One rule for every path option (as for ini values): started from a subfolder, the report
+    still lands under rootdir."""
+    suite.makeini("[pytest]\n")
+    sub = suite.mkdir("sub")
+    monkeypatch.chdir(sub)
+    result = run_inner(suite, "--moe-bench", "--moe-freeze", "--moe-report", "out/gate.json",
+                       str(suite.path / "test_suite.py"), monkeypatch=monkeypatch)
+    result.assert_outcomes(passed=1)
+    assert (suite.path / "out" / "gate.json").is_file() and not (sub / "out").exists()
+    assert (suite.path / "baselines").is_dir()
+
+
 def test_report_is_written_as_json_and_markdown(run, suite):
     run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
     run("--moe-bench", "--moe-report", "out/report.json", factor=1.2).assert_outcomes(failed=1)
