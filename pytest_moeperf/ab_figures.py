@@ -35,13 +35,22 @@ def _colors(n):
     return [palette[i % len(palette)] for i in range(n)]
 
 
+# A row named by its whole spec can run to a hundred characters; its label on a chart is cut here
+# (the Markdown's tables give it whole), so that the axes keep their room.
+MAX_LABEL = 28
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= MAX_LABEL else name[:MAX_LABEL - 1] + "…"
+
+
 def _tick(s: dict) -> str:
-    return s["name"] + ("\n(FLAGGED)" if s["flags"] else "")
+    return _short(s["name"]) + ("\n(FLAGGED)" if s["flags"] else "")
 
 
 def _set_ticks(ax, arms) -> None:
     # Long arm names are slanted so that neighbours do not run into each other.
-    slant = max(len(s["name"]) for s in arms) > 12
+    slant = max(len(_short(s["name"])) for s in arms) > 12
     ax.set_xticks(range(len(arms)), [_tick(s) for s in arms], fontsize=9,
                   rotation=20 if slant else 0, ha="right" if slant else "center", rotation_mode="anchor")
 
@@ -145,10 +154,10 @@ def _accept_png(summary) -> bytes | None:
         xs = [k - 0.4 + width * (j + 0.5) for k in lengths]
         ax1.bar(xs, frac, width=width, color=colors[i], edgecolor="red" if s["flags"] else "black",
                 linewidth=1.5 if s["flags"] else 0.5, hatch="//" if s["flags"] else None,
-                label=f"{s['name']} (mean {a['mean']:.2f}{', FLAGGED' if s['flags'] else ''})")
+                label=f"{_short(s['name'])} (mean {a['mean']:.2f}{', FLAGGED' if s['flags'] else ''})")
         per = a["acceptance_per_position"]
         if per:
-            ax2.plot(range(1, len(per) + 1), per, marker="o", color=colors[i], label=s["name"])
+            ax2.plot(range(1, len(per) + 1), per, marker="o", color=colors[i], label=_short(s["name"]))
     ax1.set_xticks(lengths)
     ax1.set_xlabel("tokens committed per verify step (accepted drafts + bonus)")
     ax1.set_ylabel("fraction of verify steps")
@@ -181,7 +190,7 @@ def _accuracy_png(summary) -> bytes | None:
     ref = arms[0]["accuracy"]
     if ref is not None:
         ax.axhline(100 * ref["accuracy"], color="0.5", linestyle="--", linewidth=1,
-                   label=f"{arms[0]['name']} {100 * ref['accuracy']:.1f}%")
+                   label=f"{_short(arms[0]['name'])} {100 * ref['accuracy']:.1f}%")
     lows, highs = [], []
     for i, s in enumerate(arms):
         a = s["accuracy"]
