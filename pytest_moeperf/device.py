@@ -10,7 +10,11 @@ A fingerprint (schema 2) names what decides a measurement's speed:
 
 Absolute figures are gated only against the exact fingerprint. Figures measured side by side in
 one run (ratios) also travel to machines of the same *class* (`class_of`): on a CPU the same
-architecture, ISA level, core count and torch; on a GPU the same model, capability, torch and triton.
+vendor, architecture, ISA level, core count and torch; on a GPU the same model, capability, torch
+and triton. The vendor is there because a ratio of two configurations that run different kernels
+moves with the cores: the A/B ladder's +mtp over baseline (an emulated FP8 head and 4-token
+verify steps against bf16 one-token steps) read 1.148-1.205x on a 2-core AVX512 Intel Xeon
+against 1.302x frozen on a 2-core AVX512 AMD EPYC, 8-12% apart, beyond its 10% tolerance.
 
 Schema 1 fingerprints (no "schema" field: kind, name, cores or capability/cuda/driver, machine,
 torch, triton) stay readable: a CUDA entry of schema 1 still matches a GPU whose schema-1 fields
@@ -35,7 +39,7 @@ SCHEMA = 2
 # The fields a schema-1 fingerprint had, per kind (`schema1_match`).
 SCHEMA1_FIELDS = {"cuda": ("kind", "name", "capability", "cuda", "driver", "torch", "triton"),
                   "cpu": ("kind", "name", "cores", "machine", "torch", "triton")}
-CLASS_FIELDS = {"cpu": ("kind", "machine", "isa", "cores", "torch"),
+CLASS_FIELDS = {"cpu": ("kind", "vendor", "machine", "isa", "cores", "torch"),
                 "cuda": ("kind", "name", "capability", "torch", "triton")}
 
 

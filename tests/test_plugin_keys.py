@@ -62,6 +62,16 @@ def test_two_epyc_vms_of_one_name_get_different_fingerprints_and_classes(monkeyp
     assert class_of({**genoa, "stepping": 2, "l3_kib": 1}) == class_of(genoa)  # same class, another machine
 
 
+def test_an_intel_and_an_amd_cpu_of_one_isa_and_core_count_are_not_one_class(monkeypatch):
+    """Side-by-side ratios of configurations running different kernels differ between them (the
+    ladder's +mtp over baseline 1.148-1.205x on an AVX512 Xeon, 1.302x on an AVX512 EPYC)."""
+    xeon = {"vendor_id": "GenuineIntel", "model name": "Intel(R) Xeon(R) Processor", "cpu family": "6",
+            "model": "167", "stepping": "1"}
+    genoa, intel = _fingerprint_with(monkeypatch, GENOA, "AVX512"), _fingerprint_with(monkeypatch, xeon, "AVX512")
+    assert (genoa["isa"], genoa["cores"]) == (intel["isa"], intel["cores"])
+    assert class_of(genoa) != class_of(intel)
+
+
 def test_a_schema1_fingerprint_matches_only_on_cuda_and_only_field_by_field():
     gpu = {"schema": 2, "kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "sms": 132, "memory_gib": 140,
            "cuda": "13.0", "driver": "580.159.04", "torch": "2.11.0+cu130", "triton": "3.6.0"}
