@@ -447,7 +447,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         gpu = session.config.workerinput.get(workers.WORKER_GPU_KEY, "")
         session.config.workeroutput[workers.OUTPUT_KEY] = workers.worker_payload(state, gpu)
         return
-    state.finish_lines = state.finish()
+    state.finish_lines = state.finish(interrupted=session.exitstatus == pytest.ExitCode.INTERRUPTED)
     if state.worker_errors:
         # Exit 3, not 1: a lost worker says nothing about the code under test.
         session.exitstatus = pytest.ExitCode.INTERNAL_ERROR

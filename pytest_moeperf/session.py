@@ -189,8 +189,9 @@ class MoePerfSession:
             line += f", {contended} {'NOT FROZEN' if self.freeze else 'NOT JUDGED'} (host contended)"
         return line
 
-    def finish(self) -> list[str]:
-        """Write frozen figures and the report; returns lines for the terminal."""
+    def finish(self, interrupted: bool = False) -> list[str]:
+        """Write frozen figures and the report; returns lines for the terminal. `interrupted`: the
+        run was stopped part-way (Ctrl-C, SIGTERM)."""
         lines = [self.counts()] if self.options.bench else []
         if self.workers:
             lines.append(f"merged {len(self.results)} figure(s) from {len(self.workers)} pytest-xdist worker(s) on "
@@ -201,8 +202,11 @@ class MoePerfSession:
                 lines.append(f"froze {len(metrics)} metric(s) for {short_key(store.fingerprint)} into {path}")
         for error in self.worker_errors:
             lines.append(f"infrastructure error: {error}")
-        missing = self.unmeasured() if self.options.bench and not self.freeze else []
-        if missing:
+        missing = self.unmeasured() if self.options.bench and (interrupted or not self.freeze) else []
+        if missing and self.freeze:  # a freeze stopped part-way: say which figures it did not renew
+            lines.append(f"the run stopped part-way: {len(missing)} figure(s) frozen for this device and "
+                         "configuration were not re-measured and keep their earlier values: " + ", ".join(missing))
+        elif missing:
             lines.append(f"{len(missing)} figure(s) frozen for this device and configuration were not measured: "
                          + ", ".join(missing))
         for r in self.contended():

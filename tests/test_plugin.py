@@ -434,6 +434,32 @@ def test_warm_up_lasts_its_rounds_and_its_time():
     assert len(calls) == 3 + 2
 
 
+def test_a_freeze_stopped_part_way_names_the_figures_it_did_not_renew(pytester, monkeypatch):
+    """Both figures frozen, then a freeze stopped by SIGTERM after the first: the second keeps its
+    earlier value, and the run says so by name instead of nothing."""
+    pytester.makepyfile(test_stopped="""
+import os, signal
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+
+def test_a_measured(moe_gate):
+    moe_gate.check("latency_us", [100.0, 101.0, 99.0], unit="us", direction="lower", tolerance=0.1)
+    if os.environ.get("STOP"):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+def test_b_not_reached(moe_gate):
+    moe_gate.check("other_us", [50.0, 51.0, 49.0], unit="us", direction="lower", tolerance=0.1)
+""")
+    args = ("-p", "no:cacheprovider", "--moe-bench", "--moe-freeze", "--moe-device", "cpu")
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+    monkeypatch.setenv("STOP", "1")
+    result = pytester.runpytest_subprocess(*args)
+    result.stdout.fnmatch_lines(["*the run stopped part-way: 1 figure(s) frozen for this device and configuration "
+                                 "were not re-measured and keep their earlier values: "
+                                 "test_stopped.py::test_b_not_reached::other_us*"])
+
+
 def test_a_run_stopped_by_sigterm_still_freezes_what_it_measured(pytester):
     """`timeout` or a cancelled CI job sends SIGTERM: the session ends as on Ctrl-C, and the
     figure gated before the signal is frozen (a separate process: the signal is real)."""
