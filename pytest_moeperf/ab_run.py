@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import pytest
 
@@ -41,7 +42,7 @@ def arm_entry(arm) -> dict:
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
 
 
-def _usage_exit(message: str) -> None:
+def _usage_exit(message: str) -> NoReturn:
     """Stop the session as a usage error (exit status 4), once: what the user asked for cannot run
     on this model, so every test of the ladder would fail the same way."""
     pytest.exit(f"usage error: {message}", returncode=pytest.ExitCode.USAGE_ERROR)

@@ -14,7 +14,8 @@ vendor, architecture, ISA level, core count and torch; on a GPU the same model, 
 and triton. The vendor is there because a ratio of two configurations that run different kernels
 moves with the cores: the A/B ladder's +mtp over baseline (an emulated FP8 head and 4-token
 verify steps against bf16 one-token steps) read 1.148-1.205x on a 2-core AVX512 Intel Xeon
-against 1.302x frozen on a 2-core AVX512 AMD EPYC, 8-12% apart, beyond its 10% tolerance.
+against 1.302x frozen on a 2-core AVX512 AMD EPYC, 8-12% apart, beyond its 10% tolerance
+(notes/runs/2026-12-04-cpu-main-job-intel-class.log).
 
 Schema 1 fingerprints (no "schema" field: kind, name, cores or capability/cuda/driver, machine,
 torch, triton) stay readable: a CUDA entry of schema 1 still matches a GPU whose schema-1 fields

@@ -27,9 +27,9 @@ import statistics
 
 import pytest
 
+from impl.data.workloads import AtMost
 from pytest_moeperf.ab_run import (WARMUP, LadderRun, chunks, fail_on_provenance, paired, row_config,
                                    run_suite_ladder)
-from impl.data.workloads import AtMost
 from pytest_moeperf.ab_run import arm as arm_of
 from pytest_moeperf.tolerances import tolerance_for
 

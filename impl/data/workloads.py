@@ -474,9 +474,9 @@ def load_workload(spec: str | WorkloadSpec, tokenizer: Tokenizer, context_length
     of `context_length` tokens (`model.config.max_seq_len`).
 
     `n`: how many requests (default: all of gsm8k and of a file, ARITH_N arith problems,
-    SYNTHETIC_N synthetic requests; `AtMost(k)`: k, or all of a smaller file or split); `shots`: gsm8k's few-shot examples (default 5; other kinds
-    take none); `seed`: the stream of generated workloads (arith problems, synthetic ids; 0 is
-    eval_tiny's problems). GSM8K's few-shot draw always uses the harness's seed 1234, so its
+    SYNTHETIC_N synthetic requests; `AtMost(k)`: k, or all of a smaller file or split); `shots`:
+    gsm8k's few-shot examples (default 5; other kinds take none); `seed`: the stream of generated
+    workloads (arith problems, synthetic ids; 0 is eval_tiny's problems). GSM8K's few-shot draw always uses the harness's seed 1234, so its
     prompts are the harness's. The first request is made and checked here, so a prompt that
     cannot fit, a missing tokenizer or bad data fail now, not at the first timed request."""
     if isinstance(spec, str):

@@ -12,7 +12,7 @@ from impl.serve.provenance import (ProvenanceError, RowProvenance, check_provena
                                    unshared_head_arm)
 from impl.serve.runner import interleaved_order, iter_ladder, run_ladder
 
-__all__ = ["Arm", "DEFAULT_K", "PRESETS", "ProvenanceError", "RECORD_KEYS", "Row", "RowProvenance", "ServeConfig",
-           "ArmError", "build_arm", "build_arms", "check_provenance", "expert_format", "interleaved_order", "iter_ladder",
-           "parse_ladder", "parse_row", "parse_serve_config", "prepare", "provenance_problems", "request_seed",
-           "resolve_preset", "run_ladder", "run_request", "unshared_head_arm"]
+__all__ = ["Arm", "ArmError", "DEFAULT_K", "PRESETS", "ProvenanceError", "RECORD_KEYS", "Row", "RowProvenance",
+           "ServeConfig", "build_arm", "build_arms", "check_provenance", "expert_format", "interleaved_order",
+           "iter_ladder", "parse_ladder", "parse_row", "parse_serve_config", "prepare", "provenance_problems",
+           "request_seed", "resolve_preset", "run_ladder", "run_request", "unshared_head_arm"]

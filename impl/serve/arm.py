@@ -129,8 +129,8 @@ class Arm:
 
 def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None) -> Arm:
     """The arm running `config` on `model` (shared, switched in place; see the module docstring).
-    ValueError when the model cannot run it (its experts' format, its device, no MTP layer, a layer
-    backend named for layers it does not have)."""
+    ArmError when the model cannot run it (its experts' format, its device, its head, no MTP layer,
+    a layer backend named for layers it does not have)."""
     if not isinstance(config, ServeConfig):
         raise TypeError(f"config must be a ServeConfig, got {type(config).__name__}")
     for attr in ("encode", "decode", "eos_id"):
