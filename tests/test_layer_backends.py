@@ -28,10 +28,12 @@ def ling():
 def test_the_backends_are_registered():
     assert backends.available("attention") == ["torch", "triton"]
     assert backends.available("projection") == ["cublas", "gemv"]
+    assert backends.available("input_norm") == ["fused", "separate"]
     assert backends.get("attention", "triton").description.startswith("KDA and MLA decode and verify steps")
 
 
-@pytest.mark.parametrize("kind, default, other", [("attention", "triton", "torch"), ("projection", "gemv", "cublas")])
+@pytest.mark.parametrize("kind, default, other", [("attention", "triton", "torch"), ("projection", "gemv", "cublas"),
+                                                  ("input_norm", "separate", "fused")])
 def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, default, other):
     kinds = sorted({type(m).__name__ for m in layer_modules(ling)})
     assert kinds == ["KDAAttention", "MLAAttention"]
@@ -47,7 +49,7 @@ def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, defa
     with pytest.raises(ValueError, match=rf"unknown {kind} backend 'flash'; available: \['{min(default, other)}'"):
         ling.set_layer_backend(kind, "flash")
     with pytest.raises(ValueError, match=r"unknown layer backend kind 'moe'; expected one of \['attention', "
-                                         r"'projection'\]"):
+                                         r"'projection', 'input_norm'\]"):
         ling.set_layer_backend("moe", "triton")
 
 
@@ -109,16 +111,16 @@ def test_the_row_keys_parse_and_are_left_out_of_texts_at_their_defaults():
         parse_row("projection=x", "cpu")
 
 
-def _prov(device: str, attention: set[tuple[str, str]], projection: set[tuple[str, str]] = frozenset()
-          ) -> RowProvenance:
+def _prov(device: str, attention: set[tuple[str, str]], projection: set[tuple[str, str]] = frozenset(),
+          input_norm: set[tuple[str, str]] = frozenset()) -> RowProvenance:
     prov = RowProvenance("row", device, "bf16", requests=1, moe={("gather", "moe_gather")},
                          head={("bf16", "linear")}, head_class={"BF16Head"})
-    prov.attention, prov.projection = set(attention), set(projection)
+    prov.attention, prov.projection, prov.input_norm = set(attention), set(projection), set(input_norm)
     return prov
 
 
 KERNELS = {("triton", "kda_decode_kernel"), ("triton", "mla_query_kernel+mla_decode_kernel+mla_output_kernel")}
-TORCH = {("triton", p) for p in FALLBACKS["attention"]}
+TORCH = {("triton", p) for p in FALLBACKS["attention"]["triton"]}
 
 
 @pytest.mark.parametrize("spec, device, attention, projection, problem", [
@@ -148,6 +150,28 @@ def test_provenance_refuses_a_row_whose_layers_ran_other_backends(spec, device, 
         assert len(problems) == 1 and problem in problems[0], problems
 
 
+FUSED, NORM = ("fused", "norm_gemv_kernel"), ("fused", "add_rms_norm")
+
+
+@pytest.mark.parametrize("spec, device, input_norm, problem", [
+    ("moe=gather,input_norm=fused", "cuda", {FUSED, NORM}, None),  # decode tokens fused, prompt passes not
+    ("moe=gather,input_norm=fused", "cpu", {NORM}, None),          # no kernels on a CPU
+    ("moe=gather", "cuda", {("separate", "add_rms_norm")}, None),
+    ("moe=gather,input_norm=fused", "cuda", {NORM},
+     "input_norm: the row names the fused input_norm kernels but only their fallback ran (['add_rms_norm'])"),
+    ("moe=gather", "cuda", {FUSED},
+     "input_norm: the row names the 'separate' input_norm backend but ['fused'] ran"),
+])
+def test_provenance_refuses_a_row_whose_input_norm_is_not_what_it_names(spec, device, input_norm, problem):
+    config = parse_serve_config(spec, device)
+    prov = _prov(device, KERNELS, {("gemv", "gemv_kernel")}, input_norm)
+    problems = [p for p in provenance_problems("row", config, prov) if p.startswith("input_norm")]
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
+
+
 def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     """Rows of the ladder on ling-3.0-tiny (CPU): the defaults and attention=torch,projection=cublas
     each run their backends (checked from provenance) and serve the same greedy text."""
@@ -156,18 +180,21 @@ def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     from impl.serve.provenance import check_provenance
     from impl.serve.runner import run_ladder
     from tests.test_serve_engine import ByteTokenizer, request
-    arms = build_arms(ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas",
-                                         "cpu"), tokenizer=ByteTokenizer())
+    arms = build_arms(ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas;"
+                                         "fused=moe=gather,input_norm=fused", "cpu"), tokenizer=ByteTokenizer())
     try:
         records = run_ladder(arms, [request("Q: 12 + 30 =", 12, ignore_eos=True)])
     finally:
         ling.set_layer_backend("attention", "triton")
         ling.set_layer_backend("projection", "gemv")
+        ling.set_layer_backend("input_norm", "separate")
     for arm in arms:
         check_provenance(arm.name, arm.config, arm.provenance)
     assert (arms[0].provenance.backends("attention"), arms[0].provenance.backends("projection")) == ({"triton"},
                                                                                                       {"gemv"})
     assert (arms[1].provenance.backends("attention"), arms[1].provenance.backends("projection")) == ({"torch"},
                                                                                                       {"cublas"})
+    assert arms[2].provenance.backends("input_norm") == {"fused"}
+    assert arms[0].provenance.backends("input_norm") == arms[1].provenance.backends("input_norm") == {"separate"}
     texts = {r["arm"]: r["text"] for r in records}
-    assert texts["kernels"] == texts["torch"]
+    assert texts["kernels"] == texts["torch"] == texts["fused"]

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model.fused import fuse_linears, fused_linear
+from impl.model.fused import fuse_linears, fused_linear, fused_weight
 from impl.model.gemv import linear
-from impl.model.layer_backends import init_layer_backends
+from impl.model.layer_backends import init_layer_backends, kernels_path
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
 # reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.
@@ -303,12 +303,15 @@ class KDAAttention(nn.Module):
         return fused_linear(self, self._IN_PROJ, self.in_proj, x)
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
+        return self._decode_projected(self._projections(x[:, 0]), input_pos)
+
+    def _decode_projected(self, proj: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
+        """A decode token from its input projections proj [B, P] through the kernels, then o_proj."""
         from impl.model.kda_decode import kda_decode
         backends.note("attention", self.attention_backend.name, "kda_decode_kernel", heads=self.num_heads,
                       head_dim=self.head_dim)
-        b, hd = x.shape[0], self.qkv_dim
-        proj = self._projections(x[:, 0])
-        keep = _keep_flag(input_pos, x.device)
+        b, hd = proj.shape[0], self.qkv_dim
+        keep = _keep_flag(input_pos, proj.device)
         recurrent = self.state.recurrent[:b]
         o = kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
                        self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
@@ -446,6 +449,23 @@ class KDAAttention(nn.Module):
             if self.track is not None and t <= self.track.tokens:
                 return self._verify_kernel(x, input_pos)
         return self.forward_torch(x, cos, sin, input_pos, mask)
+
+    def fused_norm_weight(self, delta: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                          input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The fused input projections' weight when this call, on `delta`'s shape, is a decode token
+        the kernels take through the GEMV (what the `fused` input norm folds the add and norm
+        into: impl.model.layer_backends); else None."""
+        from impl.model.norm_gemv import norm_gemv_applies
+        self._check(delta, input_pos)
+        if not (kernels_path(self) and self.state is not None and delta.shape[1] == 1):
+            return None
+        w = fused_weight(self, self._IN_PROJ, self.in_proj)
+        return w if w is not None and norm_gemv_applies(delta, w) else None
+
+    def forward_projected(self, proj: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                          input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode token from its input projections proj [B, 1, P] (the `fused_norm_weight` path)."""
+        return self._decode_projected(proj[:, 0], input_pos)
 
     def forward_torch(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                       input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

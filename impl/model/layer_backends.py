@@ -11,6 +11,12 @@
 * kind "projection" (registered in impl.model.gemv), how the layer's projections run: `gemv` (the
   default): one row of 16-bit activations on CUDA through the PDL-launched Triton GEMV, anything
   else through F.linear; `cublas`: F.linear always. fn is `fn(x, w, bias)`.
+* kind "input_norm", how the residual add and RMS norm before the layer run: `separate` (the
+  default): their own launch (impl.model.add_rms_norm), then the layer on the normed row; `fused`:
+  for a decode token on the kernels' path (attention `triton`, projection `gemv`, the input
+  projections fused), inside the input projection's GEMV (impl.model.norm_gemv), one launch
+  fewer; anything else as `separate`. fn is `fn(module, delta, residual, norm, cos, sin,
+  input_pos, mask)` -> (the layer's output, residual + delta).
 
 A kernel backend whose kernel does not apply to a call (a prompt pass, a shape it does not take,
 a CPU) notes the fallback it ran (`FALLBACKS`), so a row that names the kernels but never ran them
@@ -22,10 +28,13 @@ from __future__ import annotations
 from impl import backends
 
 # kind -> (the attribute of a KDA/MLA module that holds its backend, the backend a model is built with)
-PARTS = {"attention": ("attention_backend", "triton"), "projection": ("projection_backend", "gemv")}
+PARTS = {"attention": ("attention_backend", "triton"), "projection": ("projection_backend", "gemv"),
+         "input_norm": ("input_norm_backend", "separate")}
 DEFAULTS = {kind: default for kind, (_, default) in PARTS.items()}
-# What each kind's default backend, the kernel one, notes when it runs the plain path instead of its kernel.
-FALLBACKS = {"attention": ("kda_torch", "mla_absorbed_sdpa", "mla_expanded_sdpa"), "projection": ("F.linear",)}
+# kind -> {a kernel backend: what it notes when it runs the plain path instead of its kernel}.
+FALLBACKS = {"attention": {"triton": ("kda_torch", "mla_absorbed_sdpa", "mla_expanded_sdpa")},
+             "projection": {"gemv": ("F.linear",)},
+             "input_norm": {"fused": ("add_rms_norm",)}}
 
 
 def _kernels(module, *args, **kwargs):
@@ -41,6 +50,38 @@ backends.register(backends.Backend(
     "prompt passes and CPU calls through the torch form"))
 backends.register(backends.Backend(
     "attention", "torch", _torch, "KDA and MLA through torch ops and SDPA (the kernels' reference)"))
+
+
+def _separate_norm(module, delta, residual, norm, cos, sin, input_pos, mask, backend: str = "separate"):
+    from impl.model.add_rms_norm import add_rms_norm
+    backends.note("input_norm", backend, "add_rms_norm")
+    h, residual = add_rms_norm(delta, residual, norm)
+    return module(h, cos, sin, input_pos, mask), residual
+
+
+def _fused_norm(module, delta, residual, norm, cos, sin, input_pos, mask):
+    """The module's `fused_norm_weight` says whether this call takes norm_gemv, and with what."""
+    w = module.fused_norm_weight(delta, cos, sin, input_pos, mask)
+    if w is None:
+        return _separate_norm(module, delta, residual, norm, cos, sin, input_pos, mask, backend="fused")
+    from impl.model.norm_gemv import norm_gemv
+    backends.note("input_norm", "fused", "norm_gemv_kernel", n=w.shape[0], k=w.shape[1])
+    proj, residual = norm_gemv(delta, residual, norm.weight, norm.eps, w)
+    return module.forward_projected(proj, cos, sin, input_pos), residual
+
+
+backends.register(backends.Backend(
+    "input_norm", "separate", _separate_norm, "the residual add and RMS norm in their own launch, then the layer"))
+backends.register(backends.Backend(
+    "input_norm", "fused", _fused_norm, "a decode token's residual add and RMS norm inside the input projection's "
+    "GEMV on the kernels' path (impl.model.norm_gemv); anything else as separate"))
+
+
+def kernels_path(module) -> bool:
+    """Whether a KDA or MLA module runs its attention and projections through the default kernel
+    backends (`triton`, `gemv`): the path a `fused` input norm folds into."""
+    return (module.attention_backend.name == DEFAULTS["attention"]
+            and module.projection_backend.name == DEFAULTS["projection"])
 
 
 def init_layer_backends(module) -> None:
@@ -75,5 +116,5 @@ def layer_backend(module, kind: str) -> str:
     return ",".join(names) if names else "none"
 
 
-__all__ = ["DEFAULTS", "FALLBACKS", "PARTS", "init_layer_backends", "layer_backend", "layer_modules",
+__all__ = ["DEFAULTS", "FALLBACKS", "PARTS", "init_layer_backends", "kernels_path", "layer_backend", "layer_modules",
            "set_layer_backend"]

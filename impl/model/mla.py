@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model.fused import fuse_linears, fused_linear
+from impl.model.fused import fuse_linears, fused_linear, fused_weight
 from impl.model.gemv import linear
-from impl.model.layer_backends import init_layer_backends
+from impl.model.layer_backends import init_layer_backends, kernels_path
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
 # transformers builds kv_a_layernorm and q_a_layernorm with the RMSNorm's default eps (1e-6),
@@ -184,9 +184,12 @@ class MLAAttention(nn.Module):
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (after q_b_proj with a q LoRA), kv_a and the gate's pre-activation g of x [..., hidden]."""
-        names = self._in_names()
-        sizes = [self.get_submodule(n).out_features for n in names]
-        q, kv_a, g = fused_linear(self, names, self.in_proj, x).split(sizes, dim=-1)
+        return self._split_projections(fused_linear(self, self._in_names(), self.in_proj, x))
+
+    def _split_projections(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, kv_a and g from the input projections' outputs proj [..., P] in `_in_names` order."""
+        sizes = [self.get_submodule(n).out_features for n in self._in_names()]
+        q, kv_a, g = proj.split(sizes, dim=-1)
         if self.config.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a, g
@@ -253,6 +256,24 @@ class MLAAttention(nn.Module):
                 and self._kernel_shapes_ok()):
             return self._decode_kernels(*self._projections(x), cos, sin, input_pos)
         return self.forward_torch(x, cos, sin, input_pos, mask, absorb)
+
+    def fused_norm_weight(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The fused input projections' weight when this call, on `delta`'s shape, is a decode token
+        the kernels take through the GEMV (what the `fused` input norm folds the add and norm
+        into: impl.model.layer_backends); else None."""
+        from impl.model.norm_gemv import norm_gemv_applies
+        self._check(delta, cos, sin, input_pos, mask)
+        if not (kernels_path(self) and delta.shape[1] == 1 and self.absorb_max_tokens >= 1
+                and self.kv_cache is not None and self._kernel_shapes_ok()):
+            return None
+        w = fused_weight(self, self._in_names(), self.in_proj)
+        return w if w is not None and norm_gemv_applies(delta, w) else None
+
+    def forward_projected(self, proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          input_pos: torch.Tensor | None) -> torch.Tensor:
+        """A decode token from its input projections proj [B, 1, P] (the `fused_norm_weight` path)."""
+        return self._decode_kernels(*self._split_projections(proj), cos, sin, input_pos)
 
     def forward_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
                       mask: torch.Tensor | None, absorb: bool = True) -> torch.Tensor:

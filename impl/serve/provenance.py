@@ -71,6 +71,8 @@ class RowProvenance:
     attention: set[tuple[str, str]] = field(default_factory=set)
     # KDA/MLA projections that ran (impl.model.gemv's backends: the GEMV kernel or F.linear), target and draft
     projection: set[tuple[str, str]] = field(default_factory=set)
+    # How KDA/MLA layers' input add + norm ran (impl.model.layer_backends: its own launch or the GEMV's)
+    input_norm: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
     head_class: set[str] = field(default_factory=set)
@@ -94,8 +96,8 @@ class RowProvenance:
                 self.moe.add((backend, kernel))
             elif kind == "attention":
                 self.attention.add((backend, kernel))
-            elif kind == "projection":
-                self.projection.add((backend, kernel))
+            elif kind in ("projection", "input_norm"):
+                getattr(self, kind).add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
         head = arm.model.lm_head
@@ -185,9 +187,10 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
 
 
 def _layer_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
-    """Per part of the KDA/MLA layers (attention, projection): the row's backend ran, and on CUDA a
-    kernel backend's kernels ran, not only its fallbacks (a model without such layers notes nothing)."""
-    from impl.model.layer_backends import DEFAULTS, FALLBACKS
+    """Per part of the KDA/MLA layers (attention, projection, input_norm): the row's backend ran, and
+    on CUDA a kernel backend's kernels ran, not only its fallbacks (a model without such layers
+    notes nothing)."""
+    from impl.model.layer_backends import FALLBACKS
     problems = []
     for kind, named in config.layer_backends().items():
         events = getattr(prov, kind)
@@ -198,7 +201,7 @@ def _layer_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
         if ran != {named}:
             problems.append(f"{kind}: the row names the {named!r} {kind} backend but {sorted(ran)} ran "
                             f"(kernels {kernels})")
-        elif named == DEFAULTS[kind] and prov.device == "cuda" and set(kernels) <= set(FALLBACKS[kind]):
+        elif named in FALLBACKS[kind] and prov.device == "cuda" and set(kernels) <= set(FALLBACKS[kind][named]):
             problems.append(f"{kind}: the row names the {named} {kind} kernels but only their fallback ran "
                             f"({kernels}): no decode step took the kernels")
     return problems
