@@ -308,6 +308,13 @@ def _compile_all(tiles) -> int:
     for bn, bk, warps in ((2, 1024, 4), (4, 1024, 8)):
         attempt(f"norm_gemv_kernel tiles={bn}x{bk} warps={warps}", ng.norm_gemv_kernel,
                 dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=4096, PDL=True), {}, ("eps",), warps, releases_early=False)
+    # And the add and norm after o_proj folded into its GEMV (impl/model/gemv_norm.py): its counting
+    # and the last program's norm come after the wait too.
+    from impl.model import gemv_norm as gn
+    for bn, bk, warps in ((2, 1024, 4), (4, 1024, 8)):
+        attempt(f"gemv_norm_kernel tiles={bn}x{bk} warps={warps}", gn.gemv_norm_kernel,
+                dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=4096, PDL=True), dict(count_ptr="*i32"), ("eps",), warps,
+                releases_early=False)
     routing_ptrs = dict(ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")

@@ -1,16 +1,13 @@
 """impl.model.norm_gemv: a decode token's residual add, RMS norm and input projection in one GEMV,
 against the two steps in torch (add_rms_norm_reference, then the fp32 product), on the CPU through
-Triton's interpreter and on a GPU compiled (with PDL as launched in a decode step); and the
-`input_norm` layer backend that runs it (`fused`) or the norm's own launch (`separate`) in KDA and
-MLA layers, with its fallbacks noted and a left-out layer getting its norm back.
+Triton's interpreter and on a GPU compiled (with PDL as launched in a decode step). The `norms`
+layer backend that runs it in KDA and MLA layers: tests/test_layer_backends.py.
 
 Tolerances: fp32 1e-6 relative (the same products and statistics summed in another order over at
 most 4096 terms); the stored sum is the same rounding of the same add (bitwise equal). bf16 on a
 GPU 2^-6 relative against the two steps in bf16: the product rounds once in both (2^-7), and a
 normed value whose fp32 statistics differ in their last bits may round to the other bf16
-neighbour before it is multiplied. A whole Ling decode step, fused against separate: 2e-2, as the
-GEMV against cuBLAS (tests/test_gemv.py): 6 layers of bf16 activations carry those roundings on.
-Inputs are fresh normal draws, norm weights around 1 but not 1.
+neighbour before it is multiplied. Inputs are fresh normal draws, norm weights around 1 but not 1.
 """
 
 from __future__ import annotations
@@ -20,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from impl import backends
 from impl.model.add_rms_norm import add_rms_norm_reference
 from impl.model.gemv import GemvLaunch, gemv_reference
 from impl.model.norm_gemv import norm_gemv, norm_gemv_applies, norm_gemv_reference
+from tests.test_gemv import TILE_CASES, rel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,16 +34,8 @@ def inputs(n: int, k: int, dtype: torch.dtype, seed: int):
     return tuple(t.to(DEVICE, dtype) for t in (delta, residual, norm_w, w))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-@pytest.mark.parametrize("n,k,launch", [
-    (64, 256, GemvLaunch(block_n=8, block_k=64)),
-    (37, 200, GemvLaunch(block_n=8, block_k=64)),      # N and K past the last full tile
-    (130, 96, GemvLaunch(block_n=16, block_k=128)),    # K shorter than one tile
+@pytest.mark.parametrize("n,k,launch", TILE_CASES + [
     (24, 2560, GemvLaunch(block_n=4, block_k=1024, num_warps=8)),  # Ling-3.0-flash's hidden size
-    (16, 520, GemvLaunch(block_n=4, block_k=256, pdl=False)),
 ])
 def test_the_kernel_matches_the_add_norm_and_product_in_fp32(n, k, launch):
     delta, residual, norm_w, w = inputs(n, k, torch.float32, seed=n + k)
@@ -98,73 +87,3 @@ def test_the_kernel_takes_one_16_bit_row_on_a_gpu_and_nothing_else():
     assert not norm_gemv_applies(fake_cuda(torch.zeros(1, 4, 64, dtype=torch.bfloat16)), w)  # a verify pass
     assert not norm_gemv_applies(fake_cuda(one.float()), w.float())                     # fp32
     assert not norm_gemv_applies(fake_cuda(one), w.t().contiguous().t())                # strided rows
-
-
-# ------------------------------------------------------------------ the input_norm layer backend
-
-@pytest.fixture(scope="module")
-def ling():
-    from impl.model.build import build_model
-    return build_model("ling-3.0-tiny")
-
-
-def _decode(model, device, tokens):
-    """Logits of a prompt pass over all but the last token, then of the last as a decode token,
-    with the layer backends' events of each."""
-    model.setup_caches(1, 16)
-    n = tokens.shape[1] - 1
-    with torch.inference_mode():
-        with backends.record_provenance() as prompt:
-            model(tokens[:, :n], torch.arange(n, device=device))
-        with backends.record_provenance() as step:
-            out = model(tokens[:, n:], torch.tensor([n], device=device))
-
-    def events(prov):
-        return {(e.kind, e.backend, e.kernel) for e in prov.events if e.kind == "input_norm"}
-    return out.float(), events(prompt), events(step)
-
-
-def test_fused_falls_back_to_the_separate_launch_off_the_kernels_path_and_says_so(ling):
-    """On a CPU nothing takes the kernels: `fused` runs the norm's own launch, noted as its
-    fallback, and the logits equal `separate`'s."""
-    tokens = torch.randint(0, ling.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
-    separate, prompt, step = _decode(ling, "cpu", tokens)
-    assert prompt == step == {("input_norm", "separate", "add_rms_norm")}
-    ling.set_layer_backend("input_norm", "fused")
-    try:
-        fused, prompt, step = _decode(ling, "cpu", tokens)
-    finally:
-        ling.set_layer_backend("input_norm", "separate")
-    assert prompt == step == {("input_norm", "fused", "add_rms_norm")}
-    assert torch.equal(fused, separate)
-
-
-def test_a_left_out_attention_layer_gets_its_norm_launch_back(ling):
-    """While a layer kind is left out (impl.model.components) its modules run the separate norm
-    (the fused GEMV would run the attention it leaves out); their own backend comes back after."""
-    from impl.model.components import component_modules, left_out
-    ling.set_layer_backend("input_norm", "fused")
-    try:
-        with left_out(ling, "kda"):
-            assert {m.input_norm_backend.name for m in component_modules(ling, "kda")} == {"separate"}
-            assert {m.input_norm_backend.name for m in component_modules(ling, "mla")} == {"fused"}
-        assert ling.layer_backend("input_norm") == "fused"
-    finally:
-        ling.set_layer_backend("input_norm", "separate")
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the fused GEMV runs for decode tokens on a GPU only")
-def test_a_ling_decode_step_with_the_fused_norm_matches_the_separate_launch():
-    """ling-3.0-tiny in bf16 on the GPU: a decode token's logits with every KDA and MLA layer's
-    input add and norm inside its input GEMV against the same token with the norm's own launch;
-    the prompt pass (several rows) notes the fallback, the decode token the kernel."""
-    from impl.model.build import build_model
-    model = build_model("ling-3.0-tiny", device=DEVICE, dtype=torch.bfloat16, moe_backend="triton")
-    tokens = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
-    tokens = tokens.to(DEVICE)
-    want, _, _ = _decode(model, DEVICE, tokens)
-    model.set_layer_backend("input_norm", "fused")
-    got, prompt, step = _decode(model, DEVICE, tokens)
-    assert prompt == {("input_norm", "fused", "add_rms_norm")}
-    assert step == {("input_norm", "fused", "norm_gemv_kernel")}
-    assert rel(got, want) <= 2e-2

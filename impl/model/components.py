@@ -5,9 +5,9 @@ Timing the step with a component left out, against the whole step in the same pr
 component's share of the measured time (the probe's method: the difference of two captured
 graphs). Left out means its modules return their input (attention, MoE, dense MLP: the residual
 add still runs, no kernel is launched for the module) or, for the head, a persistent buffer of
-logits (the argmax after it still runs). An attention layer whose input norm is fused into its
-projection (impl.model.layer_backends, `input_norm=fused`) gets that norm's own launch back while
-it is out, so its share includes the norm's work it took over. Values go wrong while a component
+logits (the argmax after it still runs). An attention layer whose norms are fused into its
+projections (impl.model.layer_backends, `norms=fused`) gets their own launches back while it is
+out, so its share includes the norms' work it took over. Values go wrong while a component
 is out; only the time is meaningful.
 """
 
@@ -76,19 +76,19 @@ def left_out(model, component: str) -> Iterator[None]:
             return logits[shape]
     else:
         forward = _identity
-    norms = {m: m.input_norm_backend for m in modules if hasattr(m, "input_norm_backend")}
-    separate = backends.get("input_norm", "separate")
+    norms = {m: m.norms_backend for m in modules if hasattr(m, "norms_backend")}
+    separate = backends.get("norms", "separate")
     for m in modules:
         m.forward = forward
         if m in norms:
-            m.input_norm_backend = separate
+            m.norms_backend = separate
     try:
         yield
     finally:
         for m in modules:
             del m.forward
         for m, backend in norms.items():
-            m.input_norm_backend = backend
+            m.norms_backend = backend
 
 
 def component_bytes(parts: dict[str, float]) -> dict[str, float]:

@@ -36,6 +36,7 @@ from torch import nn
 
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear, fused_weight
+from impl.model.gemv_norm import new_counter
 from impl.model.gemv import linear
 from impl.model.layer_backends import init_layer_backends, kernels_path
 
@@ -289,6 +290,8 @@ class KDAAttention(nn.Module):
         self.state: KDAState | None = None
         self.track: VerifyTrack | None = None
         self.in_proj: torch.Tensor | None = None  # q|k|v|f|g|b weights in one tensor (fuse_projections)
+        # o_proj's programs count themselves done here when the norm after it is fused (impl.model.gemv_norm).
+        self.register_buffer("o_proj_done", new_counter(), persistent=False)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
         init_layer_backends(self)
 
@@ -303,22 +306,23 @@ class KDAAttention(nn.Module):
         return fused_linear(self, self._IN_PROJ, self.in_proj, x)
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
-        return self._decode_projected(self._projections(x[:, 0]), input_pos)
+        o = self._decode_attend(self._projections(x[:, 0]), input_pos)
+        return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
 
-    def _decode_projected(self, proj: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
-        """A decode token from its input projections proj [B, P] through the kernels, then o_proj."""
+    def _decode_attend(self, proj: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
+        """A decode token's output before o_proj, o [B, H*D], from its input projections proj [B, P]
+        through the kernels."""
         from impl.model.kda_decode import kda_decode
         backends.note("attention", self.attention_backend.name, "kda_decode_kernel", heads=self.num_heads,
                       head_dim=self.head_dim)
         b, hd = proj.shape[0], self.qkv_dim
         keep = _keep_flag(input_pos, proj.device)
         recurrent = self.state.recurrent[:b]
-        o = kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
-                       self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
-                       self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
-                       keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
-                       self.o_norm.eps, release_early=True)
-        return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
+        return kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
+                          self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
+                          self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
+                          keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
+                          self.o_norm.eps, release_early=True)
 
     def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """A verify pass of T tokens (2..track.tokens) through the decode kernel token by token:
@@ -462,10 +466,11 @@ class KDAAttention(nn.Module):
         w = fused_weight(self, self._IN_PROJ, self.in_proj)
         return w if w is not None and norm_gemv_applies(delta, w) else None
 
-    def forward_projected(self, proj: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                          input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """A decode token from its input projections proj [B, 1, P] (the `fused_norm_weight` path)."""
-        return self._decode_projected(proj[:, 0], input_pos)
+    def attend_projected(self, proj: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                         input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode token's output before o_proj [B, 1, H*D] from its input projections proj
+        [B, 1, P] (the `fused_norm_weight` path: the fused norms run o_proj)."""
+        return self._decode_attend(proj[:, 0], input_pos).unsqueeze(1)
 
     def forward_torch(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                       input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

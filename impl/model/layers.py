@@ -277,16 +277,16 @@ class DecoderLayer(nn.Module):
         `residual + delta` (`delta` None: `residual` alone). Returns (its MLP output, the stream
         after its attention), whose sum is its output; each add is one launch with the norm after
         it (impl.model.add_rms_norm), the last one left to whoever norms next. A KDA or MLA layer
-        runs the first add and norm through its input_norm backend (impl.model.layer_backends),
-        which may fold them into its input projection."""
-        norm_backend = getattr(self.self_attn, "input_norm_backend", None)
-        if delta is not None and norm_backend is not None:
-            a, residual = norm_backend.fn(self.self_attn, delta, residual, self.input_layernorm, cos, sin, input_pos,
-                                          mask)
+        runs its attention and the adds and norms around it through its norms backend
+        (impl.model.layer_backends), which may fold them into its projections."""
+        norms = getattr(self.self_attn, "norms_backend", None)
+        if delta is not None and norms is not None:
+            h, residual = norms.fn(self.self_attn, delta, residual, self.input_layernorm,
+                                   self.post_attention_layernorm, cos, sin, input_pos, mask)
         else:
             h, residual = add_rms_norm(delta, residual, self.input_layernorm)
-            a = self.self_attn(h, cos, sin, input_pos, mask)
-        h, residual = add_rms_norm(a, residual, self.post_attention_layernorm)
+            h, residual = add_rms_norm(self.self_attn(h, cos, sin, input_pos, mask), residual,
+                                       self.post_attention_layernorm)
         return self.mlp(h), residual
 
     def forward(self, x, cos, sin, input_pos, mask):

@@ -38,6 +38,7 @@ from torch import nn
 
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear, fused_weight
+from impl.model.gemv_norm import new_counter
 from impl.model.gemv import linear
 from impl.model.layer_backends import init_layer_backends, kernels_path
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
@@ -171,6 +172,8 @@ class MLAAttention(nn.Module):
         self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
         self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
+        # o_proj's programs count themselves done here when the norm after it is fused (impl.model.gemv_norm).
+        self.register_buffer("o_proj_done", new_counter(), persistent=False)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
         init_layer_backends(self)
 
@@ -270,10 +273,11 @@ class MLAAttention(nn.Module):
         w = fused_weight(self, self._in_names(), self.in_proj)
         return w if w is not None and norm_gemv_applies(delta, w) else None
 
-    def forward_projected(self, proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          input_pos: torch.Tensor | None) -> torch.Tensor:
-        """A decode token from its input projections proj [B, 1, P] (the `fused_norm_weight` path)."""
-        return self._decode_kernels(*self._split_projections(proj), cos, sin, input_pos)
+    def attend_projected(self, proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         input_pos: torch.Tensor | None) -> torch.Tensor:
+        """A decode token's output before o_proj [B, 1, H*dv] from its input projections proj
+        [B, 1, P] (the `fused_norm_weight` path: the fused norms run o_proj)."""
+        return self._decode_latent(*self._split_projections(proj), cos, sin, input_pos)
 
     def forward_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
                       mask: torch.Tensor | None, absorb: bool = True) -> torch.Tensor:
@@ -348,7 +352,12 @@ class MLAAttention(nn.Module):
         return not (r & (r - 1) or dr & (dr - 1))
 
     def _decode_kernels(self, q, kv_a, g, cos, sin, input_pos) -> torch.Tensor:
-        """The absorbed form in four kernels and o_proj: impl.model.mla_absorb's query kernel (the
+        """`_decode_latent`, then o_proj."""
+        return linear(self._decode_latent(q, kv_a, g, cos, sin, input_pos), self.o_proj.weight, self.o_proj.bias,
+                      self.projection_backend)
+
+    def _decode_latent(self, q, kv_a, g, cos, sin, input_pos) -> torch.Tensor:
+        """The absorbed form in four kernels, up to o_proj [B, T, H*dv]: impl.model.mla_absorb's query kernel (the
         latent queries, the cache rows written), impl.model.mla_decode's split-K attention over
         the rows up to each token's position, read once for all heads, and its combine, then
         mla_absorb's output kernel (W_uv, the gate). For one token of a batch, or the T tokens of
@@ -372,7 +381,7 @@ class MLAAttention(nn.Module):
         # read them before the query kernel ends.
         o_lat = mla_decode_attention(query, kv, None, c.kv_lora_rank, c.scaling, positions=input_pos)
         y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
-        return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias, self.projection_backend)
+        return y.view(b, t, -1)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config

@@ -24,19 +24,9 @@ from __future__ import annotations
 import torch
 
 from impl.model.add_rms_norm import add_rms_norm_reference
-from impl.model.gemv import DTYPES, GemvLaunch, gemv_reference, launch_for
+from impl.model.gemv import DTYPES, GemvLaunch, gemv_reference, launch_for, row_sums, weight_rows
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import tl, triton
-
-
-@triton.jit
-def _normed_tile(residual_ptr, delta_ptr, norm_w_ptr, offs_k, K, inv):
-    """round(round(residual + delta) * inv * norm_w) of K columns offs_k, as fp32 [1, BLOCK_K]."""
-    ok = offs_k < K
-    s = (tl.load(residual_ptr + offs_k, mask=ok, other=0.0).to(tl.float32)
-         + tl.load(delta_ptr + offs_k, mask=ok, other=0.0).to(tl.float32)).to(residual_ptr.dtype.element_ty)
-    nw = tl.load(norm_w_ptr + offs_k, mask=ok, other=0.0).to(residual_ptr.dtype.element_ty).to(tl.float32)
-    return (s.to(tl.float32) * inv * nw).to(residual_ptr.dtype.element_ty).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -45,32 +35,19 @@ def norm_gemv_kernel(delta_ptr, residual_ptr, norm_w_ptr, w_ptr, out_ptr, sum_pt
     """out[n] = sum_k norm(residual + delta)[k] * w[n, k] for this program's BLOCK_N rows; program 0
     also stores sum = round(residual + delta). BLOCK_H: K rounded up to a power of two (the row the
     statistics are taken over at once)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    # The first tile is read before the wait: weights were written long before this launch.
-    w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
-                eviction_policy="evict_first")
+    rows, offs_n, n_ok, offs_k, w = weight_rows(w_ptr, stride_wn, N, K, BLOCK_N, BLOCK_K)
     pdl_wait(PDL)  # delta comes from the launch before this one
     pdl_release(PDL)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < K
     s = (tl.load(residual_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
          + tl.load(delta_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)).to(sum_ptr.dtype.element_ty)
-    if pid == 0:  # the residual stream, stored once
+    if tl.program_id(0) == 0:  # the residual stream, stored once
         tl.store(sum_ptr + offs_h, s, mask=h_ok)
     sf = s.to(tl.float32)
     inv = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
-    acc = w.to(tl.float32) * _normed_tile(residual_ptr, delta_ptr, norm_w_ptr, offs_k, K, inv)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        w = tl.load(rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        acc += w.to(tl.float32) * _normed_tile(residual_ptr, delta_ptr, norm_w_ptr, k0 + offs_k, K, inv)
-    tl.store(out_ptr + offs_n[None, :], tl.sum(acc, axis=1)[None, :].to(out_ptr.dtype.element_ty),
-             mask=n_ok[None, :])
+    acc = row_sums(rows, n_ok, offs_k, w, delta_ptr, K, residual_ptr, norm_w_ptr, inv, BLOCK_K, True)
+    tl.store(out_ptr + offs_n[None, :], acc[None, :].to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 def norm_gemv_reference(delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,

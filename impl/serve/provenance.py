@@ -71,8 +71,8 @@ class RowProvenance:
     attention: set[tuple[str, str]] = field(default_factory=set)
     # KDA/MLA projections that ran (impl.model.gemv's backends: the GEMV kernel or F.linear), target and draft
     projection: set[tuple[str, str]] = field(default_factory=set)
-    # How KDA/MLA layers' input add + norm ran (impl.model.layer_backends: its own launch or the GEMV's)
-    input_norm: set[tuple[str, str]] = field(default_factory=set)
+    # How KDA/MLA layers' adds and norms ran (impl.model.layer_backends: own launches or in the GEMVs)
+    norms: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
     head_class: set[str] = field(default_factory=set)
@@ -96,7 +96,7 @@ class RowProvenance:
                 self.moe.add((backend, kernel))
             elif kind == "attention":
                 self.attention.add((backend, kernel))
-            elif kind in ("projection", "input_norm"):
+            elif kind in ("projection", "norms"):
                 getattr(self, kind).add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
@@ -187,7 +187,7 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
 
 
 def _layer_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
-    """Per part of the KDA/MLA layers (attention, projection, input_norm): the row's backend ran, and
+    """Per part of the KDA/MLA layers (attention, projection, norms): the row's backend ran, and
     on CUDA a kernel backend's kernels ran, not only its fallbacks (a model without such layers
     notes nothing)."""
     from impl.model.layer_backends import FALLBACKS
