@@ -36,8 +36,8 @@ from torch import nn
 
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear, fused_weight
-from impl.model.gemv_norm import new_counter
 from impl.model.gemv import linear
+from impl.model.gemv_norm import new_counter
 from impl.model.layer_backends import init_layer_backends, kernels_path
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
@@ -457,8 +457,8 @@ class KDAAttention(nn.Module):
     def fused_norm_weight(self, delta: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                           input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """The fused input projections' weight when this call, on `delta`'s shape, is a decode token
-        the kernels take through the GEMV (what the `fused` input norm folds the add and norm
-        into: impl.model.layer_backends); else None."""
+        the kernels take through the GEMV (what the `fused` norms fold the add and norm before the
+        layer into: impl.model.layer_backends); else None."""
         from impl.model.norm_gemv import norm_gemv_applies
         self._check(delta, input_pos)
         if not (kernels_path(self) and self.state is not None and delta.shape[1] == 1):

@@ -17,9 +17,9 @@
   projection `gemv`, the input projections fused), the first inside the input projection's GEMV
   (impl.model.norm_gemv) and the second inside o_proj's (impl.model.gemv_norm), two launches
   fewer a layer; anything else as `separate`. `fused-input` folds the first only (o_proj's
-  counting is the part that might cost more than the launch it saves: the two are measured apart). fn is `fn(module, delta, residual, norm,
-  post_norm, cos, sin, input_pos, mask)` -> (post_norm(the stream after the layer), that stream),
-  where the stream before it is residual + delta.
+  counting might cost more than the launch it saves, so the two are measured apart). fn is
+  `fn(module, delta, residual, norm, post_norm, cos, sin, input_pos, mask)` -> (post_norm(the
+  stream after the layer), that stream), where the stream before it is residual + delta.
 
 A kernel backend whose kernel does not apply to a call (a prompt pass, a shape it does not take,
 a CPU) notes the fallback it ran (`FALLBACKS`), so a row that names the kernels but never ran them
@@ -98,7 +98,7 @@ backends.register(backends.Backend(
 
 def kernels_path(module) -> bool:
     """Whether a KDA or MLA module runs its attention and projections through the default kernel
-    backends (`triton`, `gemv`): the path a `fused` input norm folds into."""
+    backends (`triton`, `gemv`): the path the `fused` norms fold into."""
     return (module.attention_backend.name == DEFAULTS["attention"]
             and module.projection_backend.name == DEFAULTS["projection"])
 

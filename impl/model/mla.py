@@ -38,8 +38,8 @@ from torch import nn
 
 from impl import backends
 from impl.model.fused import fuse_linears, fused_linear, fused_weight
-from impl.model.gemv_norm import new_counter
 from impl.model.gemv import linear
+from impl.model.gemv_norm import new_counter
 from impl.model.layer_backends import init_layer_backends, kernels_path
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
@@ -263,8 +263,8 @@ class MLAAttention(nn.Module):
     def fused_norm_weight(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
         """The fused input projections' weight when this call, on `delta`'s shape, is a decode token
-        the kernels take through the GEMV (what the `fused` input norm folds the add and norm
-        into: impl.model.layer_backends); else None."""
+        the kernels take through the GEMV (what the `fused` norms fold the add and norm before the
+        layer into: impl.model.layer_backends); else None."""
         from impl.model.norm_gemv import norm_gemv_applies
         self._check(delta, cos, sin, input_pos, mask)
         if not (kernels_path(self) and delta.shape[1] == 1 and self.absorb_max_tokens >= 1

@@ -21,9 +21,8 @@ override:
     norms=NAME              the residual adds and RMS norms around them: separate (the default:
                             their own launches), fused (a decode token's, inside the input
                             projection's and o_proj's GEMVs, on the kernels' path) or fused-input
-                            (the input projection's only). Models without
-                            KDA or MLA layers refuse a row that names anything but these three
-                            keys' defaults
+                            (the input projection's only). Models without KDA or MLA layers
+                            refuse a row that names anything but these three keys' defaults
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
     accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):

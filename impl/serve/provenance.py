@@ -94,9 +94,7 @@ class RowProvenance:
         for kind, backend, kernel in (*target, *draft):
             if kind == "moe":
                 self.moe.add((backend, kernel))
-            elif kind == "attention":
-                self.attention.add((backend, kernel))
-            elif kind in ("projection", "norms"):
+            elif kind in ("attention", "projection", "norms"):
                 getattr(self, kind).add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
