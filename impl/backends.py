@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import importlib
 import sys
+import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator
@@ -25,6 +26,15 @@ BUILTIN_MODULES = ("impl.moe", "impl.head", "impl.generate", "impl.spec.decoder"
                    "impl.model.gemv")
 KINDS = ("moe", "head", "decoder", "attention", "projection", "norms")
 WEIGHT_FORMATS = ("bf16", "fp32", "mxfp4")
+
+
+def weight_format(w) -> str:
+    """A routed weight's format as WEIGHT_FORMATS names it: "mxfp4" for an MXFP4Tensor, else its
+    dtype ("bf16", "fp32"; another dtype by its torch name)."""
+    from impl.quant.mxfp4 import MXFP4Tensor
+    if isinstance(w, MXFP4Tensor):
+        return "mxfp4"
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(w.dtype, str(w.dtype).replace("torch.", ""))
 
 
 class Unsupported(ValueError):
@@ -90,7 +100,12 @@ def _load_entry_points() -> None:
                 raise TypeError(f"it gave {type(backend).__name__}, expected impl.backends.Backend")
             register(backend)
         except Exception as e:  # the user's code: any error, kept with the entry point's name
-            _entry_point_failures[f"{ep.name} = {ep.value}"] = f"{type(e).__name__}: {e}"
+            why = f"{type(e).__name__}: {e}"
+            _entry_point_failures[f"{ep.name} = {ep.value}"] = why
+            # Said at once too: a backend shadowed by a built-in of the same name would otherwise
+            # pass every suite as the built-in, unnoticed.
+            warnings.warn(f"entry point {ep.name} = {ep.value} in {ENTRY_POINT_GROUP!r} was not loaded ({why}); "
+                          "its backend is unavailable", UserWarning, stacklevel=2)
 
 
 def get(kind: str, name: str) -> Backend:
@@ -100,12 +115,17 @@ def get(kind: str, name: str) -> Backend:
     try:
         backend = _registry[(kind, name)]
     except KeyError:
-        failed = "".join(f"; entry point {ep} in {ENTRY_POINT_GROUP!r} failed to load: {why}"
-                         for ep, why in _entry_point_failures.items())
-        raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}{failed}") from None
+        raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}{load_failures()}") from None
     # A planted slowdown (impl.plant, gate-trust runs) is handed out in the backend's place.
     plant = sys.modules.get("impl.plant")
     return backend if plant is None else plant.planted_backend(backend)
+
+
+def load_failures() -> str:
+    """The entry points that failed to load, as a suffix for an unknown-backend message ("" if none)."""
+    _load_entry_points()
+    return "".join(f"; entry point {ep} in {ENTRY_POINT_GROUP!r} failed to load: {why}"
+                   for ep, why in _entry_point_failures.items())
 
 
 def available(kind: str) -> list[str]:

@@ -93,8 +93,11 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     dropped: dict[str, str] = {}
     complete = False
     try:
-        run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup, check=False,
-                   optional=optional, dropped=dropped)
+        try:
+            run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup,
+                       check=False, optional=optional, dropped=dropped)
+        except ArmError as e:  # a row's backend refused the workload: the report below keeps what ran
+            _usage_exit(f"--moe-ladder: {e}")
         complete = True
     finally:
         model.set_moe_backend(restore[0])

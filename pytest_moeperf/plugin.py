@@ -99,25 +99,33 @@ def parse_model(value: str, rootpath: Path) -> str:
         return value
     path = _under_root(value, rootpath)
     if path.is_dir():
-        from impl.model.loading import read_config
+        from impl.model.loading import check_checkpoint
         from impl.model.weight_formats import CheckpointError
         try:
-            read_config(path)  # a folder that is no checkpoint fails here, not in every test that builds it
+            check_checkpoint(path)  # a folder that is no checkpoint fails here, not in every test that builds it
         except CheckpointError as e:
             raise ValueError(f"--moe-model {value!r}: {e}") from None
         return str(path)
     raise ValueError(f"--moe-model {value!r} is neither a preset ({', '.join(sorted(PRESETS))}), an embedded "
-                     f"checkpoint ({', '.join(sorted(EMBEDDED))}) nor a folder")
+                     f"checkpoint ({', '.join(sorted(EMBEDDED))}) nor a folder (looked for {path.resolve()}: a relative "
+                     "folder is taken from rootdir)")
 
 
-def parse_backend(value: str) -> str:
+def parse_backend(value: str, device: str = "auto") -> str:
+    """A registered MoE backend (or `auto`) that runs on the run's device (`device`: a parsed
+    --moe-device; `auto` is the GPU where there is one)."""
     if value == "auto":
         return value
     from impl import backends
     try:
-        backends.get("moe", value)
+        backend = backends.get("moe", value)
     except ValueError as e:
         raise ValueError(f"--moe-backend: {e}") from None
+    import torch
+    kind = "cuda" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    if kind not in backend.devices:
+        raise ValueError(f"--moe-backend: the {value!r} MoE backend runs on {list(backend.devices)}, not on this "
+                         f"run's device ({kind}: --moe-device {device})")
     return value
 
 
@@ -226,11 +234,12 @@ def _under_root(value: str, root: Path) -> Path:
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     report = _option(config, "moe_report")
+    device = parse_device(_option(config, "moe_device"))
     options = Options(
         bench=bool(_option(config, "moe_bench")),
-        device=parse_device(_option(config, "moe_device")),
+        device=device,
         model=parse_model(_option(config, "moe_model"), root),
-        backend=parse_backend(_option(config, "moe_backend")),
+        backend=parse_backend(_option(config, "moe_backend"), device),
         head=parse_head(_option(config, "moe_head")),
         baselines=_under_root(_option(config, "moe_baselines"), root),
         freeze=bool(_option(config, "moe_freeze")),
@@ -376,11 +385,12 @@ def pytest_configure(config: pytest.Config) -> None:
                 session.device.torch_device
             except ValueError as e:
                 raise pytest.UsageError(str(e)) from None
+        _stop_on_sigterm()
+    if options.ladder is not None:  # checked with or without --moe-bench: a typo waits for no run
         try:
             parse_ladder_option(options.ladder, session.device.torch_device.type)
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
-        _stop_on_sigterm()
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
 

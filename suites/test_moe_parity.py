@@ -1,7 +1,8 @@
 """Parity of the MoE backend under test with the fp32 oracle `moe_reference`.
 
 For M in {1, 2, 4, 16} tokens (a decode step, small verify steps, a full M_PAD chunk), routed
-experts in bf16 and in MXFP4, with and without the shared expert:
+experts in bf16 and in MXFP4 (and in fp32 on a CPU, the CPU model's format), with and without the
+shared expert:
 - tiny shapes on every device (CPU in the default run: fp32 activations, and Triton in its
   interpreter);
 - the Ling-3.0-flash (E=512, top-8, H=2560, I=768, shared I=768) and Ling-flash-2.0 (E=256,
@@ -53,7 +54,7 @@ RTOL_FP32 = 1e-5
 RTOL_BF16 = 1e-2
 ROUTED_SCALING = 2.5  # both Ling models' routed scaling factor: weights sum to 2.5 per token
 TOKENS = (1, 2, 4, 16)
-FORMATS = ("bf16", "mxfp4")
+FORMATS = ("bf16", "mxfp4", "fp32")
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,10 @@ def expert_weights(shape: Shape, fmt: str, device: torch.device, seed: int):
     g = torch.Generator(device).manual_seed(seed)
 
     def build(rows: int, cols: int):
-        convert = (lambda w: w.to(torch.bfloat16)) if fmt == "bf16" else quantize_mxfp4
+        convert = {"bf16": lambda w: w.to(torch.bfloat16), "fp32": lambda w: w}.get(fmt, quantize_mxfp4)
         parts = [convert(_routed_weight((min(32, shape.experts - e), rows, cols), g, device))
                  for e in range(0, shape.experts, 32)]
-        if fmt == "bf16":
+        if fmt != "mxfp4":
             return torch.cat(parts)
         return MXFP4Tensor(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]))
 
@@ -184,6 +185,8 @@ def _shape_params():
 def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_shared):
     skip_unsupported(backend, fmt)
     device = moe_device.torch_device
+    if fmt == "fp32" and device.type != "cpu":
+        pytest.skip("fp32 experts are the CPU model's format; a GPU model holds bf16 or MXFP4 ones")
     dtype = activation_dtype(device)
     # Fresh random inputs every run; the weights once per session, shape and format (the Ling
     # shapes take GBs). Both seeds are in the failure message; MOEPERF_SEED=N replays a run.

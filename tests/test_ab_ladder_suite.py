@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,21 @@ def test_an_unknown_row_is_a_usage_error_naming_it(pytester):
                                            "baseline;+turbo", "test_ab_ladder.py", timeout=300)
     assert result.ret == 4, result.stdout.str()[-2000:] + result.stderr.str()[-2000:]
     result.stderr.fnmatch_lines(["*--moe-ladder*+turbo*"])
+
+
+def test_a_ladder_is_checked_without_moe_bench_and_its_tests_say_why_they_skip(pytester):
+    """A typo in --moe-ladder is named at once, with or without --moe-bench; without it, every
+    test of the suite skips for want of --moe-bench, not for an empty parameter set."""
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-ladder", "baseline;+turbo",
+                                           "test_ab_ladder.py", timeout=300)
+    assert result.ret == 4, result.stdout.str()[-2000:] + result.stderr.str()[-2000:]
+    result.stderr.fnmatch_lines(["*--moe-ladder*+turbo*"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", "test_ab_ladder.py", timeout=300)
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.OK and "empty parameter set" not in out, out[-3000:]
+    skipped = re.findall(r"SKIPPED \[(\d+)\] .*?: (.*)", out)
+    assert skipped and all("--moe-bench" in why for _, why in skipped), skipped
 
 
 def _usage_exit(result) -> str:

@@ -46,6 +46,10 @@ def make():
     return backends.Backend("moe", "user-moe-made", _layer("user-moe-made"), "made by a factory")
 
 
+cuda_only = backends.Backend("moe", "user-moe-cuda", _layer("user-moe-cuda"), "a GPU kernel", devices=("cuda",))
+shadow = backends.Backend("moe", "gather", _layer("gather"), "a user's layer under a built-in's name")
+
+
 def not_a_backend():
     return "moe"
 '''
@@ -55,6 +59,8 @@ user-moe-dropped = user_moe_pkg:dropped
 user-moe-made = user_moe_pkg:make
 user-moe-missing = user_moe_pkg_not_installed:backend
 user-moe-wrong = user_moe_pkg:not_a_backend
+user-moe-cuda = user_moe_pkg:cuda_only
+gather = user_moe_pkg:shadow
 """
 
 
@@ -77,13 +83,43 @@ def installed(tmp_path, monkeypatch) -> Path:
 
 
 def test_an_installed_packages_backends_are_found_by_name(installed):
-    assert backends.get("moe", "user-moe").description == "a user's MoE layer"
+    with pytest.warns(UserWarning):  # the entry points below that fail to load
+        assert backends.get("moe", "user-moe").description == "a user's MoE layer"
     assert backends.get("moe", "user-moe-made").description == "made by a factory"  # a factory entry point
     assert {"user-moe", "user-moe-made", "triton", "gather"} <= set(backends.available("moe"))
 
 
+def test_an_entry_point_that_fails_to_load_warns_at_once_naming_it(installed):
+    """Said when the entry points load, not only when its backend is asked for: a user's backend
+    under a built-in's name would otherwise pass every suite as the built-in."""
+    with pytest.warns(UserWarning) as caught:
+        assert backends.get("moe", "gather").description != "a user's layer under a built-in's name"
+    messages = [str(w.message) for w in caught]
+    assert ("entry point gather = user_moe_pkg:shadow in 'moeperf.backends' was not loaded (ValueError: a moe backend "
+            "named 'gather' is already registered); its backend is unavailable") in messages
+    assert any(m.startswith("entry point user-moe-missing = user_moe_pkg_not_installed:backend") for m in messages)
+
+
+def test_a_ladder_row_naming_a_backend_that_failed_to_load_says_why(installed):
+    from impl.serve.configs import parse_row
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"moe: unknown MoE backend 'user-moe-missing'; "
+                                                                  r"known: .*entry point user-moe-missing = "
+                                                                  r"user_moe_pkg_not_installed:backend .*failed to "
+                                                                  r"load: ModuleNotFoundError"):
+        parse_row("x=moe=user-moe-missing", "cpu")
+
+
+def test_a_backend_for_another_device_is_a_usage_error(installed):
+    from pytest_moeperf.plugin import parse_backend
+    with pytest.warns(UserWarning):
+        assert parse_backend("user-moe-cuda", "cuda") == "user-moe-cuda"
+    with pytest.raises(ValueError, match=r"--moe-backend: the 'user-moe-cuda' MoE backend runs on \['cuda'\], not on "
+                                         r"this run's device \(cpu: --moe-device cpu\)"):
+        parse_backend("user-moe-cuda", "cpu")
+
+
 def test_an_entry_point_that_fails_to_load_is_named_and_spares_the_others(installed):
-    with pytest.raises(ValueError) as info:
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as info:
         backends.get("moe", "user-moe-missing")
     message = str(info.value)
     assert "unknown moe backend 'user-moe-missing'" in message

@@ -301,6 +301,32 @@ def test_a_config_missing_a_field_names_the_file_and_the_field(glm_copy):
         build_model(str(glm_copy))
 
 
+@pytest.mark.parametrize("edit, problem", [
+    (lambda raw: raw.update(num_experts_per_tok="two"), r"config.json: '<=' not supported"),  # a string
+    (lambda raw: raw.update(num_experts_per_tok=None), r"config.json: .*NoneType"),
+    (lambda raw: raw.update(num_experts_per_tok=64), r"config.json: top_k must be in \[1, num_experts="),
+])
+def test_a_config_field_of_the_wrong_type_or_range_names_the_file(glm_copy, edit, problem):
+    _edit_config(glm_copy, edit)
+    with pytest.raises(CheckpointError, match=problem):
+        build_model(str(glm_copy))
+
+
+def test_a_config_that_is_no_json_object_names_the_file(glm_copy):
+    (glm_copy / "config.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"config.json: expected a JSON object of config fields, got a list"):
+        build_model(str(glm_copy))
+
+
+def test_a_damaged_weight_file_is_named_before_anything_is_built(glm_copy):
+    from impl.model.loading import check_checkpoint
+    check_checkpoint(glm_copy)  # the copy as saved: fine
+    weights = sorted(glm_copy.glob("*.safetensors"))[0]
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{weights.name}: not a readable safetensors file"):
+        check_checkpoint(glm_copy)
+
+
 def test_unsupported_architecture(glm_copy):
     _edit_config(glm_copy, lambda raw: raw.update(model_type="mixtral", architectures=["MixtralForCausalLM"]))
     with pytest.raises(CheckpointError, match=r"architecture 'mixtral' is not supported.*qwen3_moe"):

@@ -267,6 +267,17 @@ def test_a_model_folder_that_is_no_checkpoint_is_a_usage_error(run, suite):
     result = run("--moe-model", "weights")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--moe-model 'weights': */config.json: architecture 'mixtral' is not supported*"])
+    (suite.path / "weights" / "config.json").write_text("[]")
+    result = run("--moe-model", "weights")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-model 'weights': */config.json: expected a JSON object*"])
+
+
+def test_a_relative_model_folder_not_found_names_where_it_looked(run, suite):
+    result = run("--moe-model", "../elsewhere")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*nor a folder (looked for {suite.path.parent / 'elsewhere'}: a relative folder "
+                                 "is taken from rootdir)*"])
 
 
 def test_a_prompts_file_with_a_bad_line_is_a_usage_error_naming_file_and_line(run, suite):

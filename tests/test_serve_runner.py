@@ -79,6 +79,23 @@ def test_a_defective_row_is_refused_after_its_warm_up(model, arms):
     assert kept == []
 
 
+def test_a_row_whose_backend_refuses_the_request_is_named(model, monkeypatch):
+    """A backend's impl.backends.Unsupported (input it does not cover) stops the ladder as the
+    ArmError of the row that names it, not as a traceback from the backend."""
+    from impl import backends
+    from impl.moe.gather import moe_gather  # noqa: F401  (the built-ins registered)
+    from impl.serve.arm import ArmError
+
+    def refuse(*args, **kwargs):
+        raise backends.Unsupported("tokens past my tiles")
+    monkeypatch.setattr(backends, "_registry", dict(backends._registry))
+    backends.register(backends.Backend("moe", "refusing", refuse, "refuses everything"))
+    arms = build_arms(model, parse_ladder("baseline;no=moe=refusing", "cpu"), tokenizer=ByteTokenizer())
+    with pytest.raises(ArmError, match=r"row 'no' \(moe=refusing,.*\): a backend it names does not cover the "
+                                       r"model's steps: tokens past my tiles"):
+        run_ladder(arms, requests(2))
+
+
 def _rss_bytes() -> int:
     import os
     with open("/proc/self/statm") as f:
@@ -143,3 +160,30 @@ def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(arms, monkeypat
         run_ladder(arms, requests(1), warmup=1)
     with pytest.raises(ValueError, match=r"optional rows \['nope'\] are not among the arms"):
         run_ladder(arms, requests(1), optional=["nope"])
+
+
+# ------------------------------------------------------------------ the command line (python -m impl.serve)
+
+@pytest.mark.parametrize("args, problem", [
+    (["--n", "0"], "argument --n: expected an integer >= 1, got 0"),
+    (["--dtype", "float64x"], "argument --dtype: invalid choice: 'float64x'"),
+    (["--threads", "-2"], "argument --threads: expected an integer >= 1, got -2"),
+    (["--model", "nosuch"], "'nosuch' is neither a preset"),
+    (["--ladder", "baseline;x=moe=nosuch"], "moe: unknown MoE backend 'nosuch'"),
+    (["--workload", "synthetic:0:4"], "synthetic"),
+])
+def test_the_command_line_answers_a_bad_option_with_a_usage_error(capsys, args, problem):
+    from impl.serve.__main__ import main
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cpu", "--n", "3", *args])
+    assert info.value.code == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_the_command_line_prints_provenance_problems_in_its_table_instead_of_stopping(capsys, monkeypatch):
+    """A row that is not what it says is a line of the table, as the module says, not a traceback."""
+    from impl.serve import __main__ as cli
+    monkeypatch.setattr(cli, "provenance_problems", lambda name, config, prov: [f"{name}: planted problem"])
+    assert cli.main(["--device", "cpu", "--n", "3", "--ladder", "baseline;+fp8-head", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline: planted problem" in out and "+fp8-head: planted problem" in out

@@ -61,6 +61,8 @@ def _raw_config(folder: Path) -> tuple[Path, dict]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object of config fields, got a {type(raw).__name__}")
     arch = raw.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not supported; supported: "
@@ -122,12 +124,24 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConf
     and the problem (missing file or field, unsupported architecture or setting)."""
     folder = Path(folder)
     path, raw = _raw_config(folder)
-    if raw["model_type"] == "bailing_hybrid":
-        return _bailing_config(raw, path, folder.name, max_seq_len)
     try:
+        if raw["model_type"] == "bailing_hybrid":
+            return _bailing_config(raw, path, folder.name, max_seq_len)
         return _family_config(raw, path, folder, max_seq_len)
+    except CheckpointError:
+        raise
     except KeyError as e:
         raise CheckpointError(f"{path}: missing the field {e.args[0]!r} ({raw['model_type']} needs it)") from None
+    except (TypeError, ValueError) as e:  # a field of the wrong type or out of range (ModelConfig's checks)
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def check_checkpoint(folder: str | Path) -> ModelConfig:
+    """read_config, and every safetensors file's header read: a folder that cannot load fails here,
+    naming the file, before anything is built. CheckpointError otherwise."""
+    config = read_config(folder)
+    _Store(Path(folder)).check()
+    return config
 
 
 def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None) -> ModelConfig:
@@ -189,9 +203,21 @@ class _Store:
                 raise CheckpointError(f"{folder} holds no .safetensors files")
             self.file_of = {}
             for name in files:
-                with safe_open(folder / name, framework="pt") as f:
-                    self.file_of.update(dict.fromkeys(f.keys(), name))
+                self.file_of.update(dict.fromkeys(self._keys(name), name))
         self._open: dict[str, object] = {}
+
+    def _keys(self, name: str) -> list[str]:
+        """The tensor names in file `name`, from its header; CheckpointError naming the file."""
+        try:
+            with safe_open(self.folder / name, framework="pt") as f:
+                return list(f.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError for a damaged header
+            raise CheckpointError(f"{self.folder / name}: not a readable safetensors file ({e})") from None
+
+    def check(self) -> None:
+        """Every file's header read (the index's files are otherwise opened at their first tensor)."""
+        for name in sorted(set(self.file_of.values())):
+            self._keys(name)
 
     def where(self, key: str) -> str:
         return f"{self.folder / self.file_of[key]}: {key}"

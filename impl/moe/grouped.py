@@ -69,7 +69,7 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
         raise RuntimeError("moe_grouped reads the per-expert slot counts on the host, which a CUDA graph capture "
                            "does not allow: capture decode and verify steps through a backend's own kernels")
     backends.note("moe", backend, "moe_grouped", tokens=tokens, prefill=True,
-                  format="mxfp4" if isinstance(w_gate_up, MXFP4Tensor) else str(x.dtype).replace("torch.", ""))
+                  format=backends.weight_format(w_gate_up))
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts_d = torch.bincount(flat, minlength=experts)

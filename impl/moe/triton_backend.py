@@ -115,7 +115,8 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     i_shared = shared.gate.shape[0] if shared is not None else 0
     split_here = p.dp4a and x_split is None
     backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
-                  format=p.format, tokens=m, shared=shared is not None, config=cfg, product=p.product)
+                  format=backends.weight_format(w_gate_up), tokens=m, shared=shared is not None, config=cfg,
+                  product=p.product)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     pdl = use_pdl(cfg.pdl, dev)

@@ -1,9 +1,10 @@
 """A quick ladder on the embedded model: `python -m impl.serve [--device cuda] [--ladder ...] [--n 20]`.
 
-Serves the `arith` workload (impl.data.workloads: held-out problems, stopping at the END after
-`#### N`) on every row of the ladder, interleaved, and prints each row's medians (TTFT, TPOT,
-decode tokens/s, latency), its mean accept length, its exact-answer rate and whether its
-provenance matches its name.
+Serves a workload (impl.data.workloads; default `arith`: held-out problems, stopping at the END
+after `#### N`) on every row of the ladder, interleaved, and prints each row's medians (TTFT,
+TPOT, decode tokens/s, latency), its mean accept length, its exact-answer rate (where the
+workload has answers) and whether its provenance matches its name. A bad option, model, row or
+workload is a usage error (exit 2) naming the problem.
 """
 
 from __future__ import annotations
@@ -25,17 +26,33 @@ def _median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m impl.serve", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--model", default="tiny-gsm")
     p.add_argument("--ladder", default="baseline;+kernels;+fp8-head;+mtp")
-    p.add_argument("--n", type=int, default=20, help="requests")
+    p.add_argument("--workload", default="arith",
+                   help="arith, gsm8k[:FOLDER|HUB_ID], synthetic:IN:OUT or jsonl:FILE (impl.data.workloads)")
+    p.add_argument("--n", type=_at_least(1), default=20, help="requests")
     p.add_argument("--lookahead", type=int, choices=(0, 1), default=engine.LOOKAHEAD,
                    help="steps queued ahead of the host's stop check on CUDA")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up requests per row (the first ones), not recorded")
+    p.add_argument("--threads", type=_at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--warmup", type=_at_least(0), default=1,
+                   help="warm-up requests per row (the first ones), not recorded")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,14 +61,18 @@ def main(argv=None) -> int:
     from impl.data.workloads import load_workload
     from impl.model.build import build_model
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    model = build_model(args.model, args.device, dtype)
-    tokenizer = tokenizer_for(args.model, model.config.vocab_size)
-    rows = parse_ladder(args.ladder, args.device)
-    arms = build_arms(model, rows, tokenizer=tokenizer)
-    k = max(r.config.k for r in rows)  # a verify step writes k positions past the last token
-    workload = load_workload("arith", tokenizer, model.config.max_seq_len - k, n=args.n)
+    try:  # what the options name: every problem here is the user's to fix, said as a usage error
+        model = build_model(args.model, args.device, dtype)
+        tokenizer = tokenizer_for(args.model, model.config.vocab_size)
+        rows = parse_ladder(args.ladder, args.device)
+        arms = build_arms(model, rows, tokenizer=tokenizer)
+        k = max(r.config.k for r in rows)  # a verify step writes k positions past the last token
+        workload = load_workload(args.workload, tokenizer, model.config.max_seq_len - k, n=args.n)
+    except (ValueError, TypeError, RuntimeError) as e:  # CheckpointError, ArmError, WorkloadError, ...
+        p.error(str(e))
     requests = list(workload)
-    records = run_ladder(arms, requests, progress=print, warmup=args.warmup)
+    # Provenance is printed per row below, not raised: the table says which row is not what it says.
+    records = run_ladder(arms, requests, progress=print, warmup=args.warmup, check=False)
     by_id = {r.request_id: r for r in requests}
     print(f"{'row':<12} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>8} {'latency ms':>10} {'accept':>6} "
           f"{'exact':>6}  provenance")
@@ -59,7 +80,8 @@ def main(argv=None) -> int:
         mine = [r for r in records if r["arm"] == arm.name]
         accept = [a for r in mine for a in (r["accept_lengths"] or [])]
         problems = provenance_problems(arm.name, arm.config, arm.provenance)
-        exact = statistics.mean(bool(workload.score(by_id[r["request_id"]], r["text"])["correct"]) for r in mine)
+        exact = (statistics.mean(bool(workload.score(by_id[r["request_id"]], r["text"])["correct"]) for r in mine)
+                 if workload.has_answers else float("nan"))
         print(f"{arm.name:<12} {1e3 * _median(r['ttft_s'] for r in mine):8.3f} "
               f"{1e3 * _median(r['tpot_s'] for r in mine):8.3f} {_median(r['decode_tokens_per_s'] for r in mine):8.1f} "
               f"{1e3 * _median(r['latency_s'] for r in mine):10.2f} "

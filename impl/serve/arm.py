@@ -45,12 +45,7 @@ def expert_format(model) -> str:
         return "none"
     formats = set()
     for block in blocks:
-        experts = block.experts
-        if experts.format == "mxfp4":
-            formats.add("mxfp4")
-        else:
-            dtype = experts.gate_up_proj.dtype
-            formats.add({torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype).replace("torch.", "")))
+        formats.add(backends.weight_format(block.experts.weights()[0]))
     if len(formats) != 1:
         raise ArmError(f"the model's MoE layers hold experts in several formats {sorted(formats)}; an arm "
                        "runs one format")

@@ -123,10 +123,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for kind, name in self.layer_backends().items():
             if name not in backends.available(kind):
-                raise ValueError(f"{kind}: unknown {kind} backend {name!r}; known: {backends.available(kind)}")
+                raise ValueError(f"{kind}: unknown {kind} backend {name!r}; known: {backends.available(kind)}"
+                                 f"{backends.load_failures()}")
         moe_names = backends.available("moe")
         if self.moe not in moe_names:
-            raise ValueError(f"moe: unknown MoE backend {self.moe!r}; known: {moe_names}")
+            raise ValueError(f"moe: unknown MoE backend {self.moe!r}; known: {moe_names}{backends.load_failures()}")
         if self.experts not in EXPERT_FORMATS:
             raise ValueError(f"experts: unknown expert weight format {self.experts!r}; "
                              f"expected one of {EXPERT_FORMATS}")
@@ -300,7 +301,7 @@ def _parse(text: str, kind: str, k: int) -> ServeConfig:
         changes["moe"] = values["moe"]
         known = backends.available("moe")
         if values["moe"] not in known:
-            raise ValueError(f"moe: unknown MoE backend {values['moe']!r}; known: {known}")
+            raise ValueError(f"moe: unknown MoE backend {values['moe']!r}; known: {known}{backends.load_failures()}")
         backend = backends.get("moe", values["moe"])
         if kind not in backend.devices:
             raise ValueError(f"moe: the {values['moe']!r} MoE backend runs on {list(backend.devices)}, not {kind}")

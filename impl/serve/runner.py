@@ -29,13 +29,32 @@ Any other row's error propagates as usual.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Collection, Iterable, Iterator
 
 import torch
 
+from impl import backends
+from impl.serve.arm import ArmError
 from impl.serve.engine import prepare, run_request
 from impl.serve.provenance import check_provenance
+
+
+@contextlib.contextmanager
+def _refusals(arm, what: str) -> Iterator[None]:
+    """A backend's refusal of its input (impl.backends.Unsupported) raised as the ArmError of the
+    row that names that backend: the row cannot run on this model or workload."""
+    try:
+        yield
+    except backends.Unsupported as e:
+        raise ArmError(f"row {arm.name!r} ({arm.config.spec_text()}): a backend it names does not cover "
+                       f"{what}: {e}") from e
+
+
+def _served(arm, request) -> dict:
+    with _refusals(arm, f"request {request.request_id!r}"):
+        return run_request(arm, request)
 
 __all__ = ["interleaved_order", "iter_ladder", "run_ladder"]
 
@@ -95,9 +114,10 @@ def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] 
     if warmup:
         for arm in sorted(arms, key=lambda a: a.name in optional):  # stable: the optional ones last
             try:
-                prepare(arm)
+                with _refusals(arm, "the model's steps"):
+                    prepare(arm)
                 for request in requests[:warmup]:
-                    run_request(arm, request)
+                    _served(arm, request)
             except torch.cuda.OutOfMemoryError as e:
                 if arm.name not in optional:
                     raise
@@ -114,7 +134,7 @@ def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] 
     done = 0
     for i, request in enumerate(requests):
         for arm in interleaved_order(arms, i):
-            record = run_request(arm, request)
+            record = _served(arm, request)
             done += 1
             tick(done, record)
             yield record
