@@ -75,10 +75,10 @@ for _name, _fn in DEFECTS.items():
 
 '''
 
-# Parity: the M=4 cases of one tiny shape (bf16 and MXFP4, with and without the shared expert);
-# fuzz: every property of the fuzz file.
+# Parity: the M=4 cases of one tiny shape (bf16, MXFP4 and fp32, with and without the shared
+# expert); fuzz: every property of the fuzz file.
 SELECTION = "(tiny-h96 and M4) or test_moe_fuzz"
-PARITY_CASES = 4
+PARITY_CASES = 6
 FUZZ_TESTS = ("test_fuzz_matches_reference", "test_fuzz_nan_reaches_exactly_its_rows",
               "test_mxfp4_decode_every_code_and_scale", "test_mxfp4_nan_scale_and_overflow_reach_exactly_their_tokens")
 
