@@ -52,6 +52,7 @@ def test_the_kernel_matches_the_product_add_and_norm_in_fp32(n, k, launch):
     assert rel(total, proj) > 0.1 and rel(total, residual) > 1e-3
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the unnormed buffers' garbage
 def test_a_counter_left_off_zero_is_caught_by_the_outputs():
     """The planted fault the counting guards against: a counter not at zero when a launch starts
     means no program counts last, nothing is normed, and the outputs are whatever the buffers held."""
