@@ -98,6 +98,15 @@ def test_sharded_checkpoint_loads_identically(source, tmp_path):
     a, b = build_model(str(source)), build_model(str(dest))
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(x, y), name
+    # A damaged shard is named by the start-up check (impl.model.loading.check_checkpoint), which
+    # reads every shard's header, not only when its first tensor is wanted.
+    from impl.model.loading import check_checkpoint
+    from impl.model.weight_formats import CheckpointError
+    check_checkpoint(dest)
+    shard = dest / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:64])
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003.safetensors: not a readable safetensors file"):
+        check_checkpoint(dest)
 
 
 @pytest.mark.parametrize("layout", ["block", "channel"])

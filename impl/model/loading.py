@@ -188,7 +188,8 @@ class _Store:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         index = folder / "model.safetensors.index.json"
-        if index.is_file():
+        self._indexed = index.is_file()
+        if self._indexed:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
@@ -215,9 +216,11 @@ class _Store:
             raise CheckpointError(f"{self.folder / name}: not a readable safetensors file ({e})") from None
 
     def check(self) -> None:
-        """Every file's header read (the index's files are otherwise opened at their first tensor)."""
-        for name in sorted(set(self.file_of.values())):
-            self._keys(name)
+        """Every file's header read: the index's files are otherwise opened at their first tensor
+        (without an index, __init__ has read them all)."""
+        if self._indexed:
+            for name in sorted(set(self.file_of.values())):
+                self._keys(name)
 
     def where(self, key: str) -> str:
         return f"{self.folder / self.file_of[key]}: {key}"
