@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from impl.model.add_rms_norm import add_rms_norm_reference
-from impl.model.gemv import DTYPES, GemvLaunch, gemv_reference, launch_for, row_sums, weight_rows
+from impl.model.gemv import DTYPES, GemvLaunch, gemv_applies, gemv_reference, launch_for, row_sums, weight_rows
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import tl, triton
 
@@ -119,11 +119,9 @@ def gemv_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, norm_wei
     return out.view(residual.shape), total.view(residual.shape)
 
 
-def gemv_norm_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `gemv_norm` takes this call in a model: what impl.model.gemv's kernel takes (one
-    row of 16-bit activations on a GPU, a weight of its dtype with contiguous rows, no bias)."""
-    return (bias is None and x.is_cuda and x.dtype in DTYPES and w.dtype == x.dtype and w.dim() == 2
-            and x.numel() == w.shape[1] and w.stride(1) == 1)
+# Whether `gemv_norm` takes a call in a model: exactly what the plain GEMV takes (one row of 16-bit
+# activations on a GPU, a weight of its dtype with contiguous rows, no bias).
+gemv_norm_applies = gemv_applies
 
 
 __all__ = ["gemv_norm", "gemv_norm_applies", "gemv_norm_kernel", "gemv_norm_reference", "new_counter"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from impl.model.add_rms_norm import add_rms_norm_reference
-from impl.model.gemv import DTYPES, GemvLaunch, gemv_reference, launch_for, row_sums, weight_rows
+from impl.model.gemv import DTYPES, GemvLaunch, gemv_applies, gemv_reference, launch_for, row_sums, weight_rows
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import tl, triton
 
@@ -98,10 +98,9 @@ def norm_gemv(delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
 
 
 def norm_gemv_applies(delta: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `norm_gemv` takes this call in a model: one row of 16-bit activations on a GPU with
-    a weight of its dtype with contiguous rows (impl.model.gemv's `gemv_applies`)."""
-    return (delta.is_cuda and delta.dtype in DTYPES and w.dtype == delta.dtype and w.dim() == 2
-            and delta.numel() == w.shape[1] and w.stride(1) == 1)
+    """Whether `norm_gemv` takes this call in a model: whatever the plain GEMV takes
+    (impl.model.gemv's `gemv_applies`: one row of 16-bit activations on a GPU, ...)."""
+    return gemv_applies(delta, w, None)
 
 
 __all__ = ["norm_gemv", "norm_gemv_applies", "norm_gemv_kernel", "norm_gemv_reference"]
