@@ -17,31 +17,31 @@ from impl.model.gemv import GemvLaunch  # noqa: E402
 
 
 def test_variants_parse_into_tiles_per_weight_shape_and_layer_backends():
-    v = ab.parse_variants("committed; o=2560,4096:2,4096,4+6752,2560:4,1024,8; f=norms:fused+2560,4096:2,4096,4")
+    v = ab.parse_variants("committed; o=2560,4096:2,4096,4+6752,2560:4,1024,8; f=projection:cublas+2560,4096:2,4096,4")
     assert v == {"committed": ab.Variant(),
                  "o": ab.Variant({(2560, 4096): GemvLaunch(2, 4096, 4), (6752, 2560): GemvLaunch(4, 1024, 8)}),
-                 "f": ab.Variant({(2560, 4096): GemvLaunch(2, 4096, 4)}, {"norms": "fused"})}
+                 "f": ab.Variant({(2560, 4096): GemvLaunch(2, 4096, 4)}, {"projection": "cublas"})}
 
 
 def test_each_variant_sets_the_model_and_the_table_and_the_base_restores_them():
     from impl.model.build import build_model
     from impl.model.gemv import TUNED
     model, committed = build_model("ling-3.0-tiny"), dict(TUNED)
-    v = ab.parse_variants("f=norms:fused+attention:torch+64,64:2,64,4")["f"]
+    v = ab.parse_variants("f=projection:cublas+attention:torch+64,64:2,64,4")["f"]
     try:
         ab.apply(model, v, committed)
-        assert (model.layer_backend("norms"), model.layer_backend("attention")) == ("fused", "torch")
+        assert (model.layer_backend("projection"), model.layer_backend("attention")) == ("cublas", "torch")
         assert TUNED == {**committed, (64, 64): GemvLaunch(2, 64, 4)}
     finally:
         ab.apply(model, ab.Variant(), committed)
-    assert (model.layer_backend("norms"), model.layer_backend("attention")) == ("separate", "triton")
+    assert (model.layer_backend("projection"), model.layer_backend("attention")) == ("gemv", "triton")
     assert TUNED == committed
 
 
 @pytest.mark.parametrize("text, problem", [
     ("o=2560,4096:2,4096", "variant 'o=2560,4096:2,4096': expected NAME=N,K:BLOCK_N,BLOCK_K,WARPS"),
-    ("f=norms:inline", "unknown norms backend 'inline'; known: ['fused', 'fused-input', 'separate']"),
-    ("f=norm:fused", "unknown layer backend kind 'norm'"),
+    ("f=projection:inline", "unknown projection backend 'inline'; known: ['cublas', 'gemv']"),
+    ("f=projections:cublas", "unknown layer backend kind 'projections'"),
     ("o=2560:2,4096,4", "expected NAME=N,K"),
     ("o=2560,4096:3,4096,4", "GemvLaunch.block_n must be a power of two"),
     ("a;a", "a repeated name"),

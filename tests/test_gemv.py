@@ -33,16 +33,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-# (N, K, launch) every GEMV kernel is checked at (here and in tests/test_norm_gemv.py, test_gemv_norm.py).
-TILE_CASES = [
+@pytest.mark.parametrize("n,k,launch", [
     (64, 256, GemvLaunch(block_n=8, block_k=64)),
     (37, 200, GemvLaunch(block_n=8, block_k=64)),      # N and K past the last full tile
     (130, 96, GemvLaunch(block_n=16, block_k=128)),    # K shorter than one tile
     (24, 520, GemvLaunch(block_n=4, block_k=256, pdl=False)),
-]
-
-
-@pytest.mark.parametrize("n,k,launch", TILE_CASES)
+])
 def test_the_kernel_matches_the_fp32_product(n, k, launch):
     x, w = inputs(n, k, torch.float32, seed=n + k)
     out = gemv(x, w, launch)

@@ -1,16 +1,11 @@
-"""The layer backends of KDA and MLA layers: their attention (`triton`, the default, or `torch`),
-their projections (`gemv`, the default, or `cublas`) and the residual adds and norms around them
-(`separate`, the default, or `fused` into the GEMVs), switched per model and per ladder row
-(`attention=`, `projection=`, `norms=`), each call noting what ran, and a row whose provenance
-contradicts its backends refused by name.
+"""The layer backends of KDA and MLA layers: their attention (`triton`, the default, or `torch`)
+and their projections (`gemv`, the default, or `cublas`), switched per model and per ladder row
+(`attention=`, `projection=`), each call noting what ran, and a row whose provenance contradicts
+its backends refused by name.
 
 On a CPU every backend runs the plain path (the kernels need CUDA), so outputs are equal here and
 the check that the kernels really ran applies to CUDA rows only; tests/test_kda_decode.py,
-tests/test_mla_decode.py, tests/test_gemv.py and the last test here compare the paths on the GPU.
-Tolerance of that test, a whole Ling decode step with its norms fused against separate: 2e-2
-relative, as the GEMV against cuBLAS (tests/test_gemv.py): each fused norm's fp32 statistics sum
-in another order, a normed value may round to the other bf16 neighbour, and 6 layers of bf16
-activations carry that on.
+tests/test_mla_decode.py and tests/test_gemv.py compare the paths on the GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from impl.model.layer_backends import FALLBACKS, layer_modules, set_layer_backen
 from impl.model.build import build_model
 from impl.serve.configs import parse_row, parse_serve_config
 from impl.serve.provenance import RowProvenance, provenance_problems
-from tests.test_gemv import rel
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +28,10 @@ def ling():
 def test_the_backends_are_registered():
     assert backends.available("attention") == ["torch", "triton"]
     assert backends.available("projection") == ["cublas", "gemv"]
-    assert backends.available("norms") == ["fused", "fused-input", "separate"]
     assert backends.get("attention", "triton").description.startswith("KDA and MLA decode and verify steps")
 
 
-@pytest.mark.parametrize("kind, default, other", [("attention", "triton", "torch"), ("projection", "gemv", "cublas"),
-                                                  ("norms", "separate", "fused")])
+@pytest.mark.parametrize("kind, default, other", [("attention", "triton", "torch"), ("projection", "gemv", "cublas")])
 def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, default, other):
     kinds = sorted({type(m).__name__ for m in layer_modules(ling)})
     assert kinds == ["KDAAttention", "MLAAttention"]
@@ -55,7 +47,7 @@ def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, defa
     with pytest.raises(ValueError, match=rf"unknown {kind} backend 'flash'; available: \['{min(default, other)}'"):
         ling.set_layer_backend(kind, "flash")
     with pytest.raises(ValueError, match=r"unknown layer backend kind 'moe'; expected one of \['attention', "
-                                         r"'projection', 'norms'\]"):
+                                         r"'projection'\]"):
         ling.set_layer_backend("moe", "triton")
 
 
@@ -117,16 +109,16 @@ def test_the_row_keys_parse_and_are_left_out_of_texts_at_their_defaults():
         parse_row("projection=x", "cpu")
 
 
-def _prov(device: str, attention: set[tuple[str, str]], projection: set[tuple[str, str]] = frozenset(),
-          norms: set[tuple[str, str]] = frozenset()) -> RowProvenance:
+def _prov(device: str, attention: set[tuple[str, str]], projection: set[tuple[str, str]] = frozenset()
+          ) -> RowProvenance:
     prov = RowProvenance("row", device, "bf16", requests=1, moe={("gather", "moe_gather")},
                          head={("bf16", "linear")}, head_class={"BF16Head"})
-    prov.attention, prov.projection, prov.norms = set(attention), set(projection), set(norms)
+    prov.attention, prov.projection = set(attention), set(projection)
     return prov
 
 
 KERNELS = {("triton", "kda_decode_kernel"), ("triton", "mla_query_kernel+mla_decode_kernel+mla_output_kernel")}
-TORCH = {("triton", p) for p in FALLBACKS["attention"]["triton"]}
+TORCH = {("triton", p) for p in FALLBACKS["attention"]}
 
 
 @pytest.mark.parametrize("spec, device, attention, projection, problem", [
@@ -156,32 +148,6 @@ def test_provenance_refuses_a_row_whose_layers_ran_other_backends(spec, device, 
         assert len(problems) == 1 and problem in problems[0], problems
 
 
-FUSED, NORM = ("fused", "norm_gemv_kernel+gemv_norm_kernel"), ("fused", "add_rms_norm")
-
-
-@pytest.mark.parametrize("spec, device, norms, problem", [
-    ("moe=gather,norms=fused", "cuda", {FUSED, NORM}, None),  # decode tokens fused, prompt passes not
-    ("moe=gather,norms=fused", "cpu", {NORM}, None),          # no kernels on a CPU
-    ("moe=gather", "cuda", {("separate", "add_rms_norm")}, None),
-    ("moe=gather,norms=fused", "cuda", {NORM},
-     "norms: the row names the fused norms kernels but only their fallback ran (['add_rms_norm'])"),
-    ("moe=gather,norms=fused-input", "cuda", {("fused-input", "norm_gemv_kernel"), ("fused-input", "add_rms_norm")},
-     None),
-    ("moe=gather,norms=fused-input", "cuda", {("fused-input", "add_rms_norm")},
-     "norms: the row names the fused-input norms kernels but only their fallback ran (['add_rms_norm'])"),
-    ("moe=gather", "cuda", {FUSED},
-     "norms: the row names the 'separate' norms backend but ['fused'] ran"),
-])
-def test_provenance_refuses_a_row_whose_norms_are_not_what_it_names(spec, device, norms, problem):
-    config = parse_serve_config(spec, device)
-    prov = _prov(device, KERNELS, {("gemv", "gemv_kernel")}, norms)
-    problems = [p for p in provenance_problems("row", config, prov) if p.startswith("norms")]
-    if problem is None:
-        assert problems == []
-    else:
-        assert len(problems) == 1 and problem in problems[0], problems
-
-
 def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     """Rows of the ladder on ling-3.0-tiny (CPU): the defaults and attention=torch,projection=cublas
     each run their backends (checked from provenance) and serve the same greedy text."""
@@ -190,115 +156,18 @@ def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     from impl.serve.provenance import check_provenance
     from impl.serve.runner import run_ladder
     from tests.test_serve_engine import ByteTokenizer, request
-    arms = build_arms(ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas;"
-                                         "fused=moe=gather,norms=fused", "cpu"), tokenizer=ByteTokenizer())
+    arms = build_arms(ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas",
+                                         "cpu"), tokenizer=ByteTokenizer())
     try:
         records = run_ladder(arms, [request("Q: 12 + 30 =", 12, ignore_eos=True)])
     finally:
         ling.set_layer_backend("attention", "triton")
         ling.set_layer_backend("projection", "gemv")
-        ling.set_layer_backend("norms", "separate")
     for arm in arms:
         check_provenance(arm.name, arm.config, arm.provenance)
     assert (arms[0].provenance.backends("attention"), arms[0].provenance.backends("projection")) == ({"triton"},
                                                                                                       {"gemv"})
     assert (arms[1].provenance.backends("attention"), arms[1].provenance.backends("projection")) == ({"torch"},
                                                                                                       {"cublas"})
-    assert arms[2].provenance.backends("norms") == {"fused"}
-    assert arms[0].provenance.backends("norms") == arms[1].provenance.backends("norms") == {"separate"}
     texts = {r["arm"]: r["text"] for r in records}
-    assert texts["kernels"] == texts["torch"] == texts["fused"]
-
-
-# ------------------------------------------------------------------ norms: separate or fused
-
-def _decode(model, device, tokens):
-    """Logits of a prompt pass over all but the last token, then of the last as a decode token,
-    with the norms backend's events of each."""
-    model.setup_caches(1, 16)
-    n = tokens.shape[1] - 1
-    with torch.inference_mode():
-        with backends.record_provenance() as prompt:
-            model(tokens[:, :n], torch.arange(n, device=device))
-        with backends.record_provenance() as step:
-            out = model(tokens[:, n:], torch.tensor([n], device=device))
-
-    def events(prov):
-        return {(e.backend, e.kernel) for e in prov.events if e.kind == "norms"}
-    return out.float(), events(prompt), events(step)
-
-
-def test_fused_norms_fall_back_to_their_own_launches_off_the_kernels_path_and_say_so(ling):
-    """On a CPU nothing takes the kernels: `fused` runs the norms' own launches, noted as its
-    fallback, and the logits equal `separate`'s."""
-    tokens = torch.randint(0, ling.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
-    separate, prompt, step = _decode(ling, "cpu", tokens)
-    assert prompt == step == {("separate", "add_rms_norm")}
-    ling.set_layer_backend("norms", "fused")
-    try:
-        fused, prompt, step = _decode(ling, "cpu", tokens)
-    finally:
-        ling.set_layer_backend("norms", "separate")
-    assert prompt == step == {NORM}
-    assert torch.equal(fused, separate)
-
-
-def test_a_left_out_attention_layer_gets_its_norm_launches_back(ling):
-    """While a layer kind is left out (impl.model.components) its modules run the separate norms
-    (the fused GEMVs would run the attention it leaves out); their own backend comes back after."""
-    from impl.model.components import component_modules, left_out
-    ling.set_layer_backend("norms", "fused")
-    try:
-        with left_out(ling, "kda"):
-            assert {m.norms_backend.name for m in component_modules(ling, "kda")} == {"separate"}
-            assert {m.norms_backend.name for m in component_modules(ling, "mla")} == {"fused"}
-        assert ling.layer_backend("norms") == "fused"
-    finally:
-        ling.set_layer_backend("norms", "separate")
-
-
-def test_the_done_counters_move_with_the_model_and_stay_out_of_its_state_dict(ling):
-    counters = [m.o_proj_done for m in layer_modules(ling)]
-    assert counters and all(c.dtype == torch.int32 and c.tolist() == [0] for c in counters)
-    assert not any(k.endswith("o_proj_done") for k in ling.state_dict())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norms run for decode tokens on a GPU only")
-def test_a_ling_decode_step_with_fused_norms_matches_their_own_launches():
-    """ling-3.0-tiny in bf16 on the GPU: a decode token's logits with every KDA and MLA layer's adds
-    and norms inside its GEMVs (and the input one only) against the same token with the norms' own
-    launches; the prompt
-    pass (several rows) notes the fallback, a decode token the kernels. Then the fused token
-    replayed from one CUDA graph three times, from the same states: each replay's logits equal the
-    eager call's bit for bit, and o_proj's done counters are back at zero after each."""
-    from impl.graphs import capture_graph
-    from impl.model.kda import KDAAttention
-    model = build_model("ling-3.0-tiny", device="cuda", dtype=torch.bfloat16, moe_backend="triton")
-    tokens = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
-    want, _, _ = _decode(model, "cuda", tokens)
-    for backend, kernels in (("fused-input", "norm_gemv_kernel"), ("fused", FUSED[1])):
-        model.set_layer_backend("norms", backend)
-        got, prompt, step = _decode(model, "cuda", tokens)
-        assert prompt == {(backend, "add_rms_norm")} and step == {(backend, kernels)}
-        assert rel(got, want) <= 2e-2, backend
-
-    kda = [m for m in model.modules() if isinstance(m, KDAAttention)]
-    pos, holder = torch.tensor([8], device="cuda"), {}
-    with torch.inference_mode():
-        model.setup_caches(1, 16)
-        model(tokens[:, :8], torch.arange(8, device="cuda"))
-        snaps = [m.state_snapshot() for m in kda]
-
-        def restore():
-            for m, snap in zip(kda, snaps):
-                m.state_restore(snap)
-        eager = model(tokens[:, 8:], pos).clone()
-        restore()
-        graph = capture_graph([lambda: holder.__setitem__("y", model(tokens[:, 8:], pos))])
-        for _ in range(3):
-            restore()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(holder["y"], eager)
-            assert [m.o_proj_done.item() for m in layer_modules(model)] == [0] * len(layer_modules(model))
-
+    assert texts["kernels"] == texts["torch"]

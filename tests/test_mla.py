@@ -164,9 +164,8 @@ def test_cache_bytes_per_token():
         cache = ours.setup_cache(1, CACHE_LEN, dtype=dtype)
         per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * torch.empty((), dtype=dtype).element_size()
         assert cache.bytes_per_token == per_token
-        # Everything the module holds that grows with the sequence is this one buffer (o_proj's done
-        # counter, impl.model.gemv_norm, is one int32 whatever the length).
-        held = sum(b.numel() * b.element_size() for name, b in ours.named_buffers() if name != "o_proj_done")
+        # Everything the module holds that grows with the sequence is this one buffer.
+        held = sum(b.numel() * b.element_size() for b in ours.buffers())
         assert held == CACHE_LEN * per_token
         assert not ours.state_dict().keys() & {"kv_cache.kv"}  # non-persistent: not in checkpoints
 

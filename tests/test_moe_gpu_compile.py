@@ -302,19 +302,6 @@ def _compile_all(tiles) -> int:
     # The decode step's residual add + RMS norm (impl/model/add_rms_norm.py) at Ling-3.0-flash's width.
     from impl.model import add_rms_norm as arn
     attempt("add_rms_norm_kernel", arn.add_rms_norm_kernel, dict(BLOCK_H=4096), {}, ("eps",), arn.NUM_WARPS)
-    # The same add and norm folded into the input projection's GEMV (impl/model/norm_gemv.py), at the
-    # default tile and o_proj's tuned one: releases only after its wait, like gemv_kernel.
-    from impl.model import norm_gemv as ng
-    for bn, bk, warps in ((2, 1024, 4), (4, 1024, 8)):
-        attempt(f"norm_gemv_kernel tiles={bn}x{bk} warps={warps}", ng.norm_gemv_kernel,
-                dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=4096, PDL=True), {}, ("eps",), warps, releases_early=False)
-    # And the add and norm after o_proj folded into its GEMV (impl/model/gemv_norm.py): its counting
-    # and the last program's norm come after the wait too.
-    from impl.model import gemv_norm as gn
-    for bn, bk, warps in ((2, 1024, 4), (4, 1024, 8)):
-        attempt(f"gemv_norm_kernel tiles={bn}x{bk} warps={warps}", gn.gemv_norm_kernel,
-                dict(BLOCK_N=bn, BLOCK_K=bk, BLOCK_H=4096, PDL=True), dict(count_ptr="*i32"), ("eps",), warps,
-                releases_early=False)
     routing_ptrs = dict(ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")

@@ -5,10 +5,8 @@ Timing the step with a component left out, against the whole step in the same pr
 component's share of the measured time (the probe's method: the difference of two captured
 graphs). Left out means its modules return their input (attention, MoE, dense MLP: the residual
 add still runs, no kernel is launched for the module) or, for the head, a persistent buffer of
-logits (the argmax after it still runs). An attention layer whose norms are fused into its
-projections (impl.model.layer_backends, `norms=fused`) gets their own launches back while it is
-out, so its share includes the norms' work it took over. Values go wrong while a component
-is out; only the time is meaningful.
+logits (the argmax after it still runs). Values go wrong while a component is out; only the
+time is meaningful.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from impl import backends
 from impl.model.kda import KDAAttention
 from impl.model.layers import MLP, Attention, MoEBlock
 from impl.model.mla import MLAAttention
@@ -76,19 +73,13 @@ def left_out(model, component: str) -> Iterator[None]:
             return logits[shape]
     else:
         forward = _identity
-    norms = {m: m.norms_backend for m in modules if hasattr(m, "norms_backend")}
-    separate = backends.get("norms", "separate")
     for m in modules:
         m.forward = forward
-        if m in norms:
-            m.norms_backend = separate
     try:
         yield
     finally:
         for m in modules:
             del m.forward
-        for m, backend in norms.items():
-            m.norms_backend = backend
 
 
 def component_bytes(parts: dict[str, float]) -> dict[str, float]:

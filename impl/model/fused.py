@@ -27,26 +27,19 @@ def fuse_linears(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | No
     return fused
 
 
-def fused_weight(module: nn.Module, names: tuple[str, ...], fused: torch.Tensor | None) -> torch.Tensor | None:
-    """`fused` while every one of `module`'s Linears `names` is still its view, in order (a later
-    .to() or load replaces the parameters and the fused tensor goes stale); else None."""
-    if fused is None:
-        return None
-    offset, base, step = 0, fused.data_ptr(), fused.stride(0) * fused.element_size()
-    for n in names:
-        w = module.get_submodule(n).weight
-        if w.data_ptr() != base + offset * step or w.dtype != fused.dtype:
-            return None
-        offset += w.shape[0]
-    return fused
-
-
 def fused_linear(module: nn.Module, names: tuple[str, ...], fused: torch.Tensor | None,
                  x: torch.Tensor) -> torch.Tensor:
     """The outputs of `module`'s Linears `names` on x, concatenated on the last dim: one GEMV over
-    `fused` while it is current (`fused_weight`), else the Linears one by one."""
+    `fused` while every weight is still its view (a later .to() or load replaces the parameters,
+    the fused tensor goes stale, and the Linears run one by one)."""
     backend = getattr(module, "projection_backend", None)
-    w = fused_weight(module, names, fused)
-    if w is not None:
-        return linear(x, w, backend=backend)
+    if fused is not None:
+        offset, base, step = 0, fused.data_ptr(), fused.stride(0) * fused.element_size()
+        for n in names:
+            w = module.get_submodule(n).weight
+            if w.data_ptr() != base + offset * step or w.dtype != fused.dtype:
+                break
+            offset += w.shape[0]
+        else:
+            return linear(x, fused, backend=backend)
     return torch.cat([linear(x, lin.weight, lin.bias, backend) for lin in map(module.get_submodule, names)], dim=-1)

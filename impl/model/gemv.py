@@ -15,8 +15,6 @@ projection 26.3 against 30.8 us, MLA's 10.0 against 13.2, the dense MLP's 8.8-9.
 wait (`prefetch.global.L2`) cost 0.5-3.3 us more than not (notes/runs/2026-12-04-gemv-bench-h200.log),
 and is not done.
 
-`weight_rows`, `x_tile` and `row_sums` are the kernel's parts, shared with the GEMVs that fold the
-residual add and norm in before (impl/model/norm_gemv.py) or after (impl/model/gemv_norm.py).
 `linear` is the models' projection call: this kernel for one row of 16-bit activations on a GPU,
 F.linear otherwise. `gemv_reference` is the fp32 product rounded to the output dtype.
 """
@@ -63,58 +61,30 @@ def launch_for(n: int, k: int) -> GemvLaunch:
 
 
 @triton.jit
-def weight_rows(w_ptr, stride_wn, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's BLOCK_N weight rows: (their pointers, offs_n, n_ok, offs_k, their first K
-    tile). The tile may be read before the PDL wait: weights were written long before any launch."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
-                eviction_policy="evict_first")
-    return rows, offs_n, n_ok, offs_k, w
-
-
-@triton.jit
-def x_tile(x_ptr, offs_k, K, residual_ptr, norm_w_ptr, inv, NORMED: tl.constexpr):
-    """x's K columns offs_k as an fp32 [1, BLOCK_K] tile. NORMED (impl.model.norm_gemv): x_ptr is
-    the branch output delta and the tile round(round(residual + delta) * inv * norm_w), rounded to
-    the residual stream's dtype at each step as the add and norm kernel stores them."""
-    ok = (offs_k < K)[None, :]
-    if NORMED:
-        dtype = residual_ptr.dtype.element_ty
-        s = (tl.load(residual_ptr + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-             + tl.load(x_ptr + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dtype)
-        nw = tl.load(norm_w_ptr + offs_k[None, :], mask=ok, other=0.0).to(dtype).to(tl.float32)
-        return (s.to(tl.float32) * inv * nw).to(dtype).to(tl.float32)
-    else:
-        return tl.load(x_ptr + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def row_sums(rows, n_ok, offs_k, w, x_ptr, K, residual_ptr, norm_w_ptr, inv, BLOCK_K: tl.constexpr,
-             NORMED: tl.constexpr):
-    """sum_k w[n, k] * x[k] over the program's rows as fp32 [BLOCK_N] (w: their first K tile,
-    already loaded; x as `x_tile` gives it), products summed per row at the end."""
-    acc = w.to(tl.float32) * x_tile(x_ptr, offs_k, K, residual_ptr, norm_w_ptr, inv, NORMED)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        w = tl.load(rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x_tile(x_ptr, k0 + offs_k, K, residual_ptr, norm_w_ptr, inv, NORMED)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PDL: tl.constexpr):
     """out[n] = sum_k x[k] * w[n, k] for this program's BLOCK_N rows (x read as [1, BLOCK_K] tiles,
     the sums stored as a [1, BLOCK_N] one)."""
-    rows, offs_n, n_ok, offs_k, w = weight_rows(w_ptr, stride_wn, N, K, BLOCK_N, BLOCK_K)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    # The first tile is read before the wait: weights were written long before this launch.
+    w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0,
+                eviction_policy="evict_first")
     pdl_wait(PDL)  # x comes from the launch before this one
     pdl_release(PDL)
-    acc = row_sums(rows, n_ok, offs_k, w, x_ptr, K, x_ptr, x_ptr, 1.0, BLOCK_K, False)
-    tl.store(out_ptr + offs_n[None, :], acc[None, :].to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+    x = tl.load(x_ptr + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        w = tl.load(rows + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_ptr + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    tl.store(out_ptr + offs_n[None, :], tl.sum(acc, axis=1)[None, :].to(out_ptr.dtype.element_ty),
+             mask=n_ok[None, :])
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -192,4 +162,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 __all__ = ["DEFAULT_LAUNCH", "TUNED", "GemvLaunch", "gemv", "gemv_applies", "gemv_kernel", "gemv_reference",
-           "launch_for", "linear", "row_sums", "weight_rows", "x_tile"]
+           "launch_for", "linear"]

@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model.fused import fuse_linears, fused_linear, fused_weight
+from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
-from impl.model.gemv_norm import new_counter
-from impl.model.layer_backends import init_layer_backends, kernels_path
+from impl.model.layer_backends import init_layer_backends
 
 # The L2 norm of q and k adds its epsilon under the square root (x / sqrt(sum x^2 + eps)), as the
 # reference kernels do; F.normalize clamps the norm instead, which differs for tiny vectors.
@@ -290,8 +289,6 @@ class KDAAttention(nn.Module):
         self.state: KDAState | None = None
         self.track: VerifyTrack | None = None
         self.in_proj: torch.Tensor | None = None  # q|k|v|f|g|b weights in one tensor (fuse_projections)
-        # o_proj's programs count themselves done here when the norm after it is fused (impl.model.gemv_norm).
-        self.register_buffer("o_proj_done", new_counter(), persistent=False)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
         init_layer_backends(self)
 
@@ -306,23 +303,19 @@ class KDAAttention(nn.Module):
         return fused_linear(self, self._IN_PROJ, self.in_proj, x)
 
     def _decode_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
-        o = self._decode_attend(self._projections(x[:, 0]), input_pos)
-        return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
-
-    def _decode_attend(self, proj: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
-        """A decode token's output before o_proj, o [B, H*D], from its input projections proj [B, P]
-        through the kernels."""
         from impl.model.kda_decode import kda_decode
         backends.note("attention", self.attention_backend.name, "kda_decode_kernel", heads=self.num_heads,
                       head_dim=self.head_dim)
-        b, hd = proj.shape[0], self.qkv_dim
-        keep = _keep_flag(input_pos, proj.device)
+        b, hd = x.shape[0], self.qkv_dim
+        proj = self._projections(x[:, 0])
+        keep = _keep_flag(input_pos, x.device)
         recurrent = self.state.recurrent[:b]
-        return kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
-                          self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
-                          self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
-                          keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
-                          self.o_norm.eps, release_early=True)
+        o = kda_decode(proj[:, :3 * hd], proj[:, 3 * hd:4 * hd], proj[:, 5 * hd:], proj[:, 4 * hd:5 * hd],
+                       self.state.conv[:b], self.conv1d.weight.view(self.conv_dim, self.conv_kernel_size),
+                       self.forget_gate.dt_bias, self.forget_gate.A_log, self.o_norm.weight, recurrent, recurrent,
+                       keep, self.num_heads, self.forget_gate.safe_gate, self.forget_gate.lower_bound,
+                       self.o_norm.eps, release_early=True)
+        return linear(o, self.o_proj.weight, self.o_proj.bias, self.projection_backend).unsqueeze(1)
 
     def _verify_kernel(self, x: torch.Tensor, input_pos: torch.Tensor | None) -> torch.Tensor:
         """A verify pass of T tokens (2..track.tokens) through the decode kernel token by token:
@@ -453,24 +446,6 @@ class KDAAttention(nn.Module):
             if self.track is not None and t <= self.track.tokens:
                 return self._verify_kernel(x, input_pos)
         return self.forward_torch(x, cos, sin, input_pos, mask)
-
-    def fused_norm_weight(self, delta: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                          input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The fused input projections' weight when this call, on `delta`'s shape, is a decode token
-        the kernels take through the GEMV (what the `fused` norms fold the add and norm before the
-        layer into: impl.model.layer_backends); else None."""
-        from impl.model.norm_gemv import norm_gemv_applies
-        self._check(delta, input_pos)
-        if not (kernels_path(self) and self.state is not None and delta.shape[1] == 1):
-            return None
-        w = fused_weight(self, self._IN_PROJ, self.in_proj)
-        return w if w is not None and norm_gemv_applies(delta, w) else None
-
-    def attend_projected(self, proj: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                         input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """A decode token's output before o_proj [B, 1, H*D] from its input projections proj
-        [B, 1, P] (the `fused_norm_weight` path: the fused norms run o_proj)."""
-        return self._decode_attend(proj[:, 0], input_pos).unsqueeze(1)
 
     def forward_torch(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                       input_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:

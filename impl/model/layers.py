@@ -276,17 +276,10 @@ class DecoderLayer(nn.Module):
         """The layer on a residual stream kept apart from the branch outputs: its input is
         `residual + delta` (`delta` None: `residual` alone). Returns (its MLP output, the stream
         after its attention), whose sum is its output; each add is one launch with the norm after
-        it (impl.model.add_rms_norm), the last one left to whoever norms next. A KDA or MLA layer
-        runs its attention and the adds and norms around it through its norms backend
-        (impl.model.layer_backends), which may fold them into its projections."""
-        norms = getattr(self.self_attn, "norms_backend", None)
-        if delta is not None and norms is not None:
-            h, residual = norms.fn(self.self_attn, delta, residual, self.input_layernorm,
-                                   self.post_attention_layernorm, cos, sin, input_pos, mask)
-        else:
-            h, residual = add_rms_norm(delta, residual, self.input_layernorm)
-            h, residual = add_rms_norm(self.self_attn(h, cos, sin, input_pos, mask), residual,
-                                       self.post_attention_layernorm)
+        it (impl.model.add_rms_norm), the last one left to whoever norms next."""
+        h, residual = add_rms_norm(delta, residual, self.input_layernorm)
+        h, residual = add_rms_norm(self.self_attn(h, cos, sin, input_pos, mask), residual,
+                                   self.post_attention_layernorm)
         return self.mlp(h), residual
 
     def forward(self, x, cos, sin, input_pos, mask):

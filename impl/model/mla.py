@@ -37,10 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.model.fused import fuse_linears, fused_linear, fused_weight
+from impl.model.fused import fuse_linears, fused_linear
 from impl.model.gemv import linear
-from impl.model.gemv_norm import new_counter
-from impl.model.layer_backends import init_layer_backends, kernels_path
+from impl.model.layer_backends import init_layer_backends
 from impl.model.layers import RMSNorm, apply_rope, rope_tables
 
 # transformers builds kv_a_layernorm and q_a_layernorm with the RMSNorm's default eps (1e-6),
@@ -172,8 +171,6 @@ class MLAAttention(nn.Module):
         self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
         self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
-        # o_proj's programs count themselves done here when the norm after it is fused (impl.model.gemv_norm).
-        self.register_buffer("o_proj_done", new_counter(), persistent=False)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
         init_layer_backends(self)
 
@@ -187,12 +184,9 @@ class MLAAttention(nn.Module):
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (after q_b_proj with a q LoRA), kv_a and the gate's pre-activation g of x [..., hidden]."""
-        return self._split_projections(fused_linear(self, self._in_names(), self.in_proj, x))
-
-    def _split_projections(self, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, kv_a and g from the input projections' outputs proj [..., P] in `_in_names` order."""
-        sizes = [self.get_submodule(n).out_features for n in self._in_names()]
-        q, kv_a, g = proj.split(sizes, dim=-1)
+        names = self._in_names()
+        sizes = [self.get_submodule(n).out_features for n in names]
+        q, kv_a, g = fused_linear(self, names, self.in_proj, x).split(sizes, dim=-1)
         if self.config.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a, g
@@ -259,25 +253,6 @@ class MLAAttention(nn.Module):
                 and self._kernel_shapes_ok()):
             return self._decode_kernels(*self._projections(x), cos, sin, input_pos)
         return self.forward_torch(x, cos, sin, input_pos, mask, absorb)
-
-    def fused_norm_weight(self, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          input_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The fused input projections' weight when this call, on `delta`'s shape, is a decode token
-        the kernels take through the GEMV (what the `fused` norms fold the add and norm before the
-        layer into: impl.model.layer_backends); else None."""
-        from impl.model.norm_gemv import norm_gemv_applies
-        self._check(delta, cos, sin, input_pos, mask)
-        if not (kernels_path(self) and delta.shape[1] == 1 and self.absorb_max_tokens >= 1
-                and self.kv_cache is not None and self._kernel_shapes_ok()):
-            return None
-        w = fused_weight(self, self._in_names(), self.in_proj)
-        return w if w is not None and norm_gemv_applies(delta, w) else None
-
-    def attend_projected(self, proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         input_pos: torch.Tensor | None) -> torch.Tensor:
-        """A decode token's output before o_proj [B, 1, H*dv] from its input projections proj
-        [B, 1, P] (the `fused_norm_weight` path: the fused norms run o_proj)."""
-        return self._decode_latent(*self._split_projections(proj), cos, sin, input_pos)
 
     def forward_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor | None,
                       mask: torch.Tensor | None, absorb: bool = True) -> torch.Tensor:
@@ -352,12 +327,7 @@ class MLAAttention(nn.Module):
         return not (r & (r - 1) or dr & (dr - 1))
 
     def _decode_kernels(self, q, kv_a, g, cos, sin, input_pos) -> torch.Tensor:
-        """`_decode_latent`, then o_proj."""
-        return linear(self._decode_latent(q, kv_a, g, cos, sin, input_pos), self.o_proj.weight, self.o_proj.bias,
-                      self.projection_backend)
-
-    def _decode_latent(self, q, kv_a, g, cos, sin, input_pos) -> torch.Tensor:
-        """The absorbed form in four kernels, up to o_proj [B, T, H*dv]: impl.model.mla_absorb's query kernel (the
+        """The absorbed form in four kernels and o_proj: impl.model.mla_absorb's query kernel (the
         latent queries, the cache rows written), impl.model.mla_decode's split-K attention over
         the rows up to each token's position, read once for all heads, and its combine, then
         mla_absorb's output kernel (W_uv, the gate). For one token of a batch, or the T tokens of
@@ -381,7 +351,7 @@ class MLAAttention(nn.Module):
         # read them before the query kernel ends.
         o_lat = mla_decode_attention(query, kv, None, c.kv_lora_rank, c.scaling, positions=input_pos)
         y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
-        return y.view(b, t, -1)
+        return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias, self.projection_backend)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:
         c = self.config

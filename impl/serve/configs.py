@@ -17,12 +17,8 @@ override:
                             triton, the default, takes their decode and verify steps through Triton
                             kernels on CUDA; torch runs them in torch ops and SDPA)
     projection=NAME         their projections' backend: gemv (the default: one token through the
-                            Triton GEMV on CUDA) or cublas (F.linear always)
-    norms=NAME              the residual adds and RMS norms around them: separate (the default:
-                            their own launches), fused (a decode token's, inside the input
-                            projection's and o_proj's GEMVs, on the kernels' path) or fused-input
-                            (the input projection's only). Models without KDA or MLA layers
-                            refuse a row that names anything but these three keys' defaults
+                            Triton GEMV on CUDA) or cublas (F.linear always). Models without KDA or
+                            MLA layers refuse a row that names anything but the defaults
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
     accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):
@@ -48,10 +44,9 @@ Presets, the ladder of this project's optimizations, resolved per device (`resol
                Triton GEMV would run interpreted too)
     +mtp       +fp8-head with MTP speculation, K drafts
 
-Every preset keeps the KDA/MLA layers' default backends (attention=triton, projection=gemv,
-norms=separate): the ladder measures the MoE, head and speculation rungs; a row turns the layer
-kernels off by naming attention=torch or projection=cublas, or folds the norms into the GEMVs
-with norms=fused (their text, and so the frozen figures' keys, stay as they were).
+Every preset keeps the KDA/MLA layers' default backends (attention=triton, projection=gemv): the
+ladder measures the MoE, head and speculation rungs; a row turns the layer kernels off by naming
+attention=torch or projection=cublas (their text, and so the frozen figures' keys, stay as they were).
 
 Rows (`parse_row`) are `PRESET`, `NAME=SPEC` (a name of the user's choosing) or a bare `SPEC`
 (named by its text); a ladder (`parse_ladder`, the `--moe-ladder` option) is rows separated by
@@ -118,7 +113,6 @@ class ServeConfig:
     assumed_accept: float | None = None  # mean accept length assumed (impl.spec.assumed); None: judged
     attention: str = LAYER_DEFAULTS["attention"]  # the KDA/MLA layers' backends (impl.model.layer_backends)
     projection: str = LAYER_DEFAULTS["projection"]
-    norms: str = LAYER_DEFAULTS["norms"]
 
     def __post_init__(self) -> None:
         for kind, name in self.layer_backends().items():

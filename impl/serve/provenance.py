@@ -71,8 +71,6 @@ class RowProvenance:
     attention: set[tuple[str, str]] = field(default_factory=set)
     # KDA/MLA projections that ran (impl.model.gemv's backends: the GEMV kernel or F.linear), target and draft
     projection: set[tuple[str, str]] = field(default_factory=set)
-    # How KDA/MLA layers' adds and norms ran (impl.model.layer_backends: own launches or in the GEMVs)
-    norms: set[tuple[str, str]] = field(default_factory=set)
     head: set[tuple[str, str]] = field(default_factory=set)  # the target's head calls
     draft_head: set[tuple[str, str]] = field(default_factory=set)  # the draft's head calls
     head_class: set[str] = field(default_factory=set)
@@ -94,7 +92,7 @@ class RowProvenance:
         for kind, backend, kernel in (*target, *draft):
             if kind == "moe":
                 self.moe.add((backend, kernel))
-            elif kind in ("attention", "projection", "norms"):
+            elif kind in ("attention", "projection"):
                 getattr(self, kind).add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
@@ -185,10 +183,9 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
 
 
 def _layer_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
-    """Per part of the KDA/MLA layers (attention, projection, norms): the row's backend ran, and
-    on CUDA a kernel backend's kernels ran, not only its fallbacks (a model without such layers
-    notes nothing)."""
-    from impl.model.layer_backends import FALLBACKS
+    """Per part of the KDA/MLA layers (attention, projection): the row's backend ran, and on CUDA a
+    kernel backend's kernels ran, not only its fallbacks (a model without such layers notes nothing)."""
+    from impl.model.layer_backends import DEFAULTS, FALLBACKS
     problems = []
     for kind, named in config.layer_backends().items():
         events = getattr(prov, kind)
@@ -199,7 +196,7 @@ def _layer_problems(config: ServeConfig, prov: RowProvenance) -> list[str]:
         if ran != {named}:
             problems.append(f"{kind}: the row names the {named!r} {kind} backend but {sorted(ran)} ran "
                             f"(kernels {kernels})")
-        elif named in FALLBACKS[kind] and prov.device == "cuda" and set(kernels) <= set(FALLBACKS[kind][named]):
+        elif named == DEFAULTS[kind] and prov.device == "cuda" and set(kernels) <= set(FALLBACKS[kind]):
             problems.append(f"{kind}: the row names the {named} {kind} kernels but only their fallback ran "
                             f"({kernels}): no decode step took the kernels")
     return problems

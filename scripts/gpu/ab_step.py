@@ -7,7 +7,7 @@ Why: scripts/gpu/bench_gemv.py times each projection after a norm kernel, a prod
 so its sweep favours tiles that load little before the PDL wait. In the step each o_proj follows
 a longer kernel (KDA's decode, MLA's output kernel), during which a program could hold more of
 its weight rows (a tile as long as the row: all of them) before waiting for x. And a change to a
-step's chain of launches (the norms folded into the GEMVs: `norms:fused`) shows its worth
+step's chain of launches (a layer backend: `attention:torch`, `projection:cublas`) shows its worth
 only against the same step without it.
 
 Variants: `NAME=ITEM[+ITEM...]` separated by `;`, each ITEM either a tile `N,K:BLOCK_N,BLOCK_K,WARPS`
@@ -17,7 +17,7 @@ ratio is taken against; a bare NAME changes nothing. Each overridden tile is che
 fp32 product (relative error <= 1e-2) before timing.
 
     PYTHONPATH=. python3 scripts/gpu/ab_step.py --contexts 1024 --variants "committed;o=2560,4096:2,4096,4"
-    PYTHONPATH=. python3 scripts/gpu/ab_step.py --contexts 1024,8192 --variants "separate;fused=norms:fused"
+    PYTHONPATH=. python3 scripts/gpu/ab_step.py --contexts 1024,8192 --variants "gemv;cublas=projection:cublas"
 Prints a table last: per variant the step's median replay (us) and its round-by-round ratio to the first.
 """
 

@@ -6,7 +6,7 @@
 # roofline tables in $OUT/ab.tar.
 #   FREEZE=1 LING_K="not 32k" bash scripts/gpu/ling_ladder.sh
 #   LING_ROWS="kernels=moe=triton,head=bf16;..." (--moe-ladder) GATE_AFTER=1 (gate in a second process)
-#   AB_VARIANTS="separate;fused=norms:fused" AB_CONTEXTS=1024,8192 NO_LADDER=1 (the A/B alone)
+#   AB_VARIANTS="gemv;cublas=projection:cublas" AB_CONTEXTS=1024,8192 NO_LADDER=1 (the A/B alone)
 set -u
 OUT=${OUT:-/tmp/moeperf-out}
 mkdir -p "$OUT"
