@@ -299,9 +299,11 @@ def _compile_all(tiles) -> int:
             dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", length_ptr="*i64"), releases_early=True)
     attempt("mla_output_kernel", ma.mla_output_kernel, dict(R=512, DV=128, BLOCK_V=32, PDL=True), {},
             releases_early=True)
-    # The decode step's residual add + RMS norm (impl/model/add_rms_norm.py) at Ling-3.0-flash's width.
+    # The decode step's residual add + RMS norm (impl/model/add_rms_norm.py) at Ling-3.0-flash's
+    # width: it too lets the launch after it (a GEMV, the router: weights only before their wait) start first.
     from impl.model import add_rms_norm as arn
-    attempt("add_rms_norm_kernel", arn.add_rms_norm_kernel, dict(BLOCK_H=4096), {}, ("eps",), arn.NUM_WARPS)
+    attempt("add_rms_norm_kernel", arn.add_rms_norm_kernel, dict(BLOCK_H=4096, PDL=True), {}, ("eps",),
+            arn.NUM_WARPS, releases_early=True)
     routing_ptrs = dict(ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")

@@ -21,19 +21,19 @@ from impl.triton_env import tl, triton
 
 # Warps for one row: 2560 values of Ling-3.0-flash fit one program of 4 warps, 8 elements a thread.
 NUM_WARPS = 4
-EARLY_RELEASE = False  # experiment: release the next launch before waiting
 
 
 @triton.jit
 def add_rms_norm_kernel(delta_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps,
                         stride_delta, stride_residual, stride_out, stride_sum, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                        PDL: tl.constexpr = False):
     """One program a row: sum = round(residual + delta); out = sum * rsqrt(mean(sum^2) + eps) * w."""
-    if EARLY:
-        pdl_release(PDL)
+    # Released before the wait: the PDL launches that follow a norm (a projection's GEMV, the MoE
+    # router) read only weights before their own wait, so they load them while the launch before
+    # this one still runs (impl/moe/triton_pdl.py's rules). H200, row 3's step: 0.997x / 0.995x at
+    # 1k / 32k, logits equal bit for bit (notes/ling.md).
+    pdl_release(PDL)
     pdl_wait(PDL)  # delta comes from the launch before this one
-    if not EARLY:
-        pdl_release(PDL)  # the next launch may start now: PDL kernels read this one's outputs after their wait
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     ok = offs_h < H
@@ -82,7 +82,7 @@ def add_rms_norm_triton(delta: torch.Tensor, residual: torch.Tensor, weight: tor
     out = torch.empty(r.shape, dtype=r.dtype, device=r.device)
     total = torch.empty_like(out)
     add_rms_norm_kernel[(r.shape[0],)](d, r, weight, out, total, h, eps, d.stride(0), r.stride(0), out.stride(0),
-                                       total.stride(0), BLOCK_H=triton.next_power_of_2(h), PDL=pdl, EARLY=EARLY_RELEASE, launch_pdl=pdl,
+                                       total.stride(0), BLOCK_H=triton.next_power_of_2(h), PDL=pdl, launch_pdl=pdl,
                                        num_warps=NUM_WARPS)
     return out.view(residual.shape), total.view(residual.shape)
 

@@ -14,7 +14,8 @@ Rules every PDL kernel here follows (what makes the early start safe):
   starts only once everything before this one has completed: "two launches earlier" is done.
   A kernel may release before it waits only where the launch after it reads nothing but weights
   before its wait (KDA's output kernel for a decode token, MLA's combine and output kernels,
-  followed by MLA's output kernel and the o_proj GEMV): that launch then becomes resident while
+  followed by MLA's output kernel and the o_proj GEMV; the residual add + RMS norm, followed by a
+  projection's GEMV or the MoE router): that launch then becomes resident while
   the one before still runs. Its writes stay safe: each wait returns once the launch before has
   completed, which it did only after its own wait returned, so every launch before has completed.
 Launched without PDL (and under the interpreter, where launches run one after another) both are
