@@ -96,7 +96,7 @@ class Lookup:
 def load_file(path: Path) -> BaselineFile:
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BaselineError(f"{path}: not valid JSON ({e})") from None
     except OSError as e:
         raise BaselineError(f"{path}: cannot be read ({e})") from None
@@ -133,7 +133,10 @@ class BaselineStore:
 
     @staticmethod
     def validate_folder(folder: Path) -> list[Path]:
-        """Load every file in `folder` so that a malformed one is reported before any test runs."""
+        """Load every file in `folder` so that a malformed one is reported before any test runs
+        (a folder not there yet holds nothing; a file in its place is an error)."""
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise BaselineError(f"{folder}: not a folder (--moe-baselines names the folder of baseline files)")
         paths = sorted(Path(folder).glob("*.json")) if Path(folder).is_dir() else []
         for p in paths:
             load_file(p)
@@ -210,6 +213,8 @@ class BaselineStore:
         if entry is None:
             entry = {"fingerprint": self.fingerprint, "metrics": {}}
             current.entries.append(entry)
+        for mid, m in metrics.items():  # what the loader would refuse is never written
+            FrozenMetric.from_json(asdict(m), f"{mid} (not frozen)")
         entry["metrics"].update(metrics)
         doc = {"schema": SCHEMA, "entries": [
             {"fingerprint": e["fingerprint"],

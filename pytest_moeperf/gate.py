@@ -23,6 +23,7 @@ measured on a contended host ("host-contended": not frozen, the old figure kept,
 
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from dataclasses import dataclass, field
@@ -71,6 +72,36 @@ class GateResult:
     # None: not measured, e.g. synthetic samples or a GPU), and during each measurement taken.
     host_load: dict | None = None
     host_loads: list[dict] = field(default_factory=list)
+
+
+MIN_SAMPLES = 3  # what a bootstrap interval of a ratio of medians is taken from (--moe-samples' minimum too)
+
+
+def _check_input(metric_id: str, samples: list[float], direction: str, tolerance: float) -> None:
+    """What the gate cannot judge, or a baseline file could not hold, refused before it is
+    recorded: a freeze must never write a figure its next run refuses to load."""
+    if len(samples) < MIN_SAMPLES:
+        raise ValueError(f"metric {metric_id!r}: {len(samples)} sample(s); the gate needs at least {MIN_SAMPLES} "
+                         "to take an interval (one measurement cannot tell a change from noise)")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"metric {metric_id!r}: direction must be one of {DIRECTIONS}, got {direction!r}")
+    if not (math.isfinite(tolerance) and 0 < tolerance < 1):
+        raise ValueError(f"metric {metric_id!r}: tolerance must be a fraction in (0, 1), got {tolerance!r}")
+
+
+def _check_freezable(result: GateResult) -> None:
+    """A frozen figure is what every later run is gated against: finite and positive (a fraction
+    of answers may be 0), or no later measurement could pass against it."""
+    zero_ok = _zero_ok(result.unit, result.direction)
+    bad = [s for s in result.samples if not math.isfinite(s) or s < 0 or (s == 0 and not zero_ok)]
+    if bad:
+        raise ValueError(f"metric {result.metric_id!r}: cannot freeze samples {bad[:3]}: a frozen figure must be "
+                         "finite and positive (a higher-is-better fraction may be 0)")
+
+
+def _zero_ok(unit: str, direction: str) -> bool:
+    # A fraction of answers can be 0 (a model that gets every answer wrong, and did when frozen).
+    return unit == "fraction" and direction == "higher"
 
 
 class Gate:
@@ -130,13 +161,20 @@ class Gate:
         depend on the machine's speed (a ratio of two series measured side by side, a count), so
         a figure frozen on another machine of this device's class may gate it."""
         samples = [float(s) for s in samples]
-        if not samples:
-            raise ValueError(f"metric {metric!r}: no samples to gate")
-        if direction not in DIRECTIONS:
-            raise ValueError(f"metric {metric!r}: direction must be one of {DIRECTIONS}, got {direction!r}")
+        metric_id = f"{self.nodeid}::{metric}"
+        _check_input(metric_id, samples, direction, tolerance)
+        if any(r.metric_id == metric_id for r in self.session.results):
+            raise ValueError(f"metric {metric_id!r} was already checked in this run: one figure, one check "
+                             "(give each figure its own name)")
         config = {**self.session.run_config, **(config or {})}
-        result = GateResult(f"{self.nodeid}::{metric}", metric, unit, direction, statistics.median(samples),
+        result = GateResult(metric_id, metric, unit, direction, statistics.median(samples),
                             tolerance=tolerance, samples=samples, portable=portable, config=config)
+        if not self.session.freeze:
+            found = self.session.store.lookup(result.metric_id, config, portable)
+            if found.match is not None and (found.match.metric.unit, found.match.metric.direction) != (unit, direction):
+                frozen = found.match.metric
+                raise ValueError(f"metric {metric_id!r}: frozen as {frozen.unit!r}/{frozen.direction!r} but "
+                                 f"measured as {unit!r}/{direction!r}; refreeze after changing a metric's meaning")
         self.session.results.append(result)
         load = self._load(result)  # during the measurement of `samples`, taken before this call
         result.host_load = None if load is None else load.as_dict()
@@ -155,6 +193,7 @@ class Gate:
                     self._publish(result)
                     warnings.warn(HostContendedWarning(result.message))
                     return result
+            _check_freezable(result)
             self.session.to_freeze[result.metric_id] = FrozenMetric(
                 result.current, samples, unit, direction, tolerance, config,
                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -170,9 +209,6 @@ class Gate:
                 pytest.fail(f"--moe-strict: {result.message}", pytrace=False)
             pytest.skip(result.message)
         frozen = found.match.metric
-        if (frozen.unit, frozen.direction) != (unit, direction):
-            raise ValueError(f"{metric}: frozen as {frozen.unit!r}/{frozen.direction!r} but measured as "
-                             f"{unit!r}/{direction!r}; refreeze after changing a metric's meaning")
         result.frozen, result.tolerance = frozen.value, frozen.tolerance
         result.scope, result.baseline = found.match.scope, short_key(found.match.fingerprint)
         trust = self.session.options.trust
@@ -201,15 +237,16 @@ class Gate:
         is confirmed by a second, independent measurement when `remeasure` is given, and is only
         a regression when the measurement that decides it ran on a quiet host."""
         self._compare(result, samples, frozen)
-        first = {"ratio": result.ratio, "ci_high": result.ci_high}
+        # The first measurement's reading, in the same form whether or not a second one decided.
+        first = {"verdict": result.verdict, "ratio": result.ratio, "ci_high": result.ci_high}
         confirmed = False
         if result.verdict == "regression" and remeasure is not None:
             # A burst of host noise can slow one whole measurement; a real regression survives a
             # second, independent one. The second measurement decides, and the message keeps both.
-            first = result.message
+            first_message = result.message
             samples, load = self._measure(result, remeasure)
             self._compare(result, samples, frozen)
-            result.message += f" (re-measured after: {first})"
+            result.message += f" (re-measured after: {first_message})"
             confirmed = True
         if result.verdict == "regression" and self._contended(load):
             # Another job waiting for the same cores slows whatever is timed (a ratio too: its two
@@ -231,9 +268,8 @@ class Gate:
 
     @staticmethod
     def _compare(result: GateResult, samples: list[float], frozen: FrozenMetric) -> None:
-        # A fraction of answers can be 0 (a model that gets every answer wrong, and did when frozen).
         cmp = compare(samples, frozen.samples, result.direction, frozen.tolerance,
-                      zero_ok=result.unit == "fraction" and result.direction == "higher")
+                      zero_ok=_zero_ok(result.unit, result.direction))
         result.current, result.samples = statistics.median(samples), samples
         result.ratio, result.ci_low, result.ci_high, result.p_value = cmp.ratio, cmp.ci_low, cmp.ci_high, cmp.p_value
         result.verdict = cmp.verdict

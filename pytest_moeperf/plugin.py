@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _option(config: pytest.Config, name: str):
     value = config.getoption(name)
-    return value if value is not None else config.getini(name)
+    if value is not None:
+        return value
+    try:
+        return config.getini(name)
+    except (ValueError, pytest.UsageError) as e:  # a bool ini key that is not one ("invalid truth value")
+        raise ValueError(f"ini key {name}: {e}") from None
 
 
 def parse_model(value: str, rootpath: Path) -> str:
@@ -380,6 +386,9 @@ def pytest_configure(config: pytest.Config) -> None:
             BaselineStore.validate_folder(options.baselines)
         except BaselineError as e:
             raise pytest.UsageError(f"malformed baseline: {e}") from None
+        problem = _unwritable(options) if not _is_worker(config) else None
+        if problem:  # found before anything is measured, not after
+            raise pytest.UsageError(problem)
         if options.device != "auto":
             try:
                 session.device.torch_device
@@ -393,6 +402,21 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(e)) from None
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
+
+
+def _unwritable(options: Options) -> str | None:
+    """Why what this run writes at its end could not be written (None: it can be): the baselines
+    folder under --moe-freeze, the --moe-report file."""
+    targets = [("--moe-report", options.report)] if options.report is not None else []
+    if options.freeze:
+        targets.append(("--moe-baselines", options.baselines / "x.json"))
+    for flag, path in targets:
+        if path.is_dir():
+            return f"{flag} {path}: is a folder; a file path is needed"
+        folder = next((p for p in path.parents if p.exists()), None)  # the nearest that exists
+        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+            return f"{flag} {path.parent}: cannot be written ({folder} is not a writable folder)"
+    return None
 
 
 def _gpu_skip_reason(session: MoePerfSession, item: pytest.Item) -> str | None:
@@ -461,7 +485,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if state.worker_errors:
         # Exit 3, not 1: a lost worker says nothing about the code under test.
         session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
-    elif state.run_failures() and session.exitstatus == pytest.ExitCode.OK:
+    elif state.run_failures() and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

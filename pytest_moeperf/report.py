@@ -67,18 +67,20 @@ def trust_table(results) -> str:
     return _aligned(TRUST_COLUMNS, trust_rows(results))
 
 
-def markdown(results, header: dict) -> str:
+def markdown(results, header: dict, run_failures: list[str] = ()) -> str:
     head = [f"# pytest-moeperf report", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
+    head += [f"**The run fails:** {why}" for why in run_failures] + ([""] if run_failures else [])
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
     return "\n".join(head + lines) + "\n"
 
 
-def write(path: Path, results, header: dict) -> tuple[Path, Path]:
-    """JSON at `path`, Markdown beside it (same stem, .md); both written atomically."""
+def write(path: Path, results, header: dict, run_failures: list[str] = ()) -> tuple[Path, Path]:
+    """JSON at `path`, Markdown beside it (same stem, .md); both written atomically.
+    `run_failures`: why the run fails though no test did (--moe-strict's reasons, a write that failed)."""
     path = Path(path)
-    doc = {"header": header, "metrics": [asdict(r) for r in results]}
+    doc = {"header": header, "run_failures": list(run_failures), "metrics": [asdict(r) for r in results]}
     atomic_write_text(path, json.dumps(doc, indent=1, default=str) + "\n")
     md = path.with_suffix(".md")
-    atomic_write_text(md, markdown(results, header))
+    atomic_write_text(md, markdown(results, header, run_failures))
     return path, md

@@ -63,6 +63,7 @@ class MoePerfSession:
         self.workers: list[dict] = []
         self.gpu_of_worker: dict[str, str] = {}
         self.worker_errors: list[str] = []
+        self.write_errors: list[str] = []  # frozen figures or the report that could not be written
 
     @property
     def freeze(self) -> bool:
@@ -171,7 +172,7 @@ class MoePerfSession:
     def run_failures(self) -> list[str]:
         """Why the run fails though no test did: --moe-strict's reasons, and a freeze that refused
         figures measured on a contended host (the freeze asked for was not done)."""
-        problems = self.strict_failures()
+        problems = self.strict_failures() + self.write_errors
         if self.freeze and self.contended():
             problems.append(f"{len(self.contended())} figure(s) not frozen: the host's CPUs were contended")
         return problems
@@ -196,16 +197,23 @@ class MoePerfSession:
         if self.workers:
             lines.append(f"merged {len(self.results)} figure(s) from {len(self.workers)} pytest-xdist worker(s) on "
                          f"GPU(s) {', '.join(w['gpu'] for w in self.workers)}")
-        for store, metrics in self._stores():
+        # The stores only when there is something to freeze: a run that measured nothing (no
+        # --moe-bench) never reads the baselines or resolves the device.
+        for store, metrics in (self._stores() if self.workers or self.to_freeze else []):
             if metrics:
-                path = store.freeze(metrics)
+                try:
+                    path = store.freeze(metrics)
+                except OSError as e:  # the table and report below are still written
+                    self.write_errors.append(f"the figures were NOT frozen: {store.path}: {e}")
+                    continue
                 lines.append(f"froze {len(metrics)} metric(s) for {short_key(store.fingerprint)} into {path}")
         for error in self.worker_errors:
             lines.append(f"infrastructure error: {error}")
-        missing = self.unmeasured() if self.options.bench and (interrupted or not self.freeze) else []
-        if missing and self.freeze:  # a freeze stopped part-way: say which figures it did not renew
-            lines.append(f"the run stopped part-way: {len(missing)} figure(s) frozen for this device and "
-                         "configuration were not re-measured and keep their earlier values: " + ", ".join(missing))
+        missing = self.unmeasured() if self.options.bench and self.results else []
+        if missing and self.freeze:  # say which figures the freeze did not renew (stopped part-way, -k, -x)
+            why = "the run stopped part-way: " if interrupted else ""
+            lines.append(f"{why}{len(missing)} figure(s) frozen for this device and configuration were not "
+                         "re-measured and keep their earlier values: " + ", ".join(missing))
         elif missing:
             lines.append(f"{len(missing)} figure(s) frozen for this device and configuration were not measured: "
                          + ", ".join(missing))
@@ -217,9 +225,15 @@ class MoePerfSession:
         if self.freeze and self.contended():
             lines.append(f"the freeze is incomplete: {len(self.contended())} figure(s) measured on a contended host "
                          "were not frozen; this run fails")
-        if self.options.report is not None and self.results:
-            json_path, md_path = report.write(self.options.report, self.results, self.header())
-            lines.append(f"report written to {json_path} and {md_path}")
+        if self.options.report is not None and self.options.bench:
+            # Written whenever the gate ran, so a nightly job never publishes the last run's report.
+            try:
+                json_path, md_path = report.write(self.options.report, self.results, self.header(),
+                                                  self.strict_failures() + self.write_errors)
+                lines.append(f"report written to {json_path} and {md_path}")
+            except OSError as e:
+                self.write_errors.append(f"the report was NOT written: {self.options.report}: {e}")
+        lines += [f"ERROR: {e}" for e in self.write_errors]
         for md_path in self.ab_reports:
             lines.append(f"A/B ladder report: {md_path} (every request in the JSON beside it, figures as PNG)")
         return lines

@@ -61,7 +61,10 @@ def clock_for(device) -> Callable[[], float]:
 
 
 def parse_samples(value: str) -> int:
-    n = int(value)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--moe-samples must be a whole number >= 3, got {value!r}") from None
     if n < 3:
         raise ValueError(f"--moe-samples must be at least 3 (a median and an interval need them), got {n}")
     return n

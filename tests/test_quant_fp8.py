@@ -119,7 +119,7 @@ def test_error_within_bound(granularity: str) -> None:
         assert torch.equal(q.scale, expected)
 
 
-@settings(max_examples=200, deadline=None, database=None)
+@settings(max_examples=max(200, settings.default.max_examples), deadline=None, database=None)
 @given(st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1, max_size=16))
 def test_error_bound_any_row(row: list[float]) -> None:
     w = torch.tensor([row], dtype=torch.float32)

@@ -131,7 +131,7 @@ def test_encode_e2m1_matches_brute_force() -> None:
     assert got == expected
 
 
-@settings(max_examples=300, deadline=None, database=None)
+@settings(max_examples=max(300, settings.default.max_examples), deadline=None, database=None)
 @given(st.floats(allow_nan=False, width=32))
 def test_encode_e2m1_any_float32(x: float) -> None:
     assert int(encode_e2m1(torch.tensor([x]))[0]) == brute_force_code(x)

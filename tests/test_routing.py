@@ -85,7 +85,7 @@ def rand_logits(seed: int, tokens: int, experts: int, std: float = 2.0) -> torch
 # --------------------------------------------------------------------------- softmax_topk
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=max(60, settings.default.max_examples), deadline=None)  # more under the fuzz profile
 @given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 8), experts=st.integers(1, 64),
        k_frac=st.floats(0, 1), renorm=st.booleans())
 def test_softmax_topk_matches_brute_force(seed, tokens, experts, k_frac, renorm):
@@ -142,7 +142,7 @@ def grouped_case(draw):
                 renorm=draw(st.booleans()))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=max(80, settings.default.max_examples), deadline=None)
 @given(case=grouped_case())
 def test_sigmoid_grouped_topk_matches_brute_force(case):
     c = case
