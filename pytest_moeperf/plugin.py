@@ -516,5 +516,5 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         terminalreporter.write_sep("-", "gate-trust evaluations")
         terminalreporter.write_line(report.trust_table(session.results))
     for line in session.finish_lines:
-        loud = line.startswith("HOST-CONTENDED") or line.startswith("the freeze is incomplete")
+        loud = line.startswith(("HOST-CONTENDED", "the freeze is incomplete", "ERROR:"))
         terminalreporter.write_line(line, yellow=loud, bold=loud)

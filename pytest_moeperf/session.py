@@ -170,8 +170,9 @@ class MoePerfSession:
         return [r for r in self.results if r.verdict == "host-contended"]
 
     def run_failures(self) -> list[str]:
-        """Why the run fails though no test did: --moe-strict's reasons, and a freeze that refused
-        figures measured on a contended host (the freeze asked for was not done)."""
+        """Why the run fails though no test did: --moe-strict's reasons, figures or a report that
+        could not be written, and a freeze that refused figures measured on a contended host (the
+        freeze asked for was not done)."""
         problems = self.strict_failures() + self.write_errors
         if self.freeze and self.contended():
             problems.append(f"{len(self.contended())} figure(s) not frozen: the host's CPUs were contended")
@@ -209,7 +210,7 @@ class MoePerfSession:
                 lines.append(f"froze {len(metrics)} metric(s) for {short_key(store.fingerprint)} into {path}")
         for error in self.worker_errors:
             lines.append(f"infrastructure error: {error}")
-        missing = self.unmeasured() if self.options.bench and self.results else []
+        missing = self.unmeasured() if self.options.bench else []
         if missing and self.freeze:  # say which figures the freeze did not renew (stopped part-way, -k, -x)
             why = "the run stopped part-way: " if interrupted else ""
             lines.append(f"{why}{len(missing)} figure(s) frozen for this device and configuration were not "
