@@ -98,6 +98,20 @@ def _option(config: pytest.Config, name: str):
         raise ValueError(f"ini key {name}: {e}") from None
 
 
+def _from_ini(config: pytest.Config, name: str, message: str) -> str:
+    """`message` (which names the option's flag) prefixed with the ini key when the value came from
+    there: a user who never typed the flag finds the line to fix."""
+    return message if config.getoption(name) is not None else f"ini key {name}: {message}"
+
+
+def _parsed(config: pytest.Config, name: str, parse, *args):
+    """The option's value through `parse`; its error names the ini key when the value came from there."""
+    try:
+        return parse(_option(config, name), *args)
+    except ValueError as e:
+        raise ValueError(_from_ini(config, name, str(e))) from None
+
+
 def parse_model(value: str, rootpath: Path) -> str:
     from impl.model.build import EMBEDDED
     from impl.model.config import PRESETS
@@ -240,27 +254,27 @@ def _under_root(value: str, root: Path) -> Path:
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
     report = _option(config, "moe_report")
-    device = parse_device(_option(config, "moe_device"))
+    device = _parsed(config, "moe_device", parse_device)
     options = Options(
         bench=bool(_option(config, "moe_bench")),
         device=device,
-        model=parse_model(_option(config, "moe_model"), root),
-        backend=parse_backend(_option(config, "moe_backend"), device),
-        head=parse_head(_option(config, "moe_head")),
+        model=_parsed(config, "moe_model", parse_model, root),
+        backend=_parsed(config, "moe_backend", parse_backend, device),
+        head=_parsed(config, "moe_head", parse_head),
         baselines=_under_root(_option(config, "moe_baselines"), root),
         freeze=bool(_option(config, "moe_freeze")),
         report=None if not report else _under_root(report, root),
-        samples=parse_samples(_option(config, "moe_samples")),
+        samples=_parsed(config, "moe_samples", parse_samples),
         strict=bool(_option(config, "moe_strict")),
-        trust=parse_trust(_option(config, "moe_trust")),
+        trust=_parsed(config, "moe_trust", parse_trust),
         ladder=_option(config, "moe_ladder") or None,
-        workload=parse_workload_option(_option(config, "moe_workload")),
-        requests=parse_count("--moe-requests", _option(config, "moe_requests"), MIN_REQUESTS),
-        shots=parse_count("--moe-shots", _option(config, "moe_shots"), 0),
-        margin=parse_margin(_option(config, "moe_margin")),
+        workload=_parsed(config, "moe_workload", parse_workload_option),
+        requests=_parsed(config, "moe_requests", lambda v: parse_count("--moe-requests", v, MIN_REQUESTS)),
+        shots=_parsed(config, "moe_shots", lambda v: parse_count("--moe-shots", v, 0)),
+        margin=_parsed(config, "moe_margin", parse_margin),
         ab_report=_under_root(_option(config, "moe_ab_report"), root),
-        host_stall=parse_host_stall(_option(config, "moe_host_stall")),
-        host_wait=parse_host_wait(_option(config, "moe_host_wait")),
+        host_stall=_parsed(config, "moe_host_stall", parse_host_stall),
+        host_wait=_parsed(config, "moe_host_wait", parse_host_wait),
     )
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
@@ -374,7 +388,7 @@ def pytest_configure(config: pytest.Config) -> None:
         try:
             plants = plant.parse_plants(plant_spec, {"moe": session.moe_backend})
         except ValueError as e:
-            raise pytest.UsageError(f"--moe-plant: {e}") from None
+            raise pytest.UsageError(_from_ini(config, "moe_plant", f"--moe-plant: {e}")) from None
         session.options = dataclasses.replace(options, plants=plants)
         plant.activate(plants, session.device.torch_device)
     config.stash[SESSION_KEY] = session
@@ -399,7 +413,7 @@ def pytest_configure(config: pytest.Config) -> None:
         try:
             parse_ladder_option(options.ladder, session.device.torch_device.type)
         except ValueError as e:
-            raise pytest.UsageError(str(e)) from None
+            raise pytest.UsageError(_from_ini(config, "moe_ladder", str(e))) from None
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
 

@@ -129,6 +129,27 @@ def test_a_bool_ini_key_that_is_no_bool_is_named(run, pytester):
     result.stderr.fnmatch_lines(["*ini key moe_strict: *maybe*"])
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("moe_margin", "-2", "--moe-margin must be in (0, 50]*"),
+    ("moe_samples", "2", "--moe-samples must be at least 3*"),
+    ("moe_device", "tpu", "--moe-device must be auto, cpu, cuda or cuda:N*"),
+    ("moe_ladder", "baseline;nosuchpreset", "--moe-ladder: *nosuchpreset*"),
+    ("moe_plant", "moe=abc", "--moe-plant: *"),
+])
+def test_a_bad_string_ini_key_is_named_as_the_ini_key(run, pytester, key, value, message):
+    pytester.makeini(f"[pytest]\n{key} = {value}\n")
+    result = run("--moe-bench")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*ini key {key}: {message}"])
+
+
+def test_a_bad_flag_is_not_blamed_on_the_ini_file(run, pytester):
+    result = run("--moe-bench", "--moe-margin", "-2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--moe-margin must be in (0, 50]*"])
+    assert "ini key" not in result.stderr.str()
+
+
 def test_a_baseline_file_that_is_not_utf8_is_a_usage_error(run, pytester):
     (pytester.path / "baselines").mkdir()
     (pytester.path / "baselines" / "x.json").write_bytes(b"\xff\xfe")
