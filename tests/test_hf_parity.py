@@ -44,6 +44,14 @@ CASES = {
     "glm-attention_bias": ("glm", dict(n_routed_experts=8, first_k_dense_replace=1, n_group=2, topk_group=1,
                                        n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True,
                                        norm_topk_prob=False)),
+    # Scaled ropes through transformers' own rope functions: YaRN's factor on cos/sin (GLM: on half the head).
+    "qwen3-yarn": ("qwen3", dict(num_experts=8, mlp_only_layers=[1],
+                                 rope_parameters=dict(rope_type="yarn", rope_theta=25000.0, factor=4.0,
+                                                      original_max_position_embeddings=16))),
+    "glm-yarn": ("glm", dict(n_routed_experts=8, first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1,
+                             rope_parameters=dict(rope_type="yarn", rope_theta=25000.0, factor=4.0, mscale=0.8,
+                                                  mscale_all_dim=1.0, original_max_position_embeddings=16,
+                                                  partial_rotary_factor=0.5))),
 }
 
 
@@ -128,6 +136,7 @@ def test_config_read_matches_hf(checkpoints, case):
     assert list(c.dense_layers) == dense
     assert c.rotary_dim == hf.model.rotary_emb.inv_freq.numel() * 2
     assert c.rope_theta == h.rope_parameters["rope_theta"] == COMMON["rope_theta"]
+    assert dict(c.rope_parameters).get("rope_type", "default") == h.rope_parameters["rope_type"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -334,10 +343,10 @@ def test_unsupported_architecture(glm_copy):
 
 
 def test_unsupported_rope_type(glm_copy):
-    def yarn(raw):
-        raw["rope_parameters"].update(rope_type="yarn", factor=4.0)
-    _edit_config(glm_copy, yarn)
-    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported"):
+    def dynamic(raw):  # dynamic NTK: tables that follow the sequence length, not static ones
+        raw["rope_parameters"].update(rope_type="dynamic", factor=4.0)
+    _edit_config(glm_copy, dynamic)
+    with pytest.raises(CheckpointError, match="rope type 'dynamic' is not supported; supported: default, linear, yarn"):
         build_model(str(glm_copy))
 
 

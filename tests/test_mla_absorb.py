@@ -80,6 +80,18 @@ def test_output_kernel_matches_the_torch_form(rows, dv, launch):
     assert rel(got, torch.einsum("bhr,hvr->bhv", lat, w_uv).reshape(rows, -1)) > 0.1
 
 
+@pytest.mark.parametrize("rows,dv", [(1, 20), (4, 32)])
+def test_output_kernel_without_a_gate_is_the_up_projection_alone(rows, dv):
+    """DeepSeek-V3's MLA has no output gate: g None."""
+    g = torch.Generator().manual_seed(7 * rows + dv)
+    heads, r = 3, 32
+    lat = torch.randn(rows, heads, r, generator=g).to(DEVICE)
+    w_uv = (torch.randn(heads, 24 + dv, r, generator=g) * r ** -0.5).to(DEVICE)[:, 24:]
+    got = mla_output(lat, None, w_uv, launch=SMALL)
+    assert rel(got, mla_output_reference(lat, None, w_uv)) <= 1e-6
+    assert rel(got, torch.einsum("bhr,hvr->bhv", lat.double(), w_uv.double()).reshape(rows, -1)) <= 1e-6
+
+
 def test_bad_arguments_name_the_problem():
     q, kv_a, w_uk, cos, sin, norm_w, eps, pos, cache, w_uv, gate = query_inputs(1, 2, 2, 8, 8, 16, 8, torch.float32, 1)
     with pytest.raises(ValueError, match=r"must hold B x T rows for input_pos \[T\]"):

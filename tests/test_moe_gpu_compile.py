@@ -297,8 +297,9 @@ def _compile_all(tiles) -> int:
     attempt("mla_combine_kernel", md.mla_combine_kernel,
             dict(R=512, BLOCK_H=32, BLOCK_R=32, BLOCK_SPLITS=256, BLOCK_ROWS=64, MIN_CHUNK=64, EARLY=True, PDL=True),
             dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", length_ptr="*i64"), releases_early=True)
-    attempt("mla_output_kernel", ma.mla_output_kernel, dict(R=512, DV=128, BLOCK_V=32, PDL=True), {},
-            releases_early=True)
+    for gate in (True, False):  # Ling 3.0's gated heads; DeepSeek-V3's without a gate
+        attempt(f"mla_output_kernel gate={gate}", ma.mla_output_kernel,
+                dict(R=512, DV=128, BLOCK_V=32, GATE=gate, PDL=True), {}, releases_early=True)
     # The decode step's residual add + RMS norm (impl/model/add_rms_norm.py) at Ling-3.0-flash's
     # width: it too lets the launch after it (a GEMV, the router: weights only before their wait) start first.
     from impl.model import add_rms_norm as arn

@@ -16,10 +16,15 @@ from impl.model.mla import MLAAttention, MLAConfig
 
 
 def mla_config(config: ModelConfig) -> MLAConfig:
+    scale = None
+    if config.rope_parameters:  # YaRN's mscale_all_dim scales the softmax too (transformers' DeepseekV3Attention)
+        from transformers.modeling_rope_utils import yarn_apply_mscale
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        scale = yarn_apply_mscale(dict(config.rope_parameters), qk ** -0.5)
     return MLAConfig(hidden_size=config.hidden_size, num_heads=config.num_heads, kv_lora_rank=config.kv_lora_rank,
                      qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
                      v_head_dim=config.v_head_dim, q_lora_rank=config.q_lora_rank, rope_theta=config.rope_theta,
-                     attention_bias=config.attention_bias)
+                     attention_bias=config.attention_bias, output_gate=config.mla_output_gate, softmax_scale=scale)
 
 
 def make_attention(config: ModelConfig, layer: int) -> nn.Module:

@@ -20,6 +20,8 @@ from typing import Literal
 RouterKind = Literal["softmax", "sigmoid_grouped"]
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid_grouped")
 ATTENTION_KINDS: tuple[str, ...] = ("mha", "kda", "mla")
+# Scaled ropes whose tables do not depend on the sequence length (dynamic NTK and LongRoPE do).
+SCALED_ROPES: tuple[str, ...] = ("linear", "yarn", "llama3")
 
 
 def hybrid_attention_types(num_layers: int, group: int) -> tuple[str, ...]:
@@ -51,6 +53,10 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 1.0
+    # A scaled rope as transformers' `rope_parameters` give it (sorted items, rope_type first among
+    # them: "linear", "yarn" or "llama3"), computed by transformers' own rope functions; empty for
+    # the default rope.
+    rope_parameters: tuple[tuple[str, object], ...] = ()
     qk_norm: bool = False
     attention_bias: bool = False  # on q, k, v
     attention_out_bias: bool = False  # on o (Qwen3 ties it to attention_bias; GLM-4.5 never has it)
@@ -58,8 +64,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_seq_len: int = 4096
     num_mtp_layers: int = 0
-    # Whether NEXTN layers take the target's hidden states after its final norm (Ling, as vLLM and
-    # SGLang feed them) rather than before it (the DeepSeek-V3 paper's layout, the default here).
+    # Whether NEXTN layers take the target's hidden states after its final norm (what the published
+    # DeepSeek-V3, GLM-4.5 and Ling checkpoints were trained on, as vLLM and SGLang feed them; every
+    # loaded family but a checkpoint this project wrote) rather than before it (the presets, and
+    # tiny-gsm, trained so).
     mtp_normed_hidden: bool = False
     # Per-layer attention kind (ATTENTION_KINDS); empty means "mha" everywhere.
     attention_types: tuple[str, ...] = ()
@@ -77,6 +85,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Ling 3.0's head-wise output gate sigmoid(g_proj(x)) on each MLA head; DeepSeek-V3 has none.
+    mla_output_gate: bool = True
     # The routed experts' format a build takes by default (build_model(experts="auto")): "mxfp4"
     # where the model ships so and its bf16 experts would not fit one GPU.
     expert_format: str = "dense"
@@ -107,6 +117,15 @@ class ModelConfig:
         rotary = self.head_dim * self.partial_rotary_factor
         if rotary != int(rotary) or int(rotary) % 2:
             raise ValueError(f"head_dim * partial_rotary_factor must be an even integer, got {rotary}")
+        rope = dict(self.rope_parameters)
+        if rope and rope.get("rope_type") not in SCALED_ROPES:
+            raise ValueError(f"rope_parameters: rope_type {rope.get('rope_type')!r} is not supported; supported: "
+                             f"{list(SCALED_ROPES)} (or the default rope, no rope_parameters)")
+        needed = ("factor",) + (("original_max_position_embeddings",) if rope.get("rope_type") != "linear" else ())
+        missing = [k for k in needed if rope and not isinstance(rope.get(k), (int, float))]
+        if missing:
+            raise ValueError(f"rope_parameters of a {rope['rope_type']} rope need numeric {missing} (resolved from the "
+                             f"checkpoint's config), got {rope}")
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} outside [0, {self.num_layers})")
@@ -179,7 +198,7 @@ class ModelConfig:
             kv_a = h * (r + self.qk_rope_head_dim) + (r + self.qk_rope_head_dim) * bias
             kv_b = r * nh * (self.qk_nope_head_dim + self.v_head_dim)
             o = nh * self.v_head_dim * h + h * bias
-            return q + kv_a + r + kv_b + o + h * nh + 2 * h
+            return q + kv_a + r + kv_b + o + h * nh * self.mla_output_gate + 2 * h
         d = self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.attention_bias + h * self.attention_out_bias

@@ -32,13 +32,36 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
+def scaled_rope(parameters: dict, rope_theta: float, rotary_dim: int, device=None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], the factor on cos and sin) of a scaled rope
+    (ModelConfig.rope_parameters: YaRN, linear, Llama 3) by transformers' own rope functions, so
+    that a loaded model rotates as its reference does."""
+    from transformers import PreTrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    shim = PreTrainedConfig()  # what the rope functions read: the rope's parameters and its width
+    shim.rope_parameters = {**parameters, "rope_theta": rope_theta, "partial_rotary_factor": 1.0}
+    shim.head_dim, shim.hidden_size, shim.num_attention_heads = rotary_dim, rotary_dim, 1
+    # Read only where the parameters lack the original length or the factor, which ModelConfig requires.
+    shim.max_position_embeddings = int(parameters.get("original_max_position_embeddings", 0) * parameters["factor"])
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](shim, device)
+    return inv_freq.float(), float(factor)
+
+
 def rope_tables(config: ModelConfig, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_seq_len, rotary_dim] in fp32, in the rotate-half layout."""
+    """cos and sin, [max_seq_len, rotary_dim] in fp32, in the rotate-half layout; a scaled rope's
+    (`rope_parameters`) with its factor on both, as transformers applies it."""
     dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    scaled = dict(getattr(config, "rope_parameters", ()))
+    factor = 1.0
+    if scaled:
+        inv_freq, factor = scaled_rope(scaled, config.rope_theta, dim, device)
+    else:
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float, device=device), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    if factor == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * factor, emb.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

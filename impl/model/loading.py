@@ -1,8 +1,11 @@
 """Read transformers-format checkpoints (config.json + safetensors) of supported MoE families.
 
-Supported: Qwen3-MoE (`qwen3_moe`), GLM-4.5-MoE (`glm4_moe`) and Ling 3.0 (`bailing_hybrid`, in the
+Supported: Qwen3-MoE (`qwen3_moe`), GLM-4.5-MoE (`glm4_moe`), DeepSeek-V3 (`deepseek_v3`, and
+Kimi-K2's `kimi_k2`: MLA on every layer, YaRN rope) and Ling 3.0 (`bailing_hybrid`, in the
 names its checkpoints and transformers' save_pretrained write: `word_embeddings`, `attention.*`
 with `dense` for the output projection and separate `q/k/v_conv1d`, `mlp.gate.expert_bias`).
+Ropes: the default, or a scaled one transformers computes without the sequence length (linear,
+YaRN, Llama 3).
 Experts may be stored one tensor per expert (as the hub checkpoints do) or fused as
 [E, 2I, H] / [E, H, I]; both land in the model's fused layout. MTP (NEXTN) layers, stored as
 extra decoder layers `num_hidden_layers + j` (`enorm`, `hnorm`, `eh_proj`, a decoder block, the
@@ -26,12 +29,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from impl.model.config import ModelConfig
+from impl.model.config import SCALED_ROPES, ModelConfig
 from impl.model.weight_formats import (CheckpointError, Quantization, Stored, as_mxfp4, deinterleave_rows,
                                        dequantize, group_keys, is_mxfp4, parse_quantization)
 from impl.quant.mxfp4 import MXFP4Tensor
 
-SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe", "bailing_hybrid")
+DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")  # Kimi-K2's config names its own type for DeepSeek-V3's architecture
+SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe", "bailing_hybrid") + DEEPSEEK_V3
 # transformers' defaults for keys a config.json may omit, where they differ between the families
 # or from the fallbacks below (Qwen3MoeConfig / Glm4MoeConfig).
 _FAMILY_DEFAULTS = {
@@ -40,17 +44,40 @@ _FAMILY_DEFAULTS = {
                      first_k_dense_replace=1, n_shared_experts=1),
 }
 DEFAULT_MAX_SEQ_LEN = 8192  # caps the rope tables and the largest KV cache a loaded model allows
+# config.json key of a checkpoint whose NEXTN layer takes the target's hidden states before the
+# final norm (what impl.model.saving writes for such a model: tiny-gsm was trained so); without it
+# the layer takes them after the norm, as the published DeepSeek-V3 and GLM-4.5 checkpoints' own
+# modeling code gives them (vLLM and SGLang feed them so).
+PRENORM_MTP_KEY = "moeperf_mtp_prenorm_hidden"
 
 
 
 
-def _rope(raw: dict, folder: Path) -> tuple[float, float]:
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+def scaled_rope_parameters(rope: dict, max_positions: int, where) -> tuple[tuple[str, object], ...]:
+    """ModelConfig.rope_parameters of a config's rope dict (`rope_parameters` or the older
+    `rope_scaling`): () for the default rope; a scaled one's parameters with what transformers
+    fills in resolved (the original length, YaRN's factor); CheckpointError for others."""
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise CheckpointError(f"{folder}: rope type {kind!r} is not supported (only 'default')")
+    if kind == "default":
+        return ()
+    if kind not in SCALED_ROPES:
+        raise CheckpointError(f"{where}: rope type {kind!r} is not supported; supported: default, "
+                              f"{', '.join(SCALED_ROPES)}")
+    params = {k: v for k, v in rope.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    params["rope_type"] = kind
+    if kind != "linear":
+        params.setdefault("original_max_position_embeddings", max_positions)
+    if params.get("factor") is None and kind == "yarn":  # transformers' rule for a YaRN rope without one
+        params["factor"] = max_positions / params["original_max_position_embeddings"]
+    return tuple(sorted(params.items()))
+
+
+def _rope(raw: dict, folder: Path) -> tuple[float, float, tuple]:
+    """(theta, partial rotary factor, ModelConfig.rope_parameters) of a family's raw config."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    return float(theta), float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    scaled = scaled_rope_parameters(rope, raw.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN), folder)
+    return float(theta), float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))), scaled
 
 
 def _raw_config(folder: Path) -> tuple[Path, dict]:
@@ -119,6 +146,46 @@ def _bailing_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -
     )
 
 
+def _deepseek_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -> ModelConfig:
+    """A DeepSeek-V3 (`deepseek_v3`; Kimi-K2's `kimi_k2` is the same architecture) config.json read
+    by transformers' DeepseekV3Config (its defaults), then mapped onto ModelConfig: MLA on every
+    layer (no output gate; YaRN's mscale in the softmax scale), the first `first_k_dense_replace`
+    layers dense, sigmoid group-limited routing, NEXTN layers fed the normed hidden states."""
+    from transformers import DeepseekV3Config
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if raw.get(key, want) != want:
+            raise CheckpointError(f"{path}: {key} = {raw[key]!r} is not supported (only {want!r})")
+    fields = {k: v for k, v in raw.items() if k not in ("quantization_config", "architectures", "model_type",
+                                                        "auto_map")}
+    try:
+        c = DeepseekV3Config(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a valid deepseek_v3 config: {e}") from None
+    if c.hidden_act != "silu":
+        raise CheckpointError(f"{path}: activation {c.hidden_act!r} is not supported (only silu)")
+    if not c.rope_interleave:
+        raise CheckpointError(f"{path}: rope_interleave = false is not supported (the MLA kernels rotate "
+                              "interleaved pairs, as DeepSeek-V3's checkpoints store them)")
+    rope = dict(c.rope_parameters or {})
+    layers = c.num_hidden_layers
+    return ModelConfig(
+        name=name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=layers,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_attention_heads, head_dim=c.qk_rope_head_dim,
+        intermediate_size=c.intermediate_size, num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size, num_shared_experts=c.n_shared_experts or 0,
+        dense_layers=tuple(range(min(c.first_k_dense_replace, layers))), router="sigmoid_grouped",
+        n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor, rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_parameters=scaled_rope_parameters(rope, c.max_position_embeddings, path),
+        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+        max_seq_len=min(c.max_position_embeddings, max_seq_len or DEFAULT_MAX_SEQ_LEN),
+        num_mtp_layers=raw.get("num_nextn_predict_layers", 0), mtp_normed_hidden=True, mtp_attention="mla",
+        attention_types=("mla",) * layers, mla_output_gate=False, kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+    )
+
+
 def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConfig:
     """The model's config from a checkpoint folder's config.json; CheckpointError naming the file
     and the problem (missing file or field, unsupported architecture or setting)."""
@@ -127,6 +194,8 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConf
     try:
         if raw["model_type"] == "bailing_hybrid":
             return _bailing_config(raw, path, folder.name, max_seq_len)
+        if raw["model_type"] in DEEPSEEK_V3:
+            return _deepseek_config(raw, path, folder.name, max_seq_len)
         return _family_config(raw, path, folder, max_seq_len)
     except CheckpointError:
         raise
@@ -149,7 +218,7 @@ def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None)
     raw = {**_FAMILY_DEFAULTS[arch], **raw}
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
-    theta, partial = _rope(raw, folder)
+    theta, partial, scaled = _rope(raw, folder)
     layers = raw["num_hidden_layers"]
     common = dict(
         name=folder.name, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], num_layers=layers,
@@ -157,7 +226,8 @@ def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None)
         head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
         intermediate_size=raw["intermediate_size"], top_k=raw["num_experts_per_tok"],
         moe_intermediate_size=raw["moe_intermediate_size"], norm_topk_prob=raw.get("norm_topk_prob", True),
-        rope_theta=theta, partial_rotary_factor=partial, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, partial_rotary_factor=partial, rope_parameters=scaled,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         max_seq_len=min(raw.get("max_position_embeddings", DEFAULT_MAX_SEQ_LEN), max_seq_len or DEFAULT_MAX_SEQ_LEN),
     )
@@ -178,7 +248,7 @@ def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None)
         num_shared_experts=raw.get("n_shared_experts", 0), qk_norm=raw.get("use_qk_norm", False),
         attention_bias=raw.get("attention_bias", False),
         dense_layers=tuple(range(min(raw.get("first_k_dense_replace", 0), layers))),
-        num_mtp_layers=raw.get("num_nextn_predict_layers", 0),
+        num_mtp_layers=raw.get("num_nextn_predict_layers", 0), mtp_normed_hidden=not raw.get(PRENORM_MTP_KEY, False),
     )
 
 

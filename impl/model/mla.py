@@ -4,7 +4,8 @@ static KV cache for batch-1 decode.
 Parameter names follow transformers' `BailingHybridAttention`, so its state_dict loads with
 `load_state_dict` as it is: `q_proj` (or `q_a_proj` / `q_a_layernorm` / `q_b_proj` when the
 query has a low-rank path; Ling-3.0-flash has none), `kv_a_proj_with_mqa`, `kv_a_layernorm`,
-`kv_b_proj`, `o_proj` and the head-wise output gate `g_proj`.
+`kv_b_proj`, `o_proj` and the head-wise output gate `g_proj` (DeepSeek-V3's MLA, otherwise the
+same, has no gate: `output_gate`).
 
 Per token the cache keeps only the normalized latent c (kv_lora_rank values) and the rotated
 shared key k_rope (qk_rope_head_dim values): 512 + 64 = 576 values at Ling-3.0-flash, against
@@ -58,6 +59,10 @@ class MLAConfig:
     q_lora_rank: int | None = None
     rope_theta: float = 6_000_000.0
     attention_bias: bool = False
+    # Ling 3.0's head-wise output gate (g_proj); DeepSeek-V3 has none.
+    output_gate: bool = True
+    # The softmax scale when not qk_head_dim ** -0.5: YaRN's mscale folded in (DeepSeek-V3).
+    softmax_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -87,7 +92,7 @@ class MLAConfig:
     def scaling(self) -> float:
         # Softmax scale over the full query-key head dim (nope + rope), as with plain attention
         # on the expanded heads; the absorbed form must use the same one, not (r + dr)^-0.5.
-        return self.qk_head_dim ** -0.5
+        return self.qk_head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
 
     @classmethod
     def from_hf(cls, config) -> "MLAConfig":
@@ -168,7 +173,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=c.attention_bias)
-        self.g_proj = nn.Linear(h, nh, bias=False)
+        if c.output_gate:
+            self.g_proj = nn.Linear(h, nh, bias=False)
         self.kv_cache: MLACache | None = None
         self.in_proj: torch.Tensor | None = None  # q|kv_a|g weights in one tensor (fuse_projections)
         # How forward and the projections run (impl.model.layer_backends): kernels, or torch.
@@ -176,17 +182,19 @@ class MLAAttention(nn.Module):
 
     def _in_names(self) -> tuple[str, ...]:
         first = "q_proj" if self.config.q_lora_rank is None else "q_a_proj"
-        return (first, "kv_a_proj_with_mqa", "g_proj")
+        return (first, "kv_a_proj_with_mqa") + (("g_proj",) if self.config.output_gate else ())
 
     def fuse_projections(self) -> None:
-        """The input projections (q or q_a, kv_a, g) as one GEMV for a decode token (impl.model.fused)."""
+        """The input projections (q or q_a, kv_a, g where there is a gate) as one GEMV for a decode token (impl.model.fused)."""
         self.in_proj = fuse_linears(self, self._in_names())
 
-    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (after q_b_proj with a q LoRA), kv_a and the gate's pre-activation g of x [..., hidden]."""
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q (after q_b_proj with a q LoRA), kv_a and the gate's pre-activation g of x [..., hidden]
+        (None without a gate)."""
         names = self._in_names()
         sizes = [self.get_submodule(n).out_features for n in names]
-        q, kv_a, g = fused_linear(self, names, self.in_proj, x).split(sizes, dim=-1)
+        q, kv_a, *g = fused_linear(self, names, self.in_proj, x).split(sizes, dim=-1)
+        g = g[0] if g else None
         if self.config.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q, kv_a, g
@@ -280,10 +288,11 @@ class MLAAttention(nn.Module):
         y = (self._absorbed(q_nope, q_rope, rows, attn) if absorb
              else self._expanded(q_nope, q_rope, rows, attn))  # [B, H, T, dv]
 
-        # The head-wise output gate: sigmoid in fp32 of g_proj(x), cast back to the activation
-        # dtype, scaling each head's attention output before o_proj.
-        gate = torch.sigmoid(g.float()).to(x.dtype)
-        y = y.transpose(1, 2) * gate.unsqueeze(-1)
+        y = y.transpose(1, 2)
+        if g is not None:
+            # The head-wise output gate: sigmoid in fp32 of g_proj(x), cast back to the activation
+            # dtype, scaling each head's attention output before o_proj.
+            y = y * torch.sigmoid(g.float()).to(x.dtype).unsqueeze(-1)
         return linear(y.reshape(b, t, nh * c.v_head_dim), self.o_proj.weight, self.o_proj.bias,
                       self.projection_backend)
 
@@ -330,7 +339,7 @@ class MLAAttention(nn.Module):
         """The absorbed form in four kernels and o_proj: impl.model.mla_absorb's query kernel (the
         latent queries, the cache rows written), impl.model.mla_decode's split-K attention over
         the rows up to each token's position, read once for all heads, and its combine, then
-        mla_absorb's output kernel (W_uv, the gate). For one token of a batch, or the T tokens of
+        mla_absorb's output kernel (W_uv, the gate where there is one). For one token of a batch, or the T tokens of
         one sequence's verify step, each a row of the kernels over the one cache (the SDPA form
         reads the whole static cache, masked: at 36,864 rows that made a Ling-3.0-flash verify
         step 40 ms)."""
@@ -350,7 +359,7 @@ class MLAAttention(nn.Module):
         # The positions are the step's input, written launches ago: the attention and its combine
         # read them before the query kernel ends.
         o_lat = mla_decode_attention(query, kv, None, c.kv_lora_rank, c.scaling, positions=input_pos)
-        y = mla_output(o_lat, g.reshape(b * t, -1), w_uv)
+        y = mla_output(o_lat, None if g is None else g.reshape(b * t, -1), w_uv)
         return linear(y.view(b, t, -1), self.o_proj.weight, self.o_proj.bias, self.projection_backend)
 
     def _expanded(self, q_nope, q_rope, rows, attn) -> torch.Tensor:

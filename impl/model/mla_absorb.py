@@ -7,7 +7,8 @@ small torch launches: the query side before it and the output side after it.
   latent values) each hold their slice of W_uk in registers for all rows; one more program writes
   the cache rows.
 - `mla_output_kernel`: each head's value up-projection W_uv o_lat of the attention-weighted
-  latents, rounded to the activation dtype, times the head's output gate sigmoid(g), written in
+  latents, rounded to the activation dtype, times the head's output gate sigmoid(g) where the
+  model has one (Ling 3.0; DeepSeek-V3 has none), written in
   the [rows, H * dv] layout o_proj reads.
 
 Why: at batch 1 the glue (two interleaved ropes, the latent norm, the cache write, the two
@@ -132,8 +133,10 @@ def mla_query_kernel(q_ptr, kv_a_ptr, w_uk_ptr, cos_ptr, sin_ptr, norm_w_ptr, po
 @triton.jit
 def mla_output_kernel(lat_ptr, g_ptr, w_uv_ptr, out_ptr, ROWS,
                       stride_lat_row, stride_lat_h, stride_g, stride_wuv_h, stride_wuv_v, stride_out,
-                      R: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-    """out[i, h * DV + v] = round(round(W_uv[h, v] . lat[i, h]) * round(sigmoid(g[i, h])))."""
+                      R: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, GATE: tl.constexpr,
+                      PDL: tl.constexpr):
+    """out[i, h * DV + v] = round(round(W_uv[h, v] . lat[i, h]) * round(sigmoid(g[i, h]))); without
+    GATE (DeepSeek-V3's MLA) round(W_uv[h, v] . lat[i, h]), g_ptr unread."""
     blocks_v = tl.cdiv(DV, BLOCK_V)
     h = tl.program_id(0) // blocks_v
     offs_v = (tl.program_id(0) % blocks_v) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -145,12 +148,13 @@ def mla_output_kernel(lat_ptr, g_ptr, w_uv_ptr, out_ptr, ROWS,
     pdl_wait(PDL)  # the latents come from the attention's combine, launched just before
     dtype = out_ptr.dtype.element_ty
     for i in range(ROWS):
-        g = tl.load(g_ptr + i * stride_g + h)
         lat = tl.load(lat_ptr + i * stride_lat_row + h * stride_lat_h + offs_r).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * lat[None, :], axis=1).to(dtype).to(tl.float32)
-        gate = tl.sigmoid(g.to(tl.float32)).to(dtype).to(tl.float32)
-        # A product of two 16-bit values is exact in fp32: rounding it once is the 16-bit multiply.
-        tl.store(out_ptr + i * stride_out + h * DV + offs_v, (y * gate).to(dtype), mask=v_ok)
+        if GATE:
+            g = tl.load(g_ptr + i * stride_g + h)
+            # A product of two 16-bit values is exact in fp32: rounding it once is the 16-bit multiply.
+            y = y * tl.sigmoid(g.to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + i * stride_out + h * DV + offs_v, y.to(dtype), mask=v_ok)
 
 
 def _rows_2d(name: str, t: torch.Tensor, width: int) -> None:
@@ -197,27 +201,31 @@ def mla_query(q: torch.Tensor, kv_a: torch.Tensor, w_uk: torch.Tensor, cos: torc
     return query
 
 
-def mla_output(lat: torch.Tensor, g: torch.Tensor, w_uv: torch.Tensor,
+def mla_output(lat: torch.Tensor, g: torch.Tensor | None, w_uv: torch.Tensor,
                launch: MLAAbsorbLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """lat [rows, H, r] (attention-weighted latents, contiguous latents), g [rows, H] (the gate's
-    pre-activation, a view with contiguous rows), w_uv [H, dv, r] (a view of kv_b_proj's weight):
-    returns [rows, H * dv] in lat's dtype, each head's W_uv lat times sigmoid(g). The launch after
+    pre-activation, a view with contiguous rows; None: no gate), w_uv [H, dv, r] (a view of
+    kv_b_proj's weight): returns [rows, H * dv] in lat's dtype, each head's W_uv lat times
+    sigmoid(g). The launch after
     this one may start before the launch before it has finished: before its wait it may read only
     weights (o_proj's GEMV)."""
     h, dv, r = w_uv.shape
     if lat.dim() != 3 or lat.shape[1:] != (h, r) or lat.stride(2) != 1:
         raise ValueError(f"mla_output: lat must be [rows, H={h}, r={r}] with contiguous latents, got {tuple(lat.shape)}")
-    _rows_2d("g", g, h)
-    if g.shape[0] != lat.shape[0] or w_uv.stride(2) != 1 or r & (r - 1):
-        raise ValueError(f"mla_output: g {tuple(g.shape)} must have lat's {lat.shape[0]} rows, w_uv's rows be "
-                         f"contiguous and r ({r}) a power of two")
+    if g is not None:
+        _rows_2d("g", g, h)
+        if g.shape[0] != lat.shape[0]:
+            raise ValueError(f"mla_output: g {tuple(g.shape)} must have lat's {lat.shape[0]} rows")
+    if w_uv.stride(2) != 1 or r & (r - 1):
+        raise ValueError(f"mla_output: w_uv's rows must be contiguous and r ({r}) a power of two")
     rows = lat.shape[0]
     out = torch.empty(rows, h * dv, dtype=lat.dtype, device=lat.device)
     block_v = min(launch.block_v, triton.next_power_of_2(dv))
     pdl = launch.pdl and pdl_supported(lat.device)
     mla_output_kernel[(h * triton.cdiv(dv, block_v),)](
-        lat, g, w_uv, out, rows, lat.stride(0), lat.stride(1), g.stride(0), w_uv.stride(0), w_uv.stride(1),
-        out.stride(0), R=r, DV=dv, BLOCK_V=block_v, PDL=pdl, launch_pdl=pdl,
+        lat, lat if g is None else g, w_uv, out, rows, lat.stride(0), lat.stride(1), 0 if g is None else g.stride(0),
+        w_uv.stride(0), w_uv.stride(1), out.stride(0), R=r, DV=dv, BLOCK_V=block_v, GATE=g is not None, PDL=pdl,
+        launch_pdl=pdl,
         num_warps=launch.num_warps)
     return out
 
@@ -245,11 +253,12 @@ def mla_query_reference(q, kv_a, w_uk, cos, sin, norm_weight, eps, input_pos, ca
 
 
 def mla_output_reference(lat, g, w_uv):
-    """`mla_output` in torch ops (the torch form's einsum, then the gate)."""
+    """`mla_output` in torch ops (the torch form's einsum, then the gate where there is one)."""
     rows, h, _ = lat.shape
     y = torch.einsum("bhr,hvr->bhv", lat, w_uv.to(lat.dtype))
-    gate = torch.sigmoid(g[:, :h].float()).to(lat.dtype)
-    return (y * gate.unsqueeze(-1)).reshape(rows, -1)
+    if g is not None:
+        y = y * torch.sigmoid(g[:, :h].float()).to(lat.dtype).unsqueeze(-1)
+    return y.reshape(rows, -1)
 
 
 __all__ = ["DEFAULT_LAUNCH", "MLAAbsorbLaunch", "mla_output", "mla_output_kernel", "mla_output_reference", "mla_query",

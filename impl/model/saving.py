@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from impl.model.causal_lm import MoECausalLM
+from impl.model.loading import PRENORM_MTP_KEY
 
 _MTP_RENAMES = {"final_norm.": "shared_head.norm."}
 
@@ -81,6 +82,9 @@ def config_dict(model: MoECausalLM) -> dict:
         "attention_bias": c.attention_bias, "rms_norm_eps": c.rms_norm_eps, "hidden_act": "silu",
         "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_seq_len,
         "num_nextn_predict_layers": len(model.mtp),
+        # Read back by impl.model.loading: a GLM-4.5 checkpoint's NEXTN layer otherwise takes the
+        # normed hidden states, as the published ones do.
+        **({PRENORM_MTP_KEY: True} if model.mtp and not c.mtp_normed_hidden else {}),
     }
 
 

@@ -222,7 +222,7 @@ class _DraftWithHead:
         return self.mtp.hidden(*args)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mtp.final_norm(hidden))
+        return self.head(self.mtp.head_input(hidden))
 
 
 class _BytesAsValues(nn.Module):

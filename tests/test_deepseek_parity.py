@@ -1,0 +1,217 @@
+"""DeepSeek-V3 (`deepseek_v3`) end to end against transformers' DeepseekV3ForCausalLM, float64 on
+CPU: a tiny random checkpoint written by transformers' save_pretrained, with a NEXTN layer added in
+DeepSeek's names, loads through impl.model.build; its logits match at prefill and at every decode
+step; the NEXTN layer's logits match a reference assembled from transformers' own modules, fed the
+target's normed hidden states as the checkpoints' own modeling code feeds them; speculative decoding
+equals greedy.
+
+The tiny config exercises what sets the family apart from Ling 3.0's MLA: a query LoRA, no output
+gate, and YaRN (mscale and mscale_all_dim different, so both the cos/sin factor and the softmax
+scale differ from the default rope's); 3 layers, the first dense, 8 experts top-2 in 2 groups.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("transformers.models.deepseek_v3")
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model  # noqa: E402
+
+from impl.generate import generate  # noqa: E402
+from impl.model.build import build_model  # noqa: E402
+from impl.model.loading import CheckpointError, read_config  # noqa: E402
+from impl.model.mla import MLAAttention  # noqa: E402
+from impl.spec import SpeculativeDecoder  # noqa: E402
+from tests.ling_checkpoint import randomize  # noqa: E402
+
+LAYERS, T, PROMPT, H = 3, 40, 8, 32
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=1.0)
+# Per position ||ours - reference|| / ||reference|| of the logits, the bar Ling 3.0's parity holds
+# (tests/test_ling_parity.py): float64 on both sides but for what each keeps in fp32 (the rope
+# tables), MLA absorbed at decode against transformers' expanded heads; measured 4.6e-7 here. A
+# real fault lands orders above it (the YaRN factors left out: 1.2, test_yarn_is_what_makes_it_match).
+REL_TOL = 1e-5
+
+
+def hf_config(layers: int, **overrides) -> DeepseekV3Config:
+    kw = dict(vocab_size=128, hidden_size=H, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+              n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=64,
+              rope_parameters=dict(YARN), pad_token_id=None, eos_token_id=None)
+    kw.update(overrides)
+    cfg = DeepseekV3Config(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(folder, transformers' model of the main layers, a 1-layer model holding the NEXTN layer's
+    block with its final norm, the NEXTN extras), the references in float64.
+
+    transformers has no NEXTN module: the checkpoint's layer LAYERS is written by saving a model of
+    LAYERS + 1 layers, then config.json is cut back to LAYERS layers with num_nextn_predict_layers 1
+    and the layer's enorm, hnorm, eh_proj and shared_head.norm added in DeepSeek's names."""
+    folder = tmp_path_factory.mktemp("deepseek-tiny")
+    big = DeepseekV3ForCausalLM(hf_config(LAYERS + 1)).eval()
+    randomize(big, seed=3)
+    big.save_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(raw))
+    g = torch.Generator().manual_seed(4)
+    extras = {"enorm": 1 + 0.1 * torch.randn(H, generator=g), "hnorm": 1 + 0.1 * torch.randn(H, generator=g),
+              "eh_proj": 0.2 * torch.randn(H, 2 * H, generator=g),
+              "shared_head.norm": 1 + 0.1 * torch.randn(H, generator=g)}
+    tensors = load_file(folder / "model.safetensors")
+    for name, t in extras.items():
+        tensors[f"model.layers.{LAYERS}.{name}.weight"] = t
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    ref = DeepseekV3ForCausalLM(hf_config(LAYERS)).eval()
+    nextn = DeepseekV3Model(hf_config(1, first_k_dense_replace=0)).eval()  # its one layer MoE, as layer LAYERS is
+    with torch.no_grad():
+        ref.model.load_state_dict({k: v for k, v in big.model.state_dict().items()
+                                   if not k.startswith(f"layers.{LAYERS}.")})
+        ref.lm_head.load_state_dict(big.lm_head.state_dict())
+        nextn.layers[0].load_state_dict(big.model.layers[LAYERS].state_dict())
+        nextn.norm.weight.copy_(extras["shared_head.norm"])
+    for model in (ref, nextn):
+        model.set_experts_implementation("eager")  # the grouped matmul takes no float64
+    return folder, ref.double(), nextn.double(), {name: t.double() for name, t in extras.items()}
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return build_model(str(checkpoint[0]), dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(6))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per position ||a - b|| / ||b|| over the vocabulary dimension."""
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
+
+
+def cached_logits(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
+    """Prefill `prompt` tokens, then one decode step per remaining token (teacher forced)."""
+    model.setup_caches(1, 64)
+    with torch.inference_mode():
+        out = [model(tokens[:, :prompt], torch.arange(prompt))]
+        out += [model(tokens[:, t:t + 1], torch.tensor([t])) for t in range(prompt, tokens.shape[1])]
+    return torch.cat(out, dim=1)
+
+
+def test_config_reads_the_architecture(checkpoint):
+    c = read_config(checkpoint[0])
+    assert c.attention_types == ("mla",) * LAYERS and c.mtp_attention == "mla" and not c.mla_output_gate
+    assert (c.dense_layers, c.num_experts, c.top_k, c.n_group, c.topk_group, c.num_mtp_layers) == ((0,), 8, 2, 2, 1, 1)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.rotary_dim) == (24, 16, 8, 8)
+    assert dict(c.rope_parameters)["rope_type"] == "yarn" and dict(c.rope_parameters)["factor"] == 4.0
+    assert c.mtp_normed_hidden and c.router == "sigmoid_grouped" and c.routed_scaling_factor == 2.5
+
+
+def test_prefill_then_decode_logits_match_transformers(checkpoint, ours, tokens):
+    ref = checkpoint[1]
+    assert all(not hasattr(m, "g_proj") for m in ours.modules() if isinstance(m, MLAAttention))
+    with torch.no_grad():
+        want = ref(tokens).logits
+    got = cached_logits(ours, tokens, PROMPT)
+    err = rel(got, want)
+    assert err.shape == (T,) and T - PROMPT >= 32
+    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+
+
+def test_yarn_is_what_makes_it_match(checkpoint, tokens):
+    """Negative control: the same checkpoint with its rope read as the default one (no YaRN factor
+    on cos/sin, no mscale in the softmax scale) parts from transformers far beyond the tolerance."""
+    from impl.model.loading import load_weights
+    model = build_model(read_config(checkpoint[0]).replace(rope_parameters=()), dtype=torch.float64)
+    load_weights(model, checkpoint[0])
+    with torch.no_grad():
+        want = checkpoint[1](tokens).logits
+    assert rel(cached_logits(model, tokens, PROMPT), want).max() > 100 * REL_TOL
+
+
+def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
+    _, ref, nextn, extras = checkpoint
+    with torch.no_grad():
+        h = ref.model(tokens).last_hidden_state[:, :-1]  # the target's final-normed hidden state at i
+        e = ref.model.embed_tokens(tokens[:, 1:])         # and token i + 1
+
+        def norm(x, w):
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        x = torch.cat((norm(e, extras["enorm"]), norm(h, extras["hnorm"])), dim=-1) @ extras["eh_proj"].T
+        want = ref.lm_head(nextn(inputs_embeds=x).last_hidden_state)
+    mtp = ours.mtp[0]
+    ours.setup_caches(1, 64)
+    with torch.inference_mode():
+        _, hidden = ours.forward_with_hidden(tokens, torch.arange(T))
+        cos, sin, mask = ours.positions(T - 1, torch.arange(T - 1))
+        got = mtp.logits(mtp.hidden(hidden[:, :-1], tokens[:, 1:], cos, sin, torch.arange(T - 1), mask))
+        # Negative control: the hidden states before the final norm (what tiny-gsm's layer takes).
+        pre = ours.last_hidden_states(tokens, torch.arange(T))[:, :-1]
+        unnormed = mtp.logits(mtp.hidden(pre, tokens[:, 1:], cos, sin, torch.arange(T - 1), mask))
+    err = rel(got, want)
+    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    assert rel(unnormed, want).max() > 100 * REL_TOL
+
+
+def test_speculative_with_rejections_equals_greedy(ours, tokens):
+    prompt = tokens[0, :PROMPT]
+    plain = generate(ours, prompt, 24).new_tokens[0]
+    result = SpeculativeDecoder(ours, k=3).generate(prompt, 24)
+    assert torch.equal(result.new_tokens[0, :24], plain)
+    assert result.stats.accepted < result.stats.drafted, "no draft was rejected: the rollback went untested"
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (dict(scoring_func="softmax"), "scoring_func = 'softmax' is not supported"),
+    (dict(rope_interleave=False), "rope_interleave = false is not supported"),
+    (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "rope type 'dynamic' is not supported"),
+    (dict(hidden_act="gelu"), "activation 'gelu' is not supported"),
+])
+def test_unsupported_settings_name_the_file_and_the_setting(checkpoint, tmp_path, edit, problem):
+    raw = json.loads((checkpoint[0] / "config.json").read_text())
+    raw.pop("rope_parameters", None) if "rope_scaling" in edit else None
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(CheckpointError, match=problem) as e:
+        read_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_kimi_k2_reads_as_deepseek_v3(checkpoint, tmp_path):
+    raw = json.loads((checkpoint[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "kimi_k2"}))
+    assert read_config(tmp_path).replace(name="x") == read_config(checkpoint[0]).replace(name="x")
+
+
+def test_the_ladder_runs_on_the_checkpoint_unchanged(checkpoint):
+    """One mechanism: the serving rows (FP8 head, MTP with the head shared) on the loaded DeepSeek-V3
+    checkpoint (fp32, CPU); provenance holds for every row and greedy +mtp serves exactly what
+    +fp8-head serves."""
+    from impl.serve.arm import build_arms
+    from impl.serve.configs import parse_ladder
+    from impl.serve.provenance import check_provenance
+    from impl.serve.runner import run_ladder
+    from tests.test_serve_engine import ByteTokenizer, request
+    model = build_model(str(checkpoint[0]))
+    arms = build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
+    prompts = ["Q: 7 + 5 =", "MLA on every layer"]
+    records = run_ladder(arms, [request(p, 16, ignore_eos=True) for p in prompts])
+    for arm in arms:
+        check_provenance(arm.name, arm.config, arm.provenance)
+    by = {(r["arm"], r["request_id"]): r for r in records}
+    for p in prompts:
+        rid = request(p).request_id
+        assert by["+mtp", rid]["text"] == by["+fp8-head", rid]["text"]
+        assert by["+mtp", rid]["output_tokens"] == 16 and by["+mtp", rid]["verify_steps"] > 0
