@@ -4,8 +4,10 @@ write the report (also when a request fails part-way); then the paired figures t
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
@@ -48,6 +50,16 @@ def _usage_exit(message: str) -> NoReturn:
     pytest.exit(f"usage error: {message}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
+def report_folder_problem(folder: Path) -> str | None:
+    """Why the ladder's report folder could not be written (None: it can be)."""
+    if folder.exists() and not folder.is_dir():
+        return f"--moe-ab-report {folder}: is a file; a folder is needed"
+    nearest = next((p for p in (folder, *folder.parents) if p.exists()), None)  # the nearest that exists
+    if nearest is not None and not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
+        return f"--moe-ab-report {folder}: cannot be written ({nearest} is not a writable folder)"
+    return None
+
+
 def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup: int = WARMUP,
                      optional: tuple[str, ...] = ()) -> LadderRun:
     """Serve `workload_spec` (impl.data.workloads) for `n` requests (a count, or
@@ -64,9 +76,12 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from pytest_moeperf.ab_report import write_ab_report
     from pytest_moeperf.ab_summary import summarize_ab
     opts = session.options
-    tokenizer = tokenizer_for(opts.model, model.config.vocab_size)
+    problem = report_folder_problem(Path(report_dir))
+    if problem:  # found before anything is served, not after
+        _usage_exit(problem)
     reserve = max((r.config.k for r in rows if r.config.speculative), default=0)
     try:
+        tokenizer = tokenizer_for(opts.model, model.config.vocab_size)
         workload = load_workload(workload_spec, tokenizer, model.config.max_seq_len - reserve, n=n, shots=opts.shots)
         workload.check()
     except ContextError as e:
@@ -77,6 +92,9 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     if len(requests) < MIN_REQUESTS:
         _usage_exit(f"--moe-workload {workload_spec}: {len(requests)} request(s); the ladder's speed figures are "
                     f"medians of per-request ratios and need at least {MIN_REQUESTS}")
+    if all(r.max_tokens < 2 for r in requests):
+        _usage_exit(f"--moe-workload {workload_spec}: every request ends at its first output token (max_tokens < 2): "
+                    "no decode step, so no TPOT or decode speed to compare; give max_tokens >= 2")
     by_id = {r.request_id: r for r in requests}
     restore = (model.moe_backend, model.lm_head)
     try:
@@ -112,8 +130,12 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             "complete": complete,
             "dropped": dropped,
         }
-        report = write_ab_report(result, report_dir, margin=opts.margin)
-        session.ab_reports.append(report["markdown"])
+        try:
+            report = write_ab_report(result, report_dir, margin=opts.margin)
+            session.ab_reports.append(report["markdown"])
+        except OSError as e:  # the gate still judges what was served; the run fails at its end, saying why
+            report = {"markdown": f"NOT WRITTEN ({e})"}
+            session.write_errors.append(f"the A/B report was NOT written: {report_dir}: {e}")
     arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
     return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records)
 

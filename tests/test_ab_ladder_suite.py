@@ -166,3 +166,37 @@ def test_a_ladder_of_one_row_is_a_usage_error(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-ladder", "baseline",
                                            "test_ab_ladder.py", timeout=300)
     assert "--moe-ladder 'baseline': one row; the ladder compares each row with its first" in _usage_exit(result)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_report_folder_that_cannot_be_written_is_a_usage_error_before_serving(pytester, where):
+    """Not found after every row was served (then every test of the ladder erred and nothing was gated)."""
+    (pytester.path / "afile").write_text("x")
+    target = pytester.path / "afile" if where == "a file" else pytester.path / "afile" / "sub"
+    pytester.makeconftest(ONE_THREAD)
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-model", "tiny",
+                                           "--moe-workload", "synthetic:8:4", "--moe-ladder", "baseline;+fp8-head",
+                                           "--moe-ab-report", str(target), "test_ab_ladder.py", timeout=300)
+    out = _usage_exit(result)
+    assert f"--moe-ab-report {target}:" in out and "rows served" not in out.lower()
+
+
+def test_a_workload_of_one_token_answers_is_a_usage_error(pytester):
+    """max_tokens 1 everywhere: no decode step, so no TPOT to compare (every speed figure would
+    fail with a misleading message)."""
+    prompts = pytester.path / "one.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "max_tokens": 1}) + "\n" for i in range(4)))
+    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+                     "--moe-ladder", "baseline;+fp8-head")
+    assert "every request ends at its first output token (max_tokens < 2)" in _usage_exit(result)
+
+
+def test_a_checkpoint_whose_tokenizer_cannot_load_is_a_usage_error(pytester):
+    folder = pytester.mkdir("tokbad")
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((CHECKPOINT / name).read_bytes())
+    (folder / "tokenizer.json").write_text("{}")
+    result, _ = _run(pytester, ONE_THREAD, "--moe-model", str(folder), "--moe-ladder", "baseline;+fp8-head")
+    out = _usage_exit(result)
+    assert "could not load its tokenizer" in out and "ERROR at setup" not in out
