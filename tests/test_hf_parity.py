@@ -336,6 +336,19 @@ def test_a_damaged_weight_file_is_named_before_anything_is_built(glm_copy):
         check_checkpoint(glm_copy)
 
 
+@pytest.mark.parametrize("edit, tensor", [
+    (dict(vocab_size=COMMON["vocab_size"] * 2), "has shape .96, 64., the config implies .192, 64."),  # the headers' shapes disagree
+    (dict(num_hidden_layers=COMMON["num_hidden_layers"] + 1), "missing"),    # a layer the files do not hold
+])
+def test_a_config_the_weights_do_not_fit_is_named_before_anything_is_built(glm_copy, edit, tensor):
+    """Read from the headers alone, as the plugin checks a --moe-model folder at start-up."""
+    from impl.model.loading import check_checkpoint
+    _edit_config(glm_copy, lambda raw: raw.update(edit))
+    with pytest.raises(CheckpointError, match=tensor) as e:
+        check_checkpoint(glm_copy)
+    assert str(glm_copy) in str(e.value)
+
+
 def test_unsupported_architecture(glm_copy):
     _edit_config(glm_copy, lambda raw: raw.update(model_type="mixtral", architectures=["MixtralForCausalLM"]))
     with pytest.raises(CheckpointError, match=r"architecture 'mixtral' is not supported.*qwen3_moe"):

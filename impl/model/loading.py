@@ -206,10 +206,25 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConf
 
 
 def check_checkpoint(folder: str | Path) -> ModelConfig:
-    """read_config, and every safetensors file's header read: a folder that cannot load fails here,
-    naming the file, before anything is built. CheckpointError otherwise."""
+    """read_config, every safetensors file's header read, and the headers' tensors against the
+    model the config describes (built on the meta device: shapes, no memory): its names, and the
+    shape of every tensor stored plain. A folder that cannot load fails here, naming the file and
+    the tensor, before anything is built. CheckpointError otherwise."""
+    from impl.model.roofline import meta_model
+    folder = Path(folder)
     config = read_config(folder)
-    _Store(Path(folder)).check()
+    path, raw = _raw_config(folder)
+    store = _Store(folder)
+    store.check()
+    model = meta_model(config.replace(num_mtp_layers=min(config.num_mtp_layers, mtp_layers_in(store.file_of, config))))
+    plan = _Plan(store, model.config, len(model.mtp), raw["model_type"] == "bailing_hybrid")
+    expected = _check_names(model, plan, folder)
+    for name, stored in plan.plain.items():
+        if stored.scale is None and expected[name].dim() > 0:  # quantized weights are checked as they load
+            shape = store.shape(stored.data)
+            if shape != tuple(expected[name].shape):
+                raise CheckpointError(f"{store.where(stored.data)}: {name} has shape {shape}, the config implies "
+                                      f"{tuple(expected[name].shape)}")
     return config
 
 
@@ -295,11 +310,19 @@ class _Store:
     def where(self, key: str) -> str:
         return f"{self.folder / self.file_of[key]}: {key}"
 
-    def get(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str):
         name = self.file_of[key]
         handle = self._open.get(name)
         if handle is None:
             handle = self._open[name] = safe_open(self.folder / name, framework="pt")
+        return handle
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Tensor `key`'s shape, from its file's header (no data read)."""
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def get(self, key: str) -> torch.Tensor:
+        handle = self._handle(key)
         try:
             return handle.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for a key the index lies about
@@ -485,6 +508,30 @@ class _Loader:
             module.set_experts(name, 0, w.to(self.model.embed_tokens.weight.dtype))
 
 
+def _expert_prefixes(expected: dict) -> set[str]:
+    return {n.rsplit(".", 1)[0] for n in expected if re.search(r"\.experts\.(gate_up|down)_", n)}
+
+
+def _check_names(model: torch.nn.Module, plan: _Plan, folder: Path) -> dict[str, torch.Tensor]:
+    """The model's state dict as the checkpoint must fill it (a tied head left out, of the plan
+    too); CheckpointError naming what is missing and what is unexpected, with its file."""
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        plan.plain.pop("lm_head.weight", None)
+    expert_prefixes = _expert_prefixes(expected)
+    wanted = {n for n in expected if n.rsplit(".", 1)[0] not in expert_prefixes}
+    wanted |= {f"{p}.{w}" for p in expert_prefixes for w in ("gate_up_proj", "down_proj")}
+    have = plan.names()
+    missing, unexpected = sorted(wanted - have), sorted(have - wanted)
+    if missing or unexpected:
+        shown = unexpected[:8]
+        files = "; ".join(f"{n} from {plan.file_of(n)}" for n in shown)
+        raise CheckpointError(f"{folder}: tensors do not match the model; missing {missing[:8]}, "
+                              f"unexpected {shown}" + (f" ({files})" if files else ""))
+    return expected
+
+
 def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
     """Copy a checkpoint's tensors into `model` (strict: every parameter, no leftovers), one
     tensor at a time and experts a few at a time."""
@@ -498,20 +545,8 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> None:
         model.mtp = model.mtp[:stored_mtp]
         model.config = model.config.replace(num_mtp_layers=stored_mtp)
     plan = _Plan(store, model.config, len(model.mtp), raw["model_type"] == "bailing_hybrid")
-    expected = model.state_dict()
-    if model.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        plan.plain.pop("lm_head.weight", None)
-    expert_prefixes = {n.rsplit(".", 1)[0] for n in expected if re.search(r"\.experts\.(gate_up|down)_", n)}
-    wanted = {n for n in expected if n.rsplit(".", 1)[0] not in expert_prefixes}
-    wanted |= {f"{p}.{w}" for p in expert_prefixes for w in ("gate_up_proj", "down_proj")}
-    have = plan.names()
-    missing, unexpected = sorted(wanted - have), sorted(have - wanted)
-    if missing or unexpected:
-        shown = unexpected[:8]
-        files = "; ".join(f"{n} from {plan.file_of(n)}" for n in shown)
-        raise CheckpointError(f"{folder}: tensors do not match the model; missing {missing[:8]}, "
-                              f"unexpected {shown}" + (f" ({files})" if files else ""))
+    expected = _check_names(model, plan, folder)
+    expert_prefixes = _expert_prefixes(expected)
     loader = _Loader(model, store, quant)
     with torch.no_grad():
         for name, stored in plan.plain.items():
