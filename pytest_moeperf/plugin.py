@@ -185,12 +185,18 @@ def parse_ladder_option(value: str | None, device: str) -> str | None:
     return value
 
 
-def parse_workload_option(value: str):
-    """The workload spec, its local source (a prompts file, a GSM8K folder) read through once so
-    that a missing file or a malformed line is a usage error, not an error in every ladder test."""
+def parse_workload_option(value: str, rootpath: Path):
+    """The workload spec, its local source (a prompts file, a GSM8K folder) taken from rootdir when
+    relative, as every path option is, and read through once so that a missing file or a malformed
+    line is a usage error, not an error in every ladder test. A GSM8K source that names no folder
+    there (and does not start with ./ or ../) stays a hub id."""
     from impl.data.workloads import check_source, parse_workload
     try:
         spec = parse_workload(value)
+        source = spec.source
+        if source and not Path(source).expanduser().is_absolute() and (
+                spec.kind == "jsonl" or source.startswith(("./", "../")) or (rootpath / source).exists()):
+            spec = dataclasses.replace(spec, source=str(_under_root(source, rootpath)))
         check_source(spec)
         return spec
     except ValueError as e:
@@ -268,7 +274,7 @@ def parse_options(config: pytest.Config) -> Options:
         strict=bool(_option(config, "moe_strict")),
         trust=_parsed(config, "moe_trust", parse_trust),
         ladder=_option(config, "moe_ladder") or None,
-        workload=_parsed(config, "moe_workload", parse_workload_option),
+        workload=_parsed(config, "moe_workload", parse_workload_option, root),
         requests=_parsed(config, "moe_requests", lambda v: parse_count("--moe-requests", v, MIN_REQUESTS)),
         shots=_parsed(config, "moe_shots", lambda v: parse_count("--moe-shots", v, 0)),
         margin=_parsed(config, "moe_margin", parse_margin),

@@ -248,8 +248,8 @@ def test_a_figure_frozen_under_another_configuration_is_not_compared(run, suite)
     (["--moe-samples", "2"], "--moe-samples must be at least 3"),
     (["--moe-head", "int4"], "--moe-head must be one of bf16, fp8, got 'int4'"),
     (["--moe-backend", "nope"], "--moe-backend: unknown moe backend 'nope'; available:"),
-    (["--moe-workload", "jsonl:missing.jsonl"], "--moe-workload: workload file missing.jsonl does not exist"),
-    (["--moe-workload", "gsm8k:./no-such-folder"], "--moe-workload: GSM8K folder no-such-folder does not exist"),
+    (["--moe-workload", "jsonl:missing.jsonl"], "--moe-workload: workload file */missing.jsonl does not exist"),
+    (["--moe-workload", "gsm8k:./no-such-folder"], "--moe-workload: GSM8K folder */no-such-folder does not exist"),
 ])
 def test_bad_options_are_usage_errors(run, args, message):
     result = run(*args)
@@ -284,7 +284,7 @@ def test_a_prompts_file_with_a_bad_line_is_a_usage_error_naming_file_and_line(ru
     (suite.path / "mine.jsonl").write_text('{"prompt": "2+2="}\n\n{"prompt": "3+3=", "answr": "6"}\n')
     result = run("--moe-workload", "jsonl:mine.jsonl")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--moe-workload: mine.jsonl:3: unknown field 'answr'; "
+    result.stderr.fnmatch_lines(["*--moe-workload: */mine.jsonl:3: unknown field 'answr'; "
                                  "allowed fields: prompt, answer,*"])
     (suite.path / "mine.jsonl").write_text('{"prompt": "2+2="}\n')
     run("--moe-workload", "jsonl:mine.jsonl").assert_outcomes(skipped=1)

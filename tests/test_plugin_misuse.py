@@ -224,3 +224,18 @@ def test_slow(moe_gate):
     (evaluation,) = json.loads((pytester.path / "r.json").read_text())["metrics"][0]["evaluations"]
     assert evaluation["remeasured"] and evaluation["first"]["verdict"] == "regression"
     assert evaluation["first"]["ratio"] == pytest.approx(0.5)
+
+
+def test_a_relative_workload_file_is_taken_from_rootdir_not_the_working_folder(tmp_path, monkeypatch):
+    """One rule for every path option: `jsonl:prompts/p.jsonl` in an ini file means the same file
+    whichever folder pytest was started from; a GSM8K source naming no folder there stays a hub id."""
+    from pytest_moeperf.plugin import parse_workload_option
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    spec = parse_workload_option("jsonl:prompts/p.jsonl", tmp_path)
+    assert spec.source == str(tmp_path / "prompts" / "p.jsonl")
+    assert parse_workload_option("gsm8k:openai/gsm8k", tmp_path).source == "openai/gsm8k"
+    with pytest.raises(ValueError, match=str(tmp_path / "missing.jsonl")):
+        parse_workload_option("jsonl:missing.jsonl", tmp_path)
