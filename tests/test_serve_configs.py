@@ -137,3 +137,19 @@ def test_a_row_named_after_a_preset_must_run_it():
     spelled = resolve_preset("+fp8-head", "cpu").spec_text()
     assert parse_row(f"+fp8-head={spelled}", "cpu").config == resolve_preset("+fp8-head", "cpu")
     assert parse_row("mine=spec=mtp:2", "cpu").config.k == 2
+
+
+@pytest.mark.parametrize("extra", ["temperature=0.7,seed=3", "seed=1", "experts=bf16", "head_scales=tensor"])
+def test_a_row_named_after_a_preset_may_not_change_its_sampling_or_formats(extra):
+    """A sampled row under the name `+mtp` read as the greedy preset in the ladder's tables."""
+    spelled = "moe=gather,head=fp8,spec=mtp:3"
+    assert parse_row(f"+mtp={spelled}", "cpu").config == resolve_preset("+mtp", "cpu")
+    with pytest.raises(ValueError, match=r"\+mtp: the row is named after the preset but .*give the row a name"):
+        parse_row(f"+mtp={spelled},{extra}", "cpu")
+    assert parse_row(f"mine={spelled},{extra}", "cpu").name == "mine"
+
+
+def test_a_preset_row_with_an_assumed_acceptance_keeps_its_name():
+    """Labelled in every output (the Ling ladder's +mtp row)."""
+    row = parse_row("+mtp=moe=gather,head=fp8,spec=mtp:3,accept=3.9", "cpu")
+    assert row.name == "+mtp" and row.config.assumed_accept == 3.9

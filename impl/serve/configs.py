@@ -207,14 +207,15 @@ class ServeConfig:
 
 
 def preset_mismatch(name: str, config: ServeConfig, device=None) -> str | None:
-    """Why a row named after the preset `name` does not run that preset on `device` (its MoE
-    backend, head, head kernel or speculation differ), or None when it does or `name` is no preset."""
+    """Why a row named after the preset `name` does not run that preset on `device` (anything of
+    its configuration differs: backends, head and its scales, speculation, sampling, seed, layer
+    backends), or None when it does or `name` is no preset. The experts' format is the model's in a
+    preset (`auto`, resolved when the row is built; parse_row refuses a preset's name on a row that
+    sets it). An assumed acceptance is allowed: it is labelled in every output that shows the row."""
     if name not in PRESETS:
         return None
     preset = resolve_preset(name, device, config.k or DEFAULT_K)
-    mine = (config.moe, config.head, config.head_backend, config.spec, config.k if config.speculative else 0)
-    theirs = (preset.moe, preset.head, preset.head_backend, preset.spec, preset.k if preset.speculative else 0)
-    if mine == theirs:
+    if dataclasses.replace(config, assumed_accept=None, experts=preset.experts) == preset:
         return None
     return (f"{name}: the row is named after the preset but runs {config.spec_text()}, not the preset's "
             f"{preset.spec_text()} on {_device_type(device)}")
@@ -365,6 +366,8 @@ def parse_row(text: str, device=None, k: int = DEFAULT_K) -> Row:
             raise ValueError(f"ladder row {text!r}: bad row name {name!r}")
         config = parse_serve_config(rest, device, k)
         mismatch = preset_mismatch(name, config, device)
+        if name in PRESETS and config.experts != "auto":
+            mismatch = f"{name}: the row is named after the preset but sets experts={config.experts}"
         if mismatch:  # provenance would refuse the row after the whole ladder has run
             raise ValueError(f"{mismatch}; give the row a name of its own")
         return Row(name, config)
