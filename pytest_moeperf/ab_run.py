@@ -23,6 +23,9 @@ class LadderRun:
     summary: dict  # ab_summary.summarize_ab(result)
     report: dict  # what write_ab_report wrote
     records: dict  # arm name -> {request id: record}
+    # The host's CPU contention while the rows were served (host_load.Meter; None on a GPU, whose
+    # timings do not wait for the host's CPUs): the speed figures are judged and frozen by it.
+    host_load: object = None
 
 
 def _progress(line: str) -> None:
@@ -75,6 +78,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.serve import ArmError, build_arms, run_ladder
     from pytest_moeperf.ab_report import write_ab_report
     from pytest_moeperf.ab_summary import summarize_ab
+    from pytest_moeperf.host_load import Meter
     opts = session.options
     problem = report_folder_problem(Path(report_dir))
     if problem:  # found before anything is served, not after
@@ -110,10 +114,12 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
 
     dropped: dict[str, str] = {}
     complete = False
+    meter = Meter(enabled=not session.device.is_cuda)
     try:
         try:
-            run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup,
-                       check=False, optional=optional, dropped=dropped)
+            with meter.measuring():
+                run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup,
+                           check=False, optional=optional, dropped=dropped)
         except ArmError as e:  # a row's backend refused the workload: the report below keeps what ran
             _usage_exit(f"--moe-ladder: {e}")
         complete = True
@@ -137,7 +143,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             report = {"markdown": f"NOT WRITTEN ({e})"}
             session.write_errors.append(f"the A/B report was NOT written: {report_dir}: {e}")
     arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
-    return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records)
+    return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records, meter.take())
 
 
 def arm(ladder: LadderRun, name: str) -> dict:

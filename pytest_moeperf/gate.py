@@ -155,11 +155,13 @@ class Gate:
 
     def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: float,
               config: dict | None = None, remeasure: Callable[[], list[float]] | None = None,
-              portable: bool = False) -> GateResult:
+              portable: bool = False, host_load: HostLoad | None = None) -> GateResult:
         """Gate `samples` (in `unit`); `remeasure`, if given, takes fresh samples to confirm a
         regression before failing (timings on shared machines). `portable`: the figure does not
         depend on the machine's speed (a ratio of two series measured side by side, a count), so
-        a figure frozen on another machine of this device's class may gate it."""
+        a figure frozen on another machine of this device's class may gate it. `host_load`: the
+        host's contention while `samples` were measured outside this test's meter (a run shared by
+        several tests, host_load.Meter.take of it), judged as the meter's reading would be."""
         samples = [float(s) for s in samples]
         metric_id = f"{self.nodeid}::{metric}"
         _check_input(metric_id, samples, direction, tolerance)
@@ -177,6 +179,9 @@ class Gate:
                                  f"measured as {unit!r}/{direction!r}; refreeze after changing a metric's meaning")
         self.session.results.append(result)
         load = self._load(result)  # during the measurement of `samples`, taken before this call
+        if host_load is not None:
+            load = host_load
+            result.host_loads.append(load.as_dict())
         result.host_load = None if load is None else load.as_dict()
         if self.session.freeze:
             if self._contended(load):

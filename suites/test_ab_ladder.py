@@ -82,7 +82,7 @@ def test_row_speed(ladder, row, figure, key, direction, moe_gate, moe_device):
         pytest.fail(f"row {row!r}: {len(ratios)} paired requests with a {key}: too few to gate", pytrace=False)
     moe_gate.check(figure, ratios, unit="x", direction=direction,
                    tolerance=tolerance_for("ab_speed", moe_device.torch_device), config=row_config(ladder, row),
-                   portable=True)
+                   portable=True, host_load=ladder.host_load)
 
 
 def test_row_answers(ladder, row, moe_gate, moe_device):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -295,3 +296,26 @@ def test_gate_trust_runs_count_host_contended_evaluations_apart_from_regressions
     result.stdout.fnmatch_lines(["*evaluations*regression*refreeze*host-contended*",
                                  "*latency_us*2*0*0*2*0.769*"])
     assert [e["verdict"] for e in _metric(frozen_suite)["evaluations"]] == ["host-contended"] * 2
+
+
+@pytest.mark.parametrize("contended", [True, False], ids=["contended", "quiet (negative control)"])
+def test_the_ladders_speed_figures_are_not_frozen_on_a_contended_host(pytester, monkeypatch, host, contended):
+    """The ladder serves its rows in one run shared by its tests, outside any test's meter: the
+    run is metered itself and its speed figures judged by that reading."""
+    suite = Path(__file__).resolve().parents[1] / "suites" / "test_ab_ladder.py"
+    pytester.makepyfile(test_ab_ladder=suite.read_text())
+    # One thread: the simulated host's CPUs are all busy, half of them (not the run's own) with other work.
+    pytester.makeconftest("import pytest\nimport torch\n\n@pytest.fixture(scope='session', autouse=True)\n"
+                          "def one_thread():\n    before = torch.get_num_threads()\n    torch.set_num_threads(1)\n    yield\n"
+                          "    torch.set_num_threads(before)\n")
+    host(None if contended else 0)
+    result = run_inner(pytester, "--moe-bench", "--moe-freeze", "--moe-model", "tiny", "--moe-workload",
+                       "synthetic:8:4", "--moe-requests", "3", "--moe-ladder", "baseline;+fp8-head",
+                       "--moe-ab-report", str(pytester.path / "ab"), "-k", "speed", monkeypatch=monkeypatch)
+    if contended:
+        assert result.ret == pytest.ExitCode.TESTS_FAILED
+        result.stdout.fnmatch_lines(["HOST-CONTENDED: ab_tokens_per_s: NOT FROZEN: the host's CPUs were contended*"])
+        assert not (pytester.path / "baselines").is_dir() or not this_device_store(pytester).metrics
+    else:
+        assert result.ret == 0, result.stdout.str()[-2000:]
+        assert len(this_device_store(pytester).metrics) == 3
