@@ -22,6 +22,9 @@ DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto"
             "moe_ladder": "", "moe_workload": "arith", "moe_requests": "", "moe_shots": "", "moe_margin": "1",
             "moe_ab_report": "ab-report", "moe_host_stall": str(DEFAULT_STALL_THRESHOLD),
             "moe_host_wait": str(DEFAULT_WAIT_S)}
+# Requests a ladder row serves at most: every request is built and checked before the first is
+# served, and more than this is an evaluation to split, not one A/B run (GSM8K's test split is 1,319).
+MAX_REQUESTS = 100_000
 BENCH_SKIP_REASON = "performance suite: run with --moe-bench to enable it"
 MARKERS = (
     "moe_bench: a performance suite, gated against frozen baselines; runs only with --moe-bench",
@@ -203,16 +206,17 @@ def parse_workload_option(value: str, rootpath: Path):
         raise ValueError(f"--moe-workload: {e}") from None
 
 
-def parse_count(flag: str, value: str | None, minimum: int) -> int | None:
-    """A whole number >= minimum, or None when not given."""
+def parse_count(flag: str, value: str | None, minimum: int, maximum: int | None = None) -> int | None:
+    """A whole number in [minimum, maximum], or None when not given."""
     if value in (None, ""):
         return None
     try:
         n = int(value)
     except ValueError:
         n = minimum - 1
-    if n < minimum:
-        raise ValueError(f"{flag} must be a whole number >= {minimum}, got {value!r}")
+    if n < minimum or (maximum is not None and n > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{flag} must be a whole number {bound}, got {value!r}")
     return n
 
 
@@ -275,7 +279,7 @@ def parse_options(config: pytest.Config) -> Options:
         trust=_parsed(config, "moe_trust", parse_trust),
         ladder=_option(config, "moe_ladder") or None,
         workload=_parsed(config, "moe_workload", parse_workload_option, root),
-        requests=_parsed(config, "moe_requests", lambda v: parse_count("--moe-requests", v, MIN_REQUESTS)),
+        requests=_parsed(config, "moe_requests", lambda v: parse_count("--moe-requests", v, MIN_REQUESTS, MAX_REQUESTS)),
         shots=_parsed(config, "moe_shots", lambda v: parse_count("--moe-shots", v, 0)),
         margin=_parsed(config, "moe_margin", parse_margin),
         ab_report=_under_root(_option(config, "moe_ab_report"), root),

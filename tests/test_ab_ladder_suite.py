@@ -157,7 +157,7 @@ def test_fewer_requests_than_a_median_needs_is_a_usage_error(pytester):
     pytester.makepyfile(test_ab_ladder=SUITE.read_text())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-requests", "2",
                                            "test_ab_ladder.py", timeout=300)
-    assert "--moe-requests must be a whole number >= 3" in _usage_exit(result)
+    assert "--moe-requests must be a whole number in [3, 100000], got '2'" in _usage_exit(result)
 
 
 def test_a_ladder_of_one_row_is_a_usage_error(pytester):

@@ -112,6 +112,8 @@ def test_unmarked(moe_gate):
     (["--moe-bench", "--moe-freeze", "--moe-baselines", "afile/sub"], "--moe-baselines */afile/sub: cannot be "
      "written (*/afile is not a writable folder)"),
     (["--moe-bench", "--moe-samples", "abc"], "--moe-samples must be a whole number >= 3, got 'abc'"),
+    (["--moe-bench", "--moe-requests", "10000000"], "--moe-requests must be a whole number in [[]3, 100000], got "
+     "'10000000'"),
 ])
 def test_outputs_that_cannot_be_written_and_bad_values_are_usage_errors_before_measuring(run, pytester, args,
                                                                                         message):
