@@ -26,6 +26,8 @@ from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError, read_config  # noqa: E402
 from impl.model.mla import MLAAttention  # noqa: E402
 from impl.spec import SpeculativeDecoder  # noqa: E402
+from tests.decode_parity import (assert_decode_matches, cached_logits, check_ladder_runs_unchanged,  # noqa: E402
+                                 nextn_logits, nextn_reference, rel)
 from tests.ling_checkpoint import randomize  # noqa: E402
 
 LAYERS, T, PROMPT, H = 3, 40, 8, 32
@@ -97,20 +99,6 @@ def tokens():
     return torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(6))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per position ||a - b|| / ||b|| over the vocabulary dimension."""
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-
-
-def cached_logits(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Prefill `prompt` tokens, then one decode step per remaining token (teacher forced)."""
-    model.setup_caches(1, 64)
-    with torch.inference_mode():
-        out = [model(tokens[:, :prompt], torch.arange(prompt))]
-        out += [model(tokens[:, t:t + 1], torch.tensor([t])) for t in range(prompt, tokens.shape[1])]
-    return torch.cat(out, dim=1)
-
-
 def test_config_reads_the_architecture(checkpoint):
     c = read_config(checkpoint[0])
     assert c.attention_types == ("mla",) * LAYERS and c.mtp_attention == "mla" and not c.mla_output_gate
@@ -121,14 +109,8 @@ def test_config_reads_the_architecture(checkpoint):
 
 
 def test_prefill_then_decode_logits_match_transformers(checkpoint, ours, tokens):
-    ref = checkpoint[1]
     assert all(not hasattr(m, "g_proj") for m in ours.modules() if isinstance(m, MLAAttention))
-    with torch.no_grad():
-        want = ref(tokens).logits
-    got = cached_logits(ours, tokens, PROMPT)
-    err = rel(got, want)
-    assert err.shape == (T,) and T - PROMPT >= 32
-    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    assert_decode_matches(ours, checkpoint[1], tokens, PROMPT, REL_TOL)
 
 
 def test_yarn_is_what_makes_it_match(checkpoint, tokens):
@@ -143,27 +125,16 @@ def test_yarn_is_what_makes_it_match(checkpoint, tokens):
 
 
 def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
+    """Fed the target's final-normed hidden state at i and token i + 1, as DeepSeek's own modeling
+    code feeds the layer."""
     _, ref, nextn, extras = checkpoint
-    with torch.no_grad():
-        h = ref.model(tokens).last_hidden_state[:, :-1]  # the target's final-normed hidden state at i
-        e = ref.model.embed_tokens(tokens[:, 1:])         # and token i + 1
-
-        def norm(x, w):
-            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-        x = torch.cat((norm(e, extras["enorm"]), norm(h, extras["hnorm"])), dim=-1) @ extras["eh_proj"].T
-        want = ref.lm_head(nextn(inputs_embeds=x).last_hidden_state)
-    mtp = ours.mtp[0]
-    ours.setup_caches(1, 64)
-    with torch.inference_mode():
-        _, hidden = ours.forward_with_hidden(tokens, torch.arange(T))
-        cos, sin, mask = ours.positions(T - 1, torch.arange(T - 1))
-        got = mtp.logits(mtp.hidden(hidden[:, :-1], tokens[:, 1:], cos, sin, torch.arange(T - 1), mask))
-        # Negative control: the hidden states before the final norm (what tiny-gsm's layer takes).
-        pre = ours.last_hidden_states(tokens, torch.arange(T))[:, :-1]
-        unnormed = mtp.logits(mtp.hidden(pre, tokens[:, 1:], cos, sin, torch.arange(T - 1), mask))
-    err = rel(got, want)
+    want = nextn_reference(ref, nextn, extras, tokens)
+    err = rel(nextn_logits(ours, tokens), want)
     assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
-    assert rel(unnormed, want).max() > 100 * REL_TOL
+    # Negative control: the hidden states before the final norm (what tiny-gsm's layer takes).
+    with torch.inference_mode():
+        pre = ours.last_hidden_states(tokens, torch.arange(T))
+    assert rel(nextn_logits(ours, tokens, hidden=pre), want).max() > 100 * REL_TOL
 
 
 def test_speculative_with_rejections_equals_greedy(ours, tokens):
@@ -196,22 +167,5 @@ def test_kimi_k2_reads_as_deepseek_v3(checkpoint, tmp_path):
 
 
 def test_the_ladder_runs_on_the_checkpoint_unchanged(checkpoint):
-    """One mechanism: the serving rows (FP8 head, MTP with the head shared) on the loaded DeepSeek-V3
-    checkpoint (fp32, CPU); provenance holds for every row and greedy +mtp serves exactly what
-    +fp8-head serves."""
-    from impl.serve.arm import build_arms
-    from impl.serve.configs import parse_ladder
-    from impl.serve.provenance import check_provenance
-    from impl.serve.runner import run_ladder
-    from tests.test_serve_engine import ByteTokenizer, request
-    model = build_model(str(checkpoint[0]))
-    arms = build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
-    prompts = ["Q: 7 + 5 =", "MLA on every layer"]
-    records = run_ladder(arms, [request(p, 16, ignore_eos=True) for p in prompts])
-    for arm in arms:
-        check_provenance(arm.name, arm.config, arm.provenance)
-    by = {(r["arm"], r["request_id"]): r for r in records}
-    for p in prompts:
-        rid = request(p).request_id
-        assert by["+mtp", rid]["text"] == by["+fp8-head", rid]["text"]
-        assert by["+mtp", rid]["output_tokens"] == 16 and by["+mtp", rid]["verify_steps"] > 0
+    """One mechanism on the loaded checkpoint (fp32)."""
+    check_ladder_runs_unchanged(build_model(str(checkpoint[0])), ["Q: 7 + 5 =", "MLA on every layer"], 16)

@@ -19,6 +19,8 @@ from impl.model.build import build_model  # noqa: E402
 from impl.model.kda import KDAAttention  # noqa: E402
 from impl.model.loading import read_config  # noqa: E402
 from impl.spec import SpeculativeDecoder  # noqa: E402
+from tests.decode_parity import (assert_decode_matches, cached_logits, check_ladder_runs_unchanged,  # noqa: E402
+                                 nextn_logits, nextn_reference, rel)
 from tests.ling_checkpoint import write_tiny_ling  # noqa: E402
 
 T, PROMPT = 40, 8
@@ -58,20 +60,6 @@ def tokens():
     return torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(5))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per position ||a - b|| / ||b|| over the vocabulary (or hidden) dimension."""
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-
-
-def cached_logits(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Prefill `prompt` tokens, then one decode step per remaining token (teacher forced)."""
-    model.setup_caches(1, 64)
-    with torch.inference_mode():
-        out = [model(tokens[:, :prompt], torch.arange(prompt))]
-        out += [model(tokens[:, t:t + 1], torch.tensor([t])) for t in range(prompt, tokens.shape[1])]
-    return torch.cat(out, dim=1)
-
-
 def test_config_reads_the_hybrid_layout(checkpoint):
     c = read_config(checkpoint[0])
     assert c.attention_types == ("kda", "kda", "mla", "kda", "kda", "mla")
@@ -81,33 +69,13 @@ def test_config_reads_the_hybrid_layout(checkpoint):
 
 
 def test_prefill_then_decode_logits_match_transformers(checkpoint, ours, tokens):
-    ref = checkpoint[1]
-    with torch.no_grad():
-        want = ref(tokens).logits
-    got = cached_logits(ours, tokens, PROMPT)
-    err = rel(got, want)
-    assert err.shape == (T,) and T - PROMPT >= 32
-    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    assert_decode_matches(ours, checkpoint[1], tokens, PROMPT, REL_TOL)
 
 
 def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
+    """Ling's NEXTN layer takes the target's final-normed hidden state at i and token i+1."""
     _, ref, nextn, extras = checkpoint
-    with torch.no_grad():
-        # Ling's NEXTN layer takes the target's final-normed hidden state at i and token i+1.
-        h = ref.model(tokens).last_hidden_state[:, :-1]
-        e = ref.model.embed_tokens(tokens[:, 1:])
-
-        def norm(x, w):
-            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-        x = torch.cat((norm(e, extras["enorm"]), norm(h, extras["hnorm"])), dim=-1) @ extras["eh_proj"].T
-        want = ref.lm_head(nextn(inputs_embeds=x).last_hidden_state)
-    mtp = ours.mtp[0]
-    ours.setup_caches(1, 64)
-    with torch.inference_mode():
-        logits, hidden = ours.forward_with_hidden(tokens, torch.arange(T))
-        cos, sin, mask = ours.positions(T - 1, torch.arange(T - 1))
-        got = mtp.logits(mtp.hidden(hidden[:, :-1], tokens[:, 1:], cos, sin, torch.arange(T - 1), mask))
-    err = rel(got, want)
+    err = rel(nextn_logits(ours, tokens), nextn_reference(ref, nextn, extras, tokens))
     assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
 
 
@@ -161,22 +129,6 @@ def test_speculative_with_rejections_equals_greedy(ours, tokens):
 
 
 def test_the_ladder_runs_on_the_hybrid_model_unchanged():
-    """One mechanism: the serving rows (FP8 head, MTP with the head shared) on ling-3.0-tiny
-    (random weights, fp32, CPU); provenance holds for every row and greedy +mtp serves exactly
-    what +fp8-head serves, its KDA states rolled back after every rejected draft."""
-    from impl.serve.arm import build_arms
-    from impl.serve.configs import parse_ladder
-    from impl.serve.provenance import check_provenance
-    from impl.serve.runner import run_ladder
-    from tests.test_serve_engine import ByteTokenizer, request
-    model = build_model("ling-3.0-tiny")
-    arms = build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
-    prompts = ["Q: 12 + 30 =", "The hybrid model has"]
-    records = run_ladder(arms, [request(p, 24, ignore_eos=True) for p in prompts])
-    for arm in arms:
-        check_provenance(arm.name, arm.config, arm.provenance)
-    by = {(r["arm"], r["request_id"]): r for r in records}
-    for p in prompts:
-        rid = request(p).request_id
-        assert by["+mtp", rid]["text"] == by["+fp8-head", rid]["text"]
-        assert by["+mtp", rid]["output_tokens"] == 24 and by["+mtp", rid]["verify_steps"] > 0
+    """One mechanism on ling-3.0-tiny (random weights, fp32): greedy +mtp serves exactly what
+    +fp8-head serves, its KDA states rolled back after every rejected draft."""
+    check_ladder_runs_unchanged(build_model("ling-3.0-tiny"), ["Q: 12 + 30 =", "The hybrid model has"], 24)
