@@ -303,7 +303,8 @@ def test_the_ladders_speed_figures_are_not_frozen_on_a_contended_host(pytester, 
     """The ladder serves its rows in one run shared by its tests, outside any test's meter: the
     run is metered itself and its speed figures judged by that reading."""
     suite = Path(__file__).resolve().parents[1] / "suites" / "test_ab_ladder.py"
-    pytester.makepyfile(test_ab_ladder=suite.read_text())
+    # Another module name than the suite's: an in-process run beside the suites (CI) has that one imported.
+    pytester.makepyfile(test_ladder_on_a_busy_host=suite.read_text())
     # One thread: the simulated host's CPUs are all busy, half of them (not the run's own) with other work.
     pytester.makeconftest("import pytest\nimport torch\n\n@pytest.fixture(scope='session', autouse=True)\n"
                           "def one_thread():\n    before = torch.get_num_threads()\n    torch.set_num_threads(1)\n    yield\n"
