@@ -53,13 +53,13 @@ def _usage_exit(message: str) -> NoReturn:
     pytest.exit(f"usage error: {message}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
-def report_folder_problem(folder: Path) -> str | None:
-    """Why the ladder's report folder could not be written (None: it can be)."""
+def report_folder_problem(folder: Path, option: str = "--moe-ab-report") -> str | None:
+    """Why the ladder's report folder could not be written (None: it can be); `option` names it."""
     if folder.exists() and not folder.is_dir():
-        return f"--moe-ab-report {folder}: is a file; a folder is needed"
+        return f"{option} {folder}: is a file; a folder is needed"
     nearest = next((p for p in (folder, *folder.parents) if p.exists()), None)  # the nearest that exists
     if nearest is not None and not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
-        return f"--moe-ab-report {folder}: cannot be written ({nearest} is not a writable folder)"
+        return f"{option} {folder}: cannot be written ({nearest} is not a writable folder)"
     return None
 
 
@@ -80,7 +80,8 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from pytest_moeperf.ab_summary import summarize_ab
     from pytest_moeperf.host_load import Meter
     opts = session.options
-    problem = report_folder_problem(Path(report_dir))
+    workload_opt, ladder_opt = opts.named("moe_workload"), opts.named("moe_ladder")
+    problem = report_folder_problem(Path(report_dir), opts.named("moe_ab_report"))
     if problem:  # found before anything is served, not after
         _usage_exit(problem)
     reserve = max((r.config.k for r in rows if r.config.speculative), default=0)
@@ -89,22 +90,25 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
         workload = load_workload(workload_spec, tokenizer, model.config.max_seq_len - reserve, n=n, shots=opts.shots)
         workload.check()
     except ContextError as e:
-        _usage_exit(f"--moe-workload {workload_spec}: {e}" + (" (shots: --moe-shots)" if e.shots else ""))
+        held = (f" (the model's {model.config.max_seq_len} positions less the {reserve} a speculative row writes "
+                "ahead of its last token)") if reserve else ""
+        shots = f" (shots: {opts.named('moe_shots')})" if "use fewer shots" in str(e) else ""
+        _usage_exit(f"{workload_opt} {workload_spec}: {e}{held}{shots}")
     except (WorkloadError, GSM8KError, TokenizerError) as e:
-        _usage_exit(f"--moe-workload {workload_spec}: {e}")
+        _usage_exit(f"{workload_opt} {workload_spec}: {e}")
     requests = list(workload)
     if len(requests) < MIN_REQUESTS:
-        _usage_exit(f"--moe-workload {workload_spec}: {len(requests)} request(s); the ladder's speed figures are "
+        _usage_exit(f"{workload_opt} {workload_spec}: {len(requests)} request(s); the ladder's speed figures are "
                     f"medians of per-request ratios and need at least {MIN_REQUESTS}")
     if all(r.max_tokens < 2 for r in requests):
-        _usage_exit(f"--moe-workload {workload_spec}: every request ends at its first output token (max_tokens < 2): "
+        _usage_exit(f"{workload_opt} {workload_spec}: every request ends at its first output token (max_tokens < 2): "
                     "no decode step, so no TPOT or decode speed to compare; give max_tokens >= 2")
     by_id = {r.request_id: r for r in requests}
     restore = (model.moe_backend, model.lm_head)
     try:
         arms = build_arms(model, rows, tokenizer=tokenizer)
     except ArmError as e:
-        _usage_exit(f"--moe-ladder: {e}")
+        _usage_exit(f"{ladder_opt}: {e}")
     records: list[dict] = []
 
     def scored(record: dict) -> None:
@@ -121,7 +125,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
                 run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup,
                            check=False, optional=optional, dropped=dropped)
         except ArmError as e:  # a row's backend refused the workload: the report below keeps what ran
-            _usage_exit(f"--moe-ladder: {e}")
+            _usage_exit(f"{ladder_opt}: {e}")
         complete = True
     finally:
         model.set_moe_backend(restore[0])

@@ -286,6 +286,8 @@ def parse_options(config: pytest.Config) -> Options:
         host_stall=_parsed(config, "moe_host_stall", parse_host_stall),
         host_wait=_parsed(config, "moe_host_wait", parse_host_wait),
     )
+    options = dataclasses.replace(options, from_ini=frozenset(
+        name for name in DEFAULTS if config.getoption(name) is None and config.getini(name) != DEFAULTS[name]))
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
     for flag, given in (("--moe-trust", options.trust), ("--moe-plant", _option(config, "moe_plant"))):

@@ -46,6 +46,14 @@ class Options:
     # of a simulated run, the name of the GPU it stands for (put in its fingerprint).
     worker_gpus: tuple[str, ...] = ()
     simulated_gpu: str | None = None
+    # Options whose value came from their ini key, not the command line: an error found during the
+    # run names the key (`named`), where the user has to look.
+    from_ini: frozenset = frozenset()
+
+    def named(self, name: str) -> str:
+        """How a message names option `name` (e.g. moe_workload): its flag, or its ini key and flag."""
+        flag = "--" + name.replace("_", "-")
+        return f"ini key {name} ({flag})" if name in self.from_ini else flag
 
 
 class MoePerfSession:

@@ -200,3 +200,13 @@ def test_a_checkpoint_whose_tokenizer_cannot_load_is_a_usage_error(pytester):
     result, _ = _run(pytester, ONE_THREAD, "--moe-model", str(folder), "--moe-ladder", "baseline;+fp8-head")
     out = _usage_exit(result)
     assert "could not load its tokenizer" in out and "ERROR at setup" not in out
+
+
+def test_a_usage_error_found_during_the_run_names_the_ini_key_it_came_from(pytester):
+    """The workload set in pytest.ini, not on the command line: the message says where to look,
+    and that the context it gives is the model's less what a speculative row writes ahead."""
+    pytester.makeini("[pytest]\nmoe_workload = synthetic:380:3\n")
+    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-ladder", "baseline;+mtp")
+    out = _usage_exit(result)
+    assert "usage error: ini key moe_workload (--moe-workload) synthetic:380:3:" in out
+    assert "the model's 384 positions less the 3 a speculative row writes ahead" in out
