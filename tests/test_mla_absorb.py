@@ -125,3 +125,13 @@ def test_bf16_at_ling_shapes_on_the_gpu(tokens):
     assert rel(cache, want_cache) <= 2.0 ** -7
     lat = torch.randn(tokens, 32, 512, device=DEVICE).to(torch.bfloat16)
     assert rel(mla_output(lat, gate, w_uv), mla_output_reference(lat, gate, w_uv)) <= 2.0 ** -7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 as compiled needs a CUDA device")
+def test_bf16_output_without_a_gate_at_deepseek_shapes_on_the_gpu():
+    """DeepSeek-V3's MLA output side: 128 heads, v 128, latent 512, no gate."""
+    g = torch.Generator().manual_seed(11)
+    lat = torch.randn(4, 128, 512, generator=g).to(DEVICE, torch.bfloat16)
+    w_uv = (torch.randn(128, 128, 512, generator=g) * 512 ** -0.5).to(DEVICE, torch.bfloat16)
+    assert rel(mla_output(lat, None, w_uv), mla_output_reference(lat, None, w_uv)) <= 2.0 ** -7
