@@ -39,3 +39,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def unwritable_ancestor(path: Path) -> Path | None:
+    """The nearest of `path` and its parents that exists, when it is not a writable folder (so
+    nothing could be created at `path`); None when it is, or when none exists."""
+    nearest = next((p for p in (path, *path.parents) if p.exists()), None)
+    if nearest is not None and not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
+        return nearest
+    return None

@@ -4,7 +4,6 @@ write the report (also when a request fails part-way); then the paired figures t
 from __future__ import annotations
 
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,12 +54,11 @@ def _usage_exit(message: str) -> NoReturn:
 
 def report_folder_problem(folder: Path, option: str = "--moe-ab-report") -> str | None:
     """Why the ladder's report folder could not be written (None: it can be); `option` names it."""
+    from impl.files import unwritable_ancestor
     if folder.exists() and not folder.is_dir():
         return f"{option} {folder}: is a file; a folder is needed"
-    nearest = next((p for p in (folder, *folder.parents) if p.exists()), None)  # the nearest that exists
-    if nearest is not None and not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
-        return f"{option} {folder}: cannot be written ({nearest} is not a writable folder)"
-    return None
+    blocked = unwritable_ancestor(folder)
+    return None if blocked is None else f"{option} {folder}: cannot be written ({blocked} is not a writable folder)"
 
 
 def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup: int = WARMUP,
@@ -74,7 +72,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     row this model cannot run stops the session as a usage error."""
     from impl.data.gsm8k import GSM8KError
     from impl.data.text import TokenizerError, tokenizer_for
-    from impl.data.workloads import ContextError, WorkloadError, load_workload
+    from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
     from impl.serve import ArmError, build_arms, run_ladder
     from pytest_moeperf.ab_report import write_ab_report
     from pytest_moeperf.ab_summary import summarize_ab
@@ -92,7 +90,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     except ContextError as e:
         held = (f" (the model's {model.config.max_seq_len} positions less the {reserve} a speculative row writes "
                 "ahead of its last token)") if reserve else ""
-        shots = f" (shots: {opts.named('moe_shots')})" if "use fewer shots" in str(e) else ""
+        shots = f" (shots: {opts.named('moe_shots')})" if FEWER_SHOTS in str(e) else ""
         _usage_exit(f"{workload_opt} {workload_spec}: {e}{held}{shots}")
     except (WorkloadError, GSM8KError, TokenizerError) as e:
         _usage_exit(f"{workload_opt} {workload_spec}: {e}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -101,10 +100,15 @@ def _option(config: pytest.Config, name: str):
         raise ValueError(f"ini key {name}: {e}") from None
 
 
+def _set_by_ini(config: pytest.Config, name: str) -> bool:
+    """Whether option `name`'s value came from its ini key (not the command line, not the default)."""
+    return config.getoption(name) is None and config.getini(name) != DEFAULTS.get(name)
+
+
 def _from_ini(config: pytest.Config, name: str, message: str) -> str:
     """`message` (which names the option's flag) prefixed with the ini key when the value came from
     there: a user who never typed the flag finds the line to fix."""
-    return message if config.getoption(name) is not None else f"ini key {name}: {message}"
+    return f"ini key {name}: {message}" if _set_by_ini(config, name) else message
 
 
 def _parsed(config: pytest.Config, name: str, parse, *args):
@@ -286,8 +290,7 @@ def parse_options(config: pytest.Config) -> Options:
         host_stall=_parsed(config, "moe_host_stall", parse_host_stall),
         host_wait=_parsed(config, "moe_host_wait", parse_host_wait),
     )
-    options = dataclasses.replace(options, from_ini=frozenset(
-        name for name in DEFAULTS if config.getoption(name) is None and config.getini(name) != DEFAULTS[name]))
+    options = dataclasses.replace(options, from_ini=frozenset(name for name in DEFAULTS if _set_by_ini(config, name)))
     if options.freeze and not options.bench:
         raise ValueError("--moe-freeze needs --moe-bench: only the performance suites produce figures to freeze")
     for flag, given in (("--moe-trust", options.trust), ("--moe-plant", _option(config, "moe_plant"))):
@@ -436,12 +439,13 @@ def _unwritable(options: Options) -> str | None:
     targets = [("--moe-report", options.report)] if options.report is not None else []
     if options.freeze:
         targets.append(("--moe-baselines", options.baselines / "x.json"))
+    from impl.files import unwritable_ancestor
     for flag, path in targets:
         if path.is_dir():
             return f"{flag} {path}: is a folder; a file path is needed"
-        folder = next((p for p in path.parents if p.exists()), None)  # the nearest that exists
-        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-            return f"{flag} {path.parent}: cannot be written ({folder} is not a writable folder)"
+        blocked = unwritable_ancestor(path.parent)
+        if blocked is not None:
+            return f"{flag} {path.parent}: cannot be written ({blocked} is not a writable folder)"
     return None
 
 

@@ -54,6 +54,9 @@ class WorkloadError(ValueError):
     pass
 
 
+FEWER_SHOTS = "use fewer shots"  # the advice of a GSM8K prompt that fits with fewer (a caller names its option)
+
+
 class ContextError(WorkloadError):
     """A request does not fit the model's context; the numbers are attributes too, so a caller
     (the plugin) can add its own option names to the advice."""
@@ -338,7 +341,7 @@ def _gsm8k(spec, tok: Tokenizer, context: int, n, shots) -> Workload:
             return ((f"fewer shots would not help (now {shots}): " if shots else "")
                     + f"this question alone takes {alone} prompt tokens + max_tokens {request.max_tokens}; "
                     "use a model with a longer context")
-        return f"use fewer shots (now {shots}; 0-shot, this question takes {alone} prompt tokens)"
+        return f"{FEWER_SHOTS} (now {shots}; 0-shot, this question takes {alone} prompt tokens)"
 
     workload = Workload(spec, f"gsm8k: {n} test questions from {source}, {shots}-shot", n, tok, context, make,
                         _score_gsm8k, advice=advice, shots=shots)

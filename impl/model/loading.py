@@ -189,18 +189,23 @@ def _deepseek_config(raw: dict, path: Path, name: str, max_seq_len: int | None) 
 def read_config(folder: str | Path, max_seq_len: int | None = None) -> ModelConfig:
     """The model's config from a checkpoint folder's config.json; CheckpointError naming the file
     and the problem (missing file or field, unsupported architecture or setting)."""
-    folder = Path(folder)
+    return _read(Path(folder), max_seq_len)[1]
+
+
+def _read(folder: Path, max_seq_len: int | None = None) -> tuple[dict, ModelConfig]:
+    """(the raw config.json, the model's config) of `folder` (read_config)."""
     path, raw = _raw_config(folder)
+    arch = raw["model_type"]
     try:
-        if raw["model_type"] == "bailing_hybrid":
-            return _bailing_config(raw, path, folder.name, max_seq_len)
-        if raw["model_type"] in DEEPSEEK_V3:
-            return _deepseek_config(raw, path, folder.name, max_seq_len)
-        return _family_config(raw, path, folder, max_seq_len)
+        if arch == "bailing_hybrid":
+            return raw, _bailing_config(raw, path, folder.name, max_seq_len)
+        if arch in DEEPSEEK_V3:
+            return raw, _deepseek_config(raw, path, folder.name, max_seq_len)
+        return raw, _family_config(raw, path, folder, max_seq_len)
     except CheckpointError:
         raise
     except KeyError as e:
-        raise CheckpointError(f"{path}: missing the field {e.args[0]!r} ({raw['model_type']} needs it)") from None
+        raise CheckpointError(f"{path}: missing the field {e.args[0]!r} ({arch} needs it)") from None
     except (TypeError, ValueError) as e:  # a field of the wrong type or out of range (ModelConfig's checks)
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -212,8 +217,7 @@ def check_checkpoint(folder: str | Path) -> ModelConfig:
     the tensor, before anything is built. CheckpointError otherwise."""
     from impl.model.roofline import meta_model
     folder = Path(folder)
-    config = read_config(folder)
-    path, raw = _raw_config(folder)
+    raw, config = _read(folder)
     store = _Store(folder)
     store.check()
     model = meta_model(config.replace(num_mtp_layers=min(config.num_mtp_layers, mtp_layers_in(store.file_of, config))))
