@@ -363,6 +363,12 @@ def test_unsupported_rope_type(glm_copy):
         build_model(str(glm_copy))
 
 
+def test_a_prenorm_mtp_flag_that_is_no_bool_is_named(glm_copy):
+    _edit_config(glm_copy, lambda raw: raw.update(moeperf_mtp_prenorm_hidden="false"))
+    with pytest.raises(CheckpointError, match="moeperf_mtp_prenorm_hidden must be true or false, got 'false'"):
+        read_config(glm_copy)
+
+
 def test_unsupported_activation(glm_copy):
     _edit_config(glm_copy, lambda raw: raw.update(hidden_act="gelu"))
     with pytest.raises(CheckpointError, match="activation 'gelu'"):

@@ -237,6 +237,8 @@ def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None)
     raw = {**_FAMILY_DEFAULTS[arch], **raw}
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: activation {raw['hidden_act']!r} is not supported (only silu)")
+    if not isinstance(raw.get(PRENORM_MTP_KEY, False), bool):
+        raise CheckpointError(f"{path}: {PRENORM_MTP_KEY} must be true or false, got {raw[PRENORM_MTP_KEY]!r}")
     theta, partial, scaled = _rope(raw, folder)
     layers = raw["num_hidden_layers"]
     common = dict(
