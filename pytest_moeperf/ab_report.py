@@ -118,6 +118,14 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     if not summary["complete"]:
         lines.append("- **PARTIAL RESULT: the run stopped part-way.** Arms may hold different numbers of "
                      "requests; paired figures use only the requests present in both arms.")
+    host = summary.get("host")
+    if host and host.get("contended"):
+        lines.append(f"- **HOST-CONTENDED**: {host['description']}, over the threshold of {host['threshold']:.0%}: "
+                     "other work held the CPUs while the rows were served, so the speed figures below are "
+                     "the host's as much as the code's (the gate does not fail a regression read from them, "
+                     "nor freeze them)")
+    elif host:
+        lines.append(f"- host: {host['description']}")
     for name, why in summary.get("dropped", {}).items():
         lines.append(f"- **row `{name}` dropped**: {why}")
     if summary["flagged"]:

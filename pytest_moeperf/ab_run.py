@@ -46,6 +46,16 @@ def arm_entry(arm) -> dict:
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
 
 
+def host_entry(load, threshold: float | None) -> dict:
+    """The host's CPU contention while the rows were served, as the report shows it: a contended
+    host slows every row, so the speed figures are the host's as much as the code's."""
+    if load is None:
+        return {"metered": False, "contended": False,
+                "description": "not metered (GPU timings do not wait for the host's CPUs)"}
+    return {"metered": True, "contended": load.contended(threshold), "threshold": threshold,
+            "description": load.describe(), **load.as_dict()}
+
+
 def _usage_exit(message: str) -> NoReturn:
     """Stop the session as a usage error (exit status 4), once: what the user asked for cannot run
     on this model, so every test of the ladder would fail the same way."""
@@ -129,6 +139,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
         model.set_moe_backend(restore[0])
         model.set_head(restore[1])
         arms = [a for a in arms if a.name not in dropped]
+        host_load = meter.take()
         result = {
             "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
                          "details": {"description": workload.description}},
@@ -137,6 +148,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             "requests": records,
             "complete": complete,
             "dropped": dropped,
+            "host": host_entry(host_load, opts.host_stall),
         }
         try:
             report = write_ab_report(result, report_dir, margin=opts.margin)
@@ -145,7 +157,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             report = {"markdown": f"NOT WRITTEN ({e})"}
             session.write_errors.append(f"the A/B report was NOT written: {report_dir}: {e}")
     arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
-    return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records, meter.take())
+    return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records, host_load)
 
 
 def arm(ladder: LadderRun, name: str) -> dict:

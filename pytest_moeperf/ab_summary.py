@@ -238,7 +238,8 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s",
     "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps",
     "correct", "strict_correct", "flexible_correct", "text"}, ...], "complete": bool, optionally
-    "dropped": {row name: why it was left out (impl.serve.runner)}}.
+    "dropped": {row name: why it was left out (impl.serve.runner)} and "host": the host's CPU
+    contention while serving (pytest_moeperf.ab_run.host_entry), passed through as it is}.
     Missing figures are None (TPOT of a 1-token output; accuracy of a synthetic workload).
 
     Returns {"workload", "device", "complete", "reference", "arms": [per-arm summary],
@@ -265,6 +266,7 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
             flagged[s["name"]] = s["flags"]
     return {"workload": result.get("workload") or {}, "device": result.get("device"),
             "complete": bool(result.get("complete", False)), "dropped": dict(result.get("dropped") or {}),
+            "host": result.get("host"),
             "reference": ref,
             "accuracy_margin": margin, "confidence": CONFIDENCE,
             "arms": summaries, "comparisons": comparisons, "steps": steps, "flagged": flagged}

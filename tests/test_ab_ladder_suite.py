@@ -86,6 +86,9 @@ def test_a_run_stopped_part_way_keeps_what_completed_in_its_report(pytester):
         result.stdout.str()[-3000:]
     assert report is not None and report["summary"]["complete"] is False
     assert len(report["requests"]) == 4 and all(r["text"] is not None for r in report["requests"])
+    # What the host did while the completed requests were served is kept too (a CPU run is metered).
+    host = report["summary"]["host"]
+    assert host["metered"] is True and host["wall_s"] > 0, host
 
 
 def test_an_unknown_row_is_a_usage_error_naming_it(pytester):

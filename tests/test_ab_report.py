@@ -418,3 +418,33 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
         assert held.read() == before["json"]
     assert paths["json"].read_bytes() != before["json"]
     assert math.isfinite(_strict_json(paths["json"])["summary"]["comparisons"][0]["ratios"]["tpot_s"]["ratio"])
+
+
+@pytest.mark.parametrize("stall, other, threshold, contended", [
+    (0.30, 0.60, 0.05, True),   # others held the CPUs: the speed figures are the host's
+    (0.30, 0.01, 0.05, False),  # the run's own threads stalled it: the code's, judged as measured
+    (0.01, 0.60, 0.05, False),  # busy but nobody waited
+    (0.30, 0.60, None, False),  # metering off (--moe-host-stall off)
+])
+def test_the_report_says_how_contended_the_host_was_while_the_rows_were_served(tmp_path, full, stall, other,
+                                                                                threshold, contended):
+    from pytest_moeperf.ab_run import host_entry
+    from pytest_moeperf.host_load import HostLoad
+    r = copy.deepcopy(full)
+    r["host"] = host_entry(HostLoad(stall, 42.0, "psi:cgroup", 3.1, other), threshold)
+    assert r["host"]["contended"] is contended
+    paths = write_ab_report(r, tmp_path)
+    md = paths["markdown"].read_text()
+    assert f"CPU stall {stall:.0%} of 42 s, other work {other:.0%} of the CPUs (psi:cgroup)" in md
+    assert ("HOST-CONTENDED" in md) is contended
+    host = _strict_json(paths["json"])["summary"]["host"]
+    assert (host["stall"], host["other_work"], host["contended"]) == (stall, other, contended)
+
+
+def test_a_gpu_ladder_says_its_host_was_not_metered(tmp_path, full):
+    from pytest_moeperf.ab_run import host_entry
+    r = copy.deepcopy(full)
+    r["host"] = host_entry(None, 0.05)
+    md = write_ab_report(r, tmp_path)["markdown"].read_text()
+    assert "- host: not metered (GPU timings do not wait for the host's CPUs)" in md
+    assert "HOST-CONTENDED" not in md
