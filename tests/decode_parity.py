@@ -8,6 +8,24 @@ from __future__ import annotations
 import torch
 
 
+def add_nextn_extras(folder, layer: int, hidden: int, final_norm: str, seed: int) -> dict[str, torch.Tensor]:
+    """Write a NEXTN layer's own tensors (enorm, hnorm, eh_proj, and its final norm under the
+    family's name `final_norm`) as layer `layer` into folder/model.safetensors, random but well
+    away from an identity; returns them by name. transformers has no NEXTN module, so the parity
+    checkpoints are a model saved with one layer more, then these added."""
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(seed)
+    extras = {"enorm": 1 + 0.1 * torch.randn(hidden, generator=g), "hnorm": 1 + 0.1 * torch.randn(hidden, generator=g),
+              "eh_proj": 0.2 * torch.randn(hidden, 2 * hidden, generator=g),
+              final_norm: 1 + 0.1 * torch.randn(hidden, generator=g)}
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name, t in extras.items():
+        tensors[f"model.layers.{layer}.{name}.weight"] = t
+    save_file(tensors, path, metadata={"format": "pt"})
+    return extras
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per position ||a - b|| / ||b|| over the last (vocabulary or hidden) dimension."""
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()

@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import BailingHybridConfig, BailingHybridForCausalLM, BailingHybridModel
+
+from tests.decode_parity import add_nextn_extras
 
 LAYERS = 6
 
@@ -68,15 +69,7 @@ def write_tiny_ling(folder: Path, **overrides):
         if isinstance(raw.get(key), list):
             raw[key] = raw[key][:LAYERS]
     (folder / "config.json").write_text(json.dumps(raw))
-    g = torch.Generator().manual_seed(1)
-    h = 32
-    extras = {"enorm": 1 + 0.1 * torch.randn(h, generator=g), "hnorm": 1 + 0.1 * torch.randn(h, generator=g),
-              "eh_proj": 0.2 * torch.randn(h, 2 * h, generator=g),
-              "final_layernorm": 1 + 0.1 * torch.randn(h, generator=g)}
-    tensors = load_file(folder / "model.safetensors")
-    for name, t in extras.items():
-        tensors[f"model.layers.{LAYERS}.{name}.weight"] = t
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    extras = add_nextn_extras(folder, LAYERS, raw["hidden_size"], "final_layernorm", seed=1)
 
     ref = BailingHybridForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     nextn = BailingHybridModel(hf_config(1, layer_types=["full_attention"], mlp_layer_types=["sparse"],

@@ -16,7 +16,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers.models.deepseek_v3")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model  # noqa: E402
@@ -26,8 +25,8 @@ from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError, read_config  # noqa: E402
 from impl.model.mla import MLAAttention  # noqa: E402
 from impl.spec import SpeculativeDecoder  # noqa: E402
-from tests.decode_parity import (assert_decode_matches, cached_logits, check_ladder_runs_unchanged,  # noqa: E402
-                                 nextn_logits, nextn_reference, rel)
+from tests.decode_parity import (add_nextn_extras, assert_decode_matches, cached_logits,  # noqa: E402
+                                 check_ladder_runs_unchanged, nextn_logits, nextn_reference, rel)
 from tests.ling_checkpoint import randomize  # noqa: E402
 
 LAYERS, T, PROMPT, H = 3, 40, 8, 32
@@ -67,14 +66,7 @@ def checkpoint(tmp_path_factory):
     raw = json.loads((folder / "config.json").read_text())
     raw.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
     (folder / "config.json").write_text(json.dumps(raw))
-    g = torch.Generator().manual_seed(4)
-    extras = {"enorm": 1 + 0.1 * torch.randn(H, generator=g), "hnorm": 1 + 0.1 * torch.randn(H, generator=g),
-              "eh_proj": 0.2 * torch.randn(H, 2 * H, generator=g),
-              "shared_head.norm": 1 + 0.1 * torch.randn(H, generator=g)}
-    tensors = load_file(folder / "model.safetensors")
-    for name, t in extras.items():
-        tensors[f"model.layers.{LAYERS}.{name}.weight"] = t
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    extras = add_nextn_extras(folder, LAYERS, H, "shared_head.norm", seed=4)
 
     ref = DeepseekV3ForCausalLM(hf_config(LAYERS)).eval()
     nextn = DeepseekV3Model(hf_config(1, first_k_dense_replace=0)).eval()  # its one layer MoE, as layer LAYERS is
