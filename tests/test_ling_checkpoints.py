@@ -147,7 +147,9 @@ def _mxfp4_experts(tensors, layout):
         q = quantize_mxfp4(tensors.pop(key))
         deq[key] = q.dequantize(torch.float32)
         per.setdefault(prefix, {}).setdefault(part, {})[int(e)] = q
-        if layout == "ling":
+        if layout == "ling":  # Ling-3.0-flash-fp4: int8 bytes, E8M0 scales as float8_e8m0fnu
+            tensors[key], tensors[key + "_scale_inv"] = q.packed.view(torch.int8), q.scales.view(torch.float8_e8m0fnu)
+        elif layout == "ling-uint8":
             tensors[key], tensors[key + "_scale_inv"] = q.packed, q.scales
         elif layout == "compressed":
             base = key[:-len("weight")]
@@ -168,8 +170,9 @@ def _mxfp4_experts(tensors, layout):
     return tensors, deq
 
 
-QUANT = {"ling": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
-                  "routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32},
+LING_FP4 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
+            "routed_experts_quant_method": "mxfp4", "routed_experts_group_size": 32}
+QUANT = {"ling": LING_FP4, "ling-uint8": LING_FP4,
          "compressed": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
          "gpt-oss": {"quant_method": "mxfp4"}}
 
@@ -261,6 +264,10 @@ def test_fp8_weight_without_scale_names_tensor_and_file(source, tmp_path):
     ({"quant_method": "awq", "bits": 4}, r"quantization method 'awq' is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, r"FP8 format 'e5m2' is not supported"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized"}, r"compressed-tensors format 'int-quantized'"),
+    ({**LING_FP4, "routed_experts_group_size": 16}, r"routed_experts_group_size 16 is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 16}}}},
+     r"config_groups\.group_0\.weights\.group_size 16 is not supported"),
 ])
 def test_unknown_quantization_config_is_named(source, tmp_path, quant, message):
     bad = derive(source, tmp_path / "bad", lambda t: t, quant)

@@ -7,11 +7,13 @@ A stored weight is a data tensor with, when quantized, a scale tensor beside it:
   `X.weight_scale` per output channel [N, 1] / [N] or per tensor (compressed-tensors'
   float-quantized): dequantized to fp32 on load;
 - MXFP4 (OCP: E2M1 pairs, element 2i in the low nibble, one E8M0 scale per 32 along the input dim):
-  `X.weight` uint8 [N, K/2] with `X.weight_scale_inv` / `X.weight_scale` [N, K/32] (Ling's fp4
-  checkpoints, quark), `X.weight_packed` + `X.weight_scale` (compressed-tensors'
-  mxfp4-pack-quantized), or gpt-oss's `X_blocks` [..., N, K/32, 16] + `X_scales` [..., N, K/32].
-  Routed experts keep these bytes as they are (`MXFP4Tensor`); anything else is dequantized.
-E8M0 scales may be stored as uint8 or as float8_e8m0fnu.
+  `X.weight` [N, K/2] with `X.weight_scale_inv` / `X.weight_scale` [N, K/32] (Ling-3.0's fp4
+  checkpoints: block-FP8 projections, `routed_experts_quant_method: mxfp4`; quark),
+  `X.weight_packed` + `X.weight_scale` (compressed-tensors' mxfp4-pack-quantized), or gpt-oss's
+  `X_blocks` [..., N, K/32, 16] + `X_scales` [..., N, K/32]. Routed experts keep these bytes as
+  they are (`MXFP4Tensor`); anything else is dequantized.
+The packed bytes may be stored as uint8 or int8 (Ling-3.0-flash-fp4's experts are int8 as its
+loaders in vLLM and omlx read them), E8M0 scales as uint8 or float8_e8m0fnu.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from impl.quant.mxfp4 import MXFP4Tensor, decode_e8m0
 QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
 COMPRESSED_FORMATS = ("float-quantized", "mxfp4-pack-quantized")
 DEFAULT_FP8_BLOCK = (128, 128)
+MXFP4_GROUP = 32  # values a scale covers: OCP MX's block, the only one the MXFP4 kernels take
+_PACKED = (torch.uint8, torch.int8)  # dtypes MXFP4 bytes are stored as: two E2M1 codes a byte
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -60,12 +64,22 @@ def parse_quantization(raw: dict, path) -> Quantization:
         experts = q.get("routed_experts_quant_method")
         if experts not in (None, "mxfp4"):
             raise CheckpointError(f"{path}: routed_experts_quant_method {experts!r} is not supported (only mxfp4)")
+        group = q.get("routed_experts_group_size", MXFP4_GROUP)
+        if experts and group != MXFP4_GROUP:
+            raise CheckpointError(f"{path}: routed_experts_group_size {group!r} is not supported (MXFP4 scales "
+                                  f"cover {MXFP4_GROUP} values)")
         return Quantization(method, block)
     if method == "compressed-tensors":
         fmt = q.get("format")
         if fmt not in COMPRESSED_FORMATS:
             raise CheckpointError(f"{path}: compressed-tensors format {fmt!r} is not supported; supported: "
                                   f"{list(COMPRESSED_FORMATS)}")
+        if fmt == "mxfp4-pack-quantized":
+            for name, group in (q.get("config_groups") or {}).items():
+                size = ((group or {}).get("weights") or {}).get("group_size", MXFP4_GROUP)
+                if size != MXFP4_GROUP:
+                    raise CheckpointError(f"{path}: config_groups.{name}.weights.group_size {size!r} is not supported "
+                                          f"(MXFP4 scales cover {MXFP4_GROUP} values)")
         return Quantization(method)
     return Quantization(method, gpt_oss_experts=True)
 
@@ -125,9 +139,9 @@ def _float_scale(s: torch.Tensor) -> torch.Tensor:
 
 def as_mxfp4(data: torch.Tensor, scale: torch.Tensor, where: str) -> MXFP4Tensor:
     """MXFP4 bytes in the project's layout: packed [..., N, K/2], scales [..., N, K/32]."""
-    if data.dtype != torch.uint8:
-        raise CheckpointError(f"{where}: MXFP4 data must be uint8, got {data.dtype}")
-    scale = _e8m0_codes(scale)
+    if data.dtype not in _PACKED:
+        raise CheckpointError(f"{where}: MXFP4 data must be uint8 or int8 bytes, got {data.dtype}")
+    data, scale = data.view(torch.uint8), _e8m0_codes(scale)
     if data.dim() == scale.dim() + 1 and data.shape[-1] == 16:  # gpt-oss: [..., N, K/32, 16]
         data = data.reshape(*data.shape[:-2], data.shape[-2] * 16)
     try:
@@ -139,14 +153,14 @@ def as_mxfp4(data: torch.Tensor, scale: torch.Tensor, where: str) -> MXFP4Tensor
 def dequantize(data: torch.Tensor, scale: torch.Tensor | None, quant: Quantization, where: str) -> torch.Tensor:
     """A stored weight's values in floating point (fp32 when it was quantized)."""
     if scale is None:
-        if data.dtype in (torch.uint8, torch.float8_e4m3fn):
+        if data.dtype in (*_PACKED, torch.float8_e4m3fn):
             raise CheckpointError(f"{where}: {data.dtype} weight without a scale tensor beside it")
         return data
-    if data.dtype == torch.uint8:
+    if data.dtype in _PACKED:
         return as_mxfp4(data, scale, where).dequantize(torch.float32)
     if data.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"{where}: a scale is stored for a {data.dtype} weight (expected float8_e4m3fn or "
-                              "uint8 MXFP4)")
+                              "MXFP4 bytes, uint8 or int8)")
     w, s = data.float(), _float_scale(scale)
     if s.numel() == 1:
         return w * s.reshape(())
@@ -162,7 +176,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, quant: Quantizati
 
 
 def is_mxfp4(data: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    return scale is not None and data.dtype == torch.uint8
+    return scale is not None and data.dtype in _PACKED
 
 
 def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
