@@ -60,6 +60,10 @@ class Backend:
     # Optionally frees what the backend keeps on the device beside the model's own weights (a
     # peer's converted copy of the experts); its next call builds it again.
     release: Callable[[], None] | None = None
+    # For kind "moe": whether it clips SwiGLU (Ling 3.0's late layers): fn and layer take a
+    # keyword `swiglu_limit` (a float, given only to layers that clip) for the routed experts and
+    # honour `SharedExpert.limit`. A model that clips refuses a backend without it, naming both.
+    clips_swiglu: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

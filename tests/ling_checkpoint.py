@@ -20,6 +20,7 @@ from transformers import BailingHybridConfig, BailingHybridForCausalLM, BailingH
 from tests.decode_parity import add_nextn_extras
 
 LAYERS = 6
+CLIP_KEYS = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")
 
 
 def hf_config(layers: int = LAYERS, **overrides) -> BailingHybridConfig:
@@ -72,8 +73,10 @@ def write_tiny_ling(folder: Path, **overrides):
     extras = add_nextn_extras(folder, LAYERS, raw["hidden_size"], "final_layernorm", seed=1)
 
     ref = BailingHybridForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    # The NEXTN layer never clips (SGLang and vLLM read the per-layer limits of decoder layers only).
+    plain = {k: v for k, v in overrides.items() if k not in CLIP_KEYS}
     nextn = BailingHybridModel(hf_config(1, layer_types=["full_attention"], mlp_layer_types=["sparse"],
-                                         **overrides)).eval()
+                                         **plain)).eval()
     with torch.no_grad():
         nextn.layers[0].load_state_dict(big.model.layers[LAYERS].state_dict())
         nextn.norm.weight.copy_(extras["final_layernorm"])

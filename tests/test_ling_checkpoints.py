@@ -282,17 +282,28 @@ def test_missing_expert_names_the_layer(source, tmp_path):
         build_model(str(bad))
 
 
-def test_swiglu_clipping_is_refused_naming_the_key(source, tmp_path):
-    """transformers 5.25 gives bailing_hybrid per-layer SwiGLU limits; zeros load, a clipping
-    checkpoint is refused (these MoE paths do not clip), naming config.json and the key."""
+def test_swiglu_limits_load_and_malformed_ones_are_named(source, tmp_path):
+    """Ling-3.0-flash's config clips SwiGLU in its late layers (per-layer limits, 0: none): zeros
+    load as no clipping, limits as the layers' own; a list that is not one number >= 0 a decoder
+    layer is refused, naming config.json and the key."""
     raw = json.loads((source / "config.json").read_text())
     layers = raw["num_hidden_layers"]
-    for limits, fails in (([0] * layers, False), ([0] + [7.0] * (layers - 1), True)):
-        folder = tmp_path / f"clip-{fails}"
+    cases = [({"expert_swiglu_limit_list": [0] * layers}, None),
+             ({"expert_swiglu_limit_list": [0] * (layers - 1) + [7], "share_expert_swiglu_limit_list": [5] + [0] * (layers - 1)},
+              None),
+             ({"expert_swiglu_limit_list": [7] * (layers - 1)}, r"expert_swiglu_limit_list must list one finite limit"),
+             ({"share_expert_swiglu_limit_list": [-1] * layers}, r"share_expert_swiglu_limit_list must list"),
+             ({"expert_swiglu_limit_list": ["7"] * layers}, r"expert_swiglu_limit_list must list")]
+    for i, (keys, error) in enumerate(cases):
+        folder = tmp_path / f"clip-{i}"
         shutil.copytree(source, folder)
-        (folder / "config.json").write_text(json.dumps({**raw, "expert_swiglu_limit_list": limits}))
-        if fails:
-            with pytest.raises(CheckpointError, match=r"config\.json: SwiGLU clipping \(expert_swiglu_limit_list"):
+        (folder / "config.json").write_text(json.dumps({**raw, **keys}))
+        if error:
+            with pytest.raises(CheckpointError, match=rf"config\.json: {error}"):
                 read_config(folder)
-        else:
-            assert read_config(folder).num_layers == layers
+            continue
+        c = read_config(folder)
+        assert c.clips_swiglu == (i == 1)
+        if i == 1:
+            assert c.swiglu_limits == (0,) * (layers - 1) + (7.0,)
+            assert (c.swiglu_limit(layers - 1), c.swiglu_limit(0, shared=True), c.swiglu_limit(layers)) == (7.0, 5.0, None)

@@ -132,3 +132,36 @@ def test_the_ladder_runs_on_the_hybrid_model_unchanged():
     """One mechanism on ling-3.0-tiny (random weights, fp32): greedy +mtp serves exactly what
     +fp8-head serves, its KDA states rolled back after every rejected draft."""
     check_ladder_runs_unchanged(build_model("ling-3.0-tiny"), ["Q: 12 + 30 =", "The hybrid model has"], 24)
+
+
+# Ling-3.0-flash's config clips SwiGLU in its late layers (`expert_swiglu_limit_list`,
+# `share_expert_swiglu_limit_list`; zero: none), and transformers' modeling applies it. Limits of
+# 0.3 cut part of the tiny model's activations (not all): the control shows the clip matters.
+CLIP = 0.3
+CLIPPED = {"expert_swiglu_limit_list": [0, 0, CLIP, 0, CLIP, CLIP, 0],
+           "share_expert_swiglu_limit_list": [0, CLIP, 0, CLIP, 0, 0, 0]}
+
+
+@pytest.fixture(scope="module")
+def clipped(tmp_path_factory):
+    from transformers import BailingHybridConfig
+    if not hasattr(BailingHybridConfig(), "swiglu_limits"):
+        pytest.skip("this transformers' bailing_hybrid does not clip SwiGLU (per-layer limits came in 5.25)")
+    folder, ref, _, _ = write_tiny_ling(tmp_path_factory.mktemp("ling-clipped"), **CLIPPED)
+    ref.set_experts_implementation("eager")
+    return folder, ref.double()
+
+
+def test_swiglu_clipping_matches_transformers(clipped, tokens):
+    folder, ref = clipped
+    config = read_config(folder)
+    assert config.swiglu_limits == (0, 0, CLIP, 0, CLIP, CLIP)  # the NEXTN layer's entry is past the decoder's
+    assert config.shared_swiglu_limits == (0, CLIP, 0, CLIP, 0, 0)
+    model = build_model(str(folder), dtype=torch.float64)
+    assert_decode_matches(model, ref, tokens, PROMPT, REL_TOL)
+    # Negative control: the same weights unclipped miss transformers' logits by orders more.
+    from dataclasses import replace
+    unclipped = build_model(replace(config, swiglu_limits=(), shared_swiglu_limits=()), dtype=torch.float64)
+    unclipped.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert rel(cached_logits(unclipped, tokens, PROMPT), ref(tokens).logits).max() > 1e-3

@@ -181,6 +181,10 @@ def loop_load_copies(cubin: bytes, skip=("IDP.4A",)) -> list[str]:
     return found
 
 
+# The gate-up kernel's fp32 scalars: its SwiGLU clipping limits.
+GATE_UP_FLOATS = ("swiglu_limit", "shared_limit")
+
+
 def compile_one(fn, consts, ptr_types, floats=(), num_warps=4, num_stages=3):
     """`fn` compiled for sm_90 with these constexprs; pointers typed by `ptr_types` (else bf16),
     `floats` fp32 scalars, every other argument i32."""
@@ -269,13 +273,16 @@ def _compile_all(tiles) -> int:
                       SHARED_BLOCK_K=64 if rows else bk, EVEN=i % 2 == 0,  # masked and unmasked loads
                       AHEAD=ahead, SHARED_AHEAD=ahead,
                       PDL=i != 0)  # (launched without PDL, the kernels compile as they did before it)
+        # SwiGLU clipping (Ling 3.0's late layers) on half the cases: the gate-up kernel's epilogue.
+        clip = dict(CLIP=(i + ahead) % 2 == 1)
         # The register loops stay inside each thread (dp4a, and plain weights: the shared expert
         # of every register path is plain).
         barrier_free = rows > 0
         down_consts = dict(consts, L2_PREFETCH=consts["PDL"] and rows > 0)
         label = f"mxfp4={mx} gemv_rows={rows} tiles={bn}x{bk} pdl={consts['PDL']} even={consts['EVEN']} ahead={ahead}"
         ptr_types = _moe_ptr_types(w_t, dp4a)
-        attempt(f"moe_gate_up_kernel {label}", te.moe_gate_up_kernel, consts, ptr_types, barrier_free=barrier_free)
+        attempt(f"moe_gate_up_kernel {label} clip={clip['CLIP']}", te.moe_gate_up_kernel, dict(consts, **clip), ptr_types,
+                barrier_free=barrier_free, floats=GATE_UP_FLOATS)
         attempt(f"moe_down_kernel {label} l2_prefetch={down_consts['L2_PREFETCH']}", te.moe_down_kernel, down_consts,
                 ptr_types, barrier_free=barrier_free)
     attempt("split_int8_kernel", td.split_int8_kernel, dict(BLOCK_K=512), dict(q_ptr="*i32", s_ptr="*fp32"))
@@ -372,7 +379,8 @@ def config_resources(key: dict, config: dict) -> list[dict]:
     ptr_types = _moe_ptr_types(("*i32" if dp4a else "*u8") if mxfp4 else "*bf16", dp4a)
     rows = []
     for name, fn, k in (("gate_up", te.moe_gate_up_kernel, launch.gate_up), ("down", te.moe_down_kernel, launch.down)):
-        compiled = compile_one(fn, k.consts, ptr_types, num_warps=k.num_warps, num_stages=k.num_stages)
+        compiled = compile_one(fn, k.consts, ptr_types, floats=GATE_UP_FLOATS, num_warps=k.num_warps,
+                               num_stages=k.num_stages)
         regs, spilled = resources(compiled.asm["cubin"])
         shared = compiled.metadata.shared
         per_sm = resident_programs(regs, k.num_warps, shared)

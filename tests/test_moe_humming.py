@@ -23,6 +23,7 @@ import impl.moe
 from impl.moe import humming, humming_importable, register_humming
 from impl.moe.humming import (HUMMING_BLOCK, MAX_SLOTS, check_humming_inputs, check_humming_shape, humming_align,
                               humming_combine, humming_swiglu)
+from impl.moe.reference import swiglu_act
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import quantize_mxfp4
 
@@ -96,10 +97,11 @@ def test_align_refuses_too_many_slots(dev):
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 768), (32, 1024), (3, 96), (2, 1536)])
-def test_swiglu_matches_torch(dev, rows, inter):
+@pytest.mark.parametrize("limit", [None, 2.0])  # values of y reach about 10: 2 clips many of them
+def test_swiglu_matches_torch(dev, rows, inter, limit):
     y = torch.randn(rows, 2 * inter) * 3
-    want = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
-    torch.testing.assert_close(humming_swiglu(y.to(dev)).cpu(), want, rtol=RTOL_FP32, atol=1e-7)
+    want = swiglu_act(y[:, :inter], y[:, inter:], limit)
+    torch.testing.assert_close(humming_swiglu(y.to(dev), limit=limit).cpu(), want, rtol=RTOL_FP32, atol=1e-7)
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -36,7 +36,7 @@ def on_device(obj):
     if isinstance(obj, MXFP4Tensor):
         return MXFP4Tensor(on_device(obj.packed), on_device(obj.scales))
     if isinstance(obj, SharedExpert):
-        return SharedExpert(on_device(obj.gate), on_device(obj.up), on_device(obj.down))
+        return SharedExpert(on_device(obj.gate), on_device(obj.up), on_device(obj.down), obj.limit)
     return obj
 
 
@@ -44,7 +44,7 @@ def run_both(x, weights, ids, w_gate_up, w_down, shared=None, **kwargs):
     """(moe_triton's output, the oracle's in fp32) on DEVICE."""
     args = [on_device(a) for a in (x, weights, ids, w_gate_up, w_down, shared)]
     out = moe_triton(*args, **kwargs)
-    return out, moe_reference(args[0].float(), *args[1:])
+    return out, moe_reference(args[0].float(), *args[1:], swiglu_limit=kwargs.get("swiglu_limit"))
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float = RTOL) -> None:

@@ -90,6 +90,11 @@ class ModelConfig:
     # The routed experts' format a build takes by default (build_model(experts="auto")): "mxfp4"
     # where the model ships so and its bf16 experts would not fit one GPU.
     expert_format: str = "dense"
+    # SwiGLU clipping per decoder layer, routed and shared experts (transformers' bailing_hybrid
+    # form: silu(gate) capped at the limit, up clamped to +-limit); 0 is none, as are NEXTN layers
+    # and dense MLPs. Empty: no layer clips.
+    swiglu_limits: tuple[float, ...] = ()
+    shared_swiglu_limits: tuple[float, ...] = ()
     approximations: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -129,6 +134,12 @@ class ModelConfig:
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} outside [0, {self.num_layers})")
+        for name in ("swiglu_limits", "shared_swiglu_limits"):
+            limits = getattr(self, name)
+            if limits and len(limits) != self.num_layers:
+                raise ValueError(f"{name} has {len(limits)} entries for {self.num_layers} layers")
+            if any(not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf") for v in limits):
+                raise ValueError(f"{name} must be finite numbers >= 0 (0: no clipping), got {list(limits)}")
         self._check_attention()
 
     def _check_attention(self) -> None:
@@ -180,6 +191,15 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
+
+    def swiglu_limit(self, layer: int, shared: bool = False) -> float | None:
+        """Layer `layer`'s SwiGLU clipping limit for its routed (or `shared`) experts; None: none."""
+        limits = self.shared_swiglu_limits if shared else self.swiglu_limits
+        return float(limits[layer]) if 0 <= layer < len(limits) and limits[layer] else None
+
+    @property
+    def clips_swiglu(self) -> bool:
+        return any(self.swiglu_limits) or any(self.shared_swiglu_limits)
 
     def attention_parameters(self, kind: str) -> int:
         """Parameters of one attention module of `kind`, with the layer's two norms."""

@@ -15,6 +15,7 @@ from torch import nn
 from impl import backends
 from impl.model.add_rms_norm import add_rms_norm
 from impl.model.config import ModelConfig
+from impl.moe.reference import swiglu_act
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import BLOCK_SIZE, MXFP4Tensor, quantize_mxfp4
 from impl.routing import sigmoid_grouped_topk, softmax_topk
@@ -129,14 +130,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    """SwiGLU MLP, clipped at `limit` (impl.moe.reference.swiglu_act; None: not clipped)."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu_act(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class Router(nn.Module):
@@ -262,24 +266,49 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: ModelConfig, backend: backends.Backend, expert_format: str = "dense") -> None:
+    """Router, routed experts and shared experts of decoder layer `layer` (its SwiGLU clipping
+    limits come from the config), computed by the MoE `backend`."""
+
+    def __init__(self, config: ModelConfig, backend: backends.Backend, expert_format: str = "dense",
+                 layer: int | None = None) -> None:
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config, expert_format)
-        self.shared_experts = (MLP(config.hidden_size, config.shared_intermediate_size)
+        self.swiglu_limit = None if layer is None else config.swiglu_limit(layer)
+        shared_limit = None if layer is None else config.swiglu_limit(layer, shared=True)
+        self.shared_experts = (MLP(config.hidden_size, config.shared_intermediate_size, shared_limit)
                                if config.num_shared_experts else None)
         self.backend = backend
+
+    @property
+    def clips(self) -> bool:
+        return self.swiglu_limit is not None or (self.shared_experts is not None and self.shared_experts.limit is not None)
+
+    @property
+    def backend(self) -> backends.Backend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: backends.Backend) -> None:
+        if self.clips and not backend.clips_swiglu:
+            raise backends.Unsupported(
+                f"the {backend.name!r} MoE backend does not clip SwiGLU (Backend.clips_swiglu), and this layer does "
+                f"(routed experts at {self.swiglu_limit}, shared at {self.shared_experts and self.shared_experts.limit}:"
+                " the checkpoint's expert_swiglu_limit_list / share_expert_swiglu_limit_list)")
+        self._backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         shared = None
         if self.shared_experts is not None:
             s = self.shared_experts
-            shared = SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+            shared = SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, s.limit)
+        # Only a clipping layer passes the limit: a backend without clips_swiglu keeps its signature.
+        clip = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
         if self.backend.layer is not None:
-            return self.backend.layer(flat, self.gate, *self.experts.weights(), shared).view_as(x)
+            return self.backend.layer(flat, self.gate, *self.experts.weights(), shared, **clip).view_as(x)
         weights, ids = self.gate(flat)
-        return self.backend.fn(flat, weights, ids, *self.experts.weights(), shared).view_as(x)
+        return self.backend.fn(flat, weights, ids, *self.experts.weights(), shared, **clip).view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -292,7 +321,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = (MoEBlock(config, moe_backend, expert_format) if config.is_moe_layer(layer)
+        self.mlp = (MoEBlock(config, moe_backend, expert_format, layer) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size))
 
     def streamed(self, delta, residual, cos, sin, input_pos, mask):

@@ -106,13 +106,9 @@ def _bailing_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -
     except ImportError:
         raise CheckpointError(f"{path}: reading a bailing_hybrid config needs transformers >= 5.24 "
                               "(BailingHybridConfig)") from None
-    # SwiGLU clipping (transformers 5.25's per-layer limits; zero or absent: none) is not
-    # implemented by these MoE paths: refused, not silently computed without.
-    for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list", "swiglu_limits", "swiglu_limits_shared"):
-        if any(raw.get(key) or ()):
-            raise CheckpointError(f"{path}: SwiGLU clipping ({key} = {raw[key]}) is not supported; only checkpoints "
-                                  "without it (every limit 0) load")
-    fields = {k: v for k, v in raw.items() if k not in ("quantization_config", "architectures", "model_type")}
+    routed, shared = (_swiglu_limits(raw, path, keys) for keys in SWIGLU_LIMIT_KEYS)
+    fields = {k: v for k, v in raw.items() if k not in ("quantization_config", "architectures", "model_type",
+                                                        *SWIGLU_LIMIT_KEYS[0], *SWIGLU_LIMIT_KEYS[1])}
     try:
         c = BailingHybridConfig(**fields)
     except (TypeError, ValueError) as e:
@@ -142,8 +138,27 @@ def _bailing_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -
         linear_head_dim=c.linear_head_dim, conv_kernel_size=c.linear_conv_kernel_dim,
         kda_safe_gate=c.kda_safe_gate, kda_lower_bound=c.kda_lower_bound, kv_lora_rank=c.kv_lora_rank,
         q_lora_rank=c.q_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim,
+        v_head_dim=c.v_head_dim, swiglu_limits=routed, shared_swiglu_limits=shared,
     )
+
+
+# Ling 3.0's SwiGLU clipping per decoder layer (its config.json's names, then transformers'
+# aliases): routed experts, shared experts.
+SWIGLU_LIMIT_KEYS = (("expert_swiglu_limit_list", "swiglu_limits"),
+                     ("share_expert_swiglu_limit_list", "swiglu_limits_shared"))
+
+
+def _swiglu_limits(raw: dict, path: Path, keys: tuple[str, str]) -> tuple[float, ...]:
+    """The per-layer limits under the first of `keys` present (absent or null: none), checked as
+    transformers checks them: one a decoder layer, each a number >= 0 (0: no clipping)."""
+    key = next((k for k in keys if raw.get(k) is not None), None)
+    if key is None:
+        return ()
+    limits, layers = raw[key], raw.get("num_hidden_layers")
+    if (not isinstance(limits, list) or len(limits) != layers
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf") for v in limits)):
+        raise CheckpointError(f"{path}: {key} must list one finite limit >= 0 a decoder layer ({layers}), got {limits!r}")
+    return tuple(float(v) for v in limits) if any(limits) else ()
 
 
 def _deepseek_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -> ModelConfig:

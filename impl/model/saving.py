@@ -67,8 +67,9 @@ def checkpoint_tensors(model: MoECausalLM, dtype: torch.dtype | None = None) -> 
 
 def config_dict(model: MoECausalLM) -> dict:
     c = model.config
-    if c.router != "sigmoid_grouped" or c.attention_out_bias:
-        raise ValueError("only GLM-4.5-style models (sigmoid routing, no o_proj bias) can be written as glm4_moe")
+    if c.router != "sigmoid_grouped" or c.attention_out_bias or c.clips_swiglu:
+        raise ValueError("only GLM-4.5-style models (sigmoid routing, no o_proj bias, no SwiGLU clipping) can be "
+                         "written as glm4_moe")
     return {
         "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,

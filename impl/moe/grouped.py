@@ -14,9 +14,9 @@ inside a captured decode step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from impl import backends
+from impl.moe.reference import swiglu_act
 from impl.moe.shared import SharedExpert, shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor, dequantize_mxfp4
 
@@ -51,10 +51,10 @@ def experts_per_chunk_for(w_gate_up, w_down, dtype: torch.dtype, chunk_bytes: in
 
 def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up, w_down,
                 shared: SharedExpert | None = None, experts_per_chunk: int | None = None,
-                backend: str = "grouped") -> torch.Tensor:
+                backend: str = "grouped", swiglu_limit: float | None = None) -> torch.Tensor:
     """x [T, H], routing weights / ids [T, k] -> [T, H] in x's dtype: the routed experts
-    (w_gate_up [E, 2I, H], w_down [E, H, I], tensors or MXFP4Tensor) plus `shared`. Provenance
-    records it under `backend`: the MoE backend whose prefill it serves.
+    (w_gate_up [E, 2I, H], w_down [E, H, I], tensors or MXFP4Tensor, clipped at `swiglu_limit`)
+    plus `shared`. Provenance records it under `backend`: the MoE backend whose prefill it serves.
 
     Per chunk of experts, their slots padded to the chunk's largest count go through two batched
     GEMMs (a few launches a chunk, not a few an expert: 512 experts x 40 layers of Python-driven
@@ -95,7 +95,7 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
         gate_up = expert_slice(w_gate_up, start, stop, x.dtype)                # [c, 2I, H]
         down = expert_slice(w_down, start, stop, x.dtype)                      # [c, H, I]
         gate, up = torch.bmm(xs[idx], gate_up.transpose(1, 2)).float().chunk(2, dim=-1)
-        y = torch.bmm((F.silu(gate) * up).to(x.dtype), down.transpose(1, 2))  # [c, cap, H]
+        y = torch.bmm(swiglu_act(gate, up, swiglu_limit).to(x.dtype), down.transpose(1, 2))  # [c, cap, H]
         out.index_add_(0, slot_token[idx].reshape(-1), (y.float() * slot_weight[idx, None]).reshape(-1, y.shape[-1]))
     out = out[:tokens]
     if shared is not None:
@@ -104,10 +104,10 @@ def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
 
 
 def moe_grouped_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | None = None,
-                      backend: str = "grouped") -> torch.Tensor:
+                      backend: str = "grouped", swiglu_limit: float | None = None) -> torch.Tensor:
     """The whole layer for a long prompt: the router's own routing, then `moe_grouped`."""
     weights, ids = router(x)
-    return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend=backend)
+    return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend=backend, swiglu_limit=swiglu_limit)
 
 
 __all__ = ["CHUNK_BYTES", "GROUPED_MIN_TOKENS", "expert_slice", "experts_per_chunk_for", "moe_grouped", "moe_grouped_layer"]

@@ -64,14 +64,19 @@ def humming_align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, padded_ptr, S, E,
 
 
 @triton.jit
-def humming_swiglu_kernel(y_ptr, stride_y, out_ptr, stride_o, I, BLOCK_I: tl.constexpr):
-    """out[r, :I] = silu(y[r, :I]) * y[r, I:2I], in fp32, stored in out's dtype. Grid (rows, I blocks)."""
+def humming_swiglu_kernel(y_ptr, stride_y, out_ptr, stride_o, I, limit, BLOCK_I: tl.constexpr, CLIP: tl.constexpr):
+    """out[r, :I] = silu(y[r, :I]) * y[r, I:2I], in fp32, stored in out's dtype; when CLIP the
+    silu capped at `limit` and the up half clamped to +-limit. Grid (rows, I blocks)."""
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = offs < I
     g = tl.load(y_ptr + r * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(y_ptr + r * stride_y + I + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * stride_o + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+    act = g / (1.0 + tl.exp(-g))
+    if CLIP:
+        act = tl.minimum(act, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(out_ptr + r * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -108,13 +113,16 @@ def humming_align(ids: torch.Tensor, experts: int, block: int = HUMMING_BLOCK
     return sorted_ids, expert_ids, padded
 
 
-def humming_swiglu(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of y [R, 2I] (gate first) as [R, I] in y's dtype (`humming_swiglu_kernel`)."""
+def humming_swiglu(y: torch.Tensor, out: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up of y [R, 2I] (gate first) as [R, I] in y's dtype, clipped at `limit`
+    (`humming_swiglu_kernel`)."""
     rows, two_i = y.shape
     inter = two_i // 2
     out = torch.empty(rows, inter, dtype=y.dtype, device=y.device) if out is None else out
     block = min(1024, triton.next_power_of_2(inter))
-    humming_swiglu_kernel[(rows, triton.cdiv(inter, block))](y, y.stride(0), out, out.stride(0), inter, BLOCK_I=block)
+    humming_swiglu_kernel[(rows, triton.cdiv(inter, block))](y, y.stride(0), out, out.stride(0), inter,
+                                                             0.0 if limit is None else float(limit),
+                                                             BLOCK_I=block, CLIP=limit is not None)
     return out
 
 
@@ -229,12 +237,14 @@ def check_humming_inputs(x, weights, ids, w_gate_up, w_down, shared=None) -> Non
         check_humming_shape(name, w, x.device)
 
 
-def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, shared=None) -> torch.Tensor:
-    """The MoE layer on Humming's GEMMs: x [T, H] bf16, routing weights / ids [T, k]."""
+def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, shared=None,
+                swiglu_limit: float | None = None) -> torch.Tensor:
+    """The MoE layer on Humming's GEMMs: x [T, H] bf16, routing weights / ids [T, k]; the
+    SwiGLU between them (this repository's kernel) clipped at `swiglu_limit`."""
     check_humming_inputs(x, weights, ids, w_gate_up, w_down, shared)
     if ids.numel() > MAX_SLOTS:  # a prefill: past Humming's indexed layout here, grouped by expert
         from impl.moe.grouped import moe_grouped
-        return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend="humming")
+        return moe_grouped(x, weights, ids, w_gate_up, w_down, shared, backend="humming", swiglu_limit=swiglu_limit)
     gate_up, down = humming_layer(w_gate_up), humming_layer(w_down)
     tokens, top_k = ids.shape
     main = torch.cuda.current_stream(x.device)
@@ -248,13 +258,13 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
         side.wait_stream(main)
         with torch.cuda.stream(side):
             torch.mm(x, stacked.t(), out=shared_h)
-            humming_swiglu(shared_h, shared_act)
+            humming_swiglu(shared_h, shared_act, shared.limit)
             torch.mm(shared_act, shared.down.t(), out=shared_out)
     sorted_ids, expert_ids, padded = humming_align(ids, w_gate_up.shape[0])
     indexed = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=padded,
                    compute_config={"gemm_type": "indexed"})
     y = gate_up(x, top_k=top_k, **indexed)  # [T * k, 2I], slot order
-    z = down(humming_swiglu(y), top_k=1, **indexed)  # [T * k, H]
+    z = down(humming_swiglu(y, limit=swiglu_limit), top_k=1, **indexed)  # [T * k, H]
     if shared is not None:
         main.wait_stream(side)
     backends.note("moe", "humming", "humming_indexed_gemm", tokens=tokens, format="mxfp4", block=HUMMING_BLOCK,
@@ -262,15 +272,15 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
     return humming_combine(z, weights, shared_out, x.dtype)
 
 
-def moe_humming_layer(x, router, w_gate_up, w_down, shared=None) -> torch.Tensor:
+def moe_humming_layer(x, router, w_gate_up, w_down, shared=None, swiglu_limit: float | None = None) -> torch.Tensor:
     """The whole layer: this repository's Triton routing (the fastest here), then `moe_humming`;
     a prompt past Humming's MAX_SLOTS slots takes the grouped path (impl.moe.grouped)."""
     from impl.moe.triton_routing import routing_supported, route_triton
     if x.shape[0] * router.config.top_k > MAX_SLOTS:
         from impl.moe.grouped import moe_grouped_layer
-        return moe_grouped_layer(x, router, w_gate_up, w_down, shared, backend="humming")
+        return moe_grouped_layer(x, router, w_gate_up, w_down, shared, backend="humming", swiglu_limit=swiglu_limit)
     if routing_supported(router.config):
         _, weights, ids = route_triton(x, router.weight, router.e_score_correction_bias, router.config)
     else:
         weights, ids = router(x)
-    return moe_humming(x, weights, ids, w_gate_up, w_down, shared)
+    return moe_humming(x, weights, ids, w_gate_up, w_down, shared, swiglu_limit)

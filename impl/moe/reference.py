@@ -62,23 +62,33 @@ def check_moe_inputs(x: torch.Tensor, weights: torch.Tensor | None, ids: torch.T
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
 
-def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate and up stacked as [2I, H] (gate first)."""
+def swiglu_act(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with a clipping `limit` (Ling 3.0's late layers, as transformers'
+    bailing_hybrid computes it) silu(gate) is capped at the limit and up clamped to +-limit."""
+    act = F.silu(gate)
+    if limit is not None:
+        act, up = act.clamp(max=limit), up.clamp(-limit, limit)
+    return act * up
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up stacked as [2I, H] (gate first), clipped at `limit`."""
     gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)
+    return F.linear(swiglu_act(gate, up, limit), w_down)
 
 
 def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  w_gate_up, w_down, shared=None) -> torch.Tensor:
+                  w_gate_up, w_down, shared=None, swiglu_limit: float | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared expert), computed in fp32,
-    returned in x's dtype. Weights may be plain tensors or MXFP4Tensor (dequantized here)."""
+    returned in x's dtype. Weights may be plain tensors or MXFP4Tensor (dequantized here). The
+    routed experts clip at `swiglu_limit`, the shared one at its own `limit`."""
     check_moe_inputs(x, weights, ids, logical_weight(w_gate_up), logical_weight(w_down))
     xf = x.float()
     out = torch.zeros_like(xf)
     for expert in torch.unique(ids).tolist():
         token_idx, slot = torch.where(ids == expert)
-        y = swiglu(xf[token_idx], expert_weight(w_gate_up, expert), expert_weight(w_down, expert))
+        y = swiglu(xf[token_idx], expert_weight(w_gate_up, expert), expert_weight(w_down, expert), swiglu_limit)
         out.index_add_(0, token_idx, y * weights[token_idx, slot, None].float())
     if shared is not None:
-        out += swiglu(xf, torch.cat((shared.gate, shared.up)).float(), shared.down.float())
+        out += swiglu(xf, torch.cat((shared.gate, shared.up)).float(), shared.down.float(), shared.limit)
     return out.to(x.dtype)

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class SharedExpert:
-    """gate [Is, H], up [Is, H], down [H, Is], in the activation dtype."""
+    """gate [Is, H], up [Is, H], down [H, Is], in the activation dtype; `limit`: its SwiGLU
+    clipping (impl.moe.reference.swiglu_act), None for none."""
 
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
+    limit: float | None = None
 
 
 def check_shared_expert(shared: SharedExpert, hidden: int, device: torch.device) -> None:
@@ -29,4 +31,5 @@ def check_shared_expert(shared: SharedExpert, hidden: int, device: torch.device)
 
 def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
     """The shared expert's SwiGLU MLP on x [T, H], in x's dtype (torch ops)."""
-    return F.linear(F.silu(F.linear(x, shared.gate)) * F.linear(x, shared.up), shared.down)
+    from impl.moe.reference import swiglu_act
+    return F.linear(swiglu_act(F.linear(x, shared.gate), F.linear(x, shared.up), shared.limit), shared.down)

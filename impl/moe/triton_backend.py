@@ -103,10 +103,12 @@ def split_buffers(x: torch.Tensor, p: Plan) -> tuple[torch.Tensor, torch.Tensor]
 
 def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: SharedExpert | None = None,
                 config: MoELaunchConfig | None = None,
-                x_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                x_split: tuple[torch.Tensor, torch.Tensor] | None = None,
+                swiglu_limit: float | None = None) -> torch.Tensor:
     """The expert kernels for at most M_PAD tokens whose routing is grouped in `slots`. `x_split`:
     x already split for the dp4a products, in buffers from `split_buffers` (else x is split here
-    when the plan needs it)."""
+    when the plan needs it). The routed experts' SwiGLU clips at `swiglu_limit`, the shared
+    expert's at its own limit (None: no clipping; the kernel is built without it when neither clips)."""
     m, top_k, num_slots = slots.num_tokens, slots.top_k, slots.num_slots
     p = plan(m, top_k, w_gate_up, w_down, x.device, config)
     cfg, mxfp4 = p.config, p.format == "mxfp4"
@@ -114,14 +116,16 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     inter = w_down.shape[-1]
     i_shared = shared.gate.shape[0] if shared is not None else 0
     split_here = p.dp4a and x_split is None
+    shared_limit = shared.limit if shared is not None else None
+    clip = swiglu_limit is not None or shared_limit is not None
     backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
                   format=backends.weight_format(w_gate_up), tokens=m, shared=shared is not None, config=cfg,
-                  product=p.product)
+                  product=p.product, **({"swiglu_limit": swiglu_limit, "shared_limit": shared_limit} if clip else {}))
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     pdl = use_pdl(cfg.pdl, dev)
     launch = expert_launch(cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared,
-                           mxfp4=mxfp4, pdl=pdl)
+                           mxfp4=mxfp4, pdl=pdl, clip=clip)
     if p.dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)
@@ -146,6 +150,7 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
         x, x.stride(0), xq, xq.stride(0), xs, m, hidden, inter, i_shared, slots.expert, slots.tokens, num_slots,
         gw, gs, s_we, s_wn, s_se, s_sn, sg, su, sg.stride(0),
         act, act.stride(0), act.stride(1), act_s, act_s.stride(0), shared_act, shared_act.stride(0),
+        _limit(swiglu_limit), _limit(shared_limit),
         **k.consts, launch_pdl=pdl, num_warps=k.num_warps, num_stages=k.num_stages)
     dw, ds, d_we, d_wn, d_se, d_sn = _weight_args(w_down, p.dp4a)
     sd = shared.down if shared is not None else x
@@ -160,42 +165,50 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     return out
 
 
+def _limit(limit: float | None) -> float:
+    """A clipping limit as the gate-up kernel takes it: infinite for none (min and max keep every value)."""
+    return float("inf") if limit is None else float(limit)
+
+
 def moe_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up, w_down,
-               shared: SharedExpert | None = None, config: MoELaunchConfig | None = None) -> torch.Tensor:
-    """Fused MoE for x [T, H]: routed experts (bf16/fp16/fp32 tensors or MXFP4Tensor) chosen by
-    ids/weights [T, k], plus `shared`; returns [T, H] in x's dtype."""
+               shared: SharedExpert | None = None, config: MoELaunchConfig | None = None,
+               swiglu_limit: float | None = None) -> torch.Tensor:
+    """Fused MoE for x [T, H]: routed experts (bf16/fp16/fp32 tensors or MXFP4Tensor, SwiGLU
+    clipped at `swiglu_limit`) chosen by ids/weights [T, k], plus `shared`; returns [T, H] in x's dtype."""
     experts, _, _ = check_triton_inputs(x, weights, ids, w_gate_up, w_down, shared)
     outs = []
     for i in range(0, max(x.shape[0], 1), M_PAD):  # no tokens: one empty chunk, an empty output
         chunk = slice(i, i + M_PAD)
         backends.note("moe", "triton", "moe_slots_kernel", tokens=x[chunk].shape[0])
         slots = slots_from_routing(weights[chunk], ids[chunk], experts)
-        outs.append(moe_experts(x[chunk], slots, w_gate_up, w_down, shared, config))
+        outs.append(moe_experts(x[chunk], slots, w_gate_up, w_down, shared, config, swiglu_limit=swiglu_limit))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def moe_triton_layer(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | None = None,
-                     config: MoELaunchConfig | None = None) -> torch.Tensor:
+                     config: MoELaunchConfig | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """The whole layer for x [T, H], routing included, in chunks of M_PAD tokens, each as its
     launch config says (`config`, else the committed one for the chunk's size). `router` has
     `weight` (fp32 [E, H]), `e_score_correction_bias` and `config` (impl.model.layers.Router)."""
     check_triton_inputs(x, None, None, w_gate_up, w_down, shared)
     if x.shape[0] > M_PAD and not isinstance(w_gate_up, MXFP4Tensor):
-        return _prefill(x, router, w_gate_up, w_down, shared)
+        return _prefill(x, router, w_gate_up, w_down, shared, swiglu_limit)
     if x.shape[0] > GROUPED_MIN_TOKENS and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         # An MXFP4 prefill: each expert dequantized once, not re-read per chunk (a captured pass
         # over a prompt, the MTP draft's, stays on the kernels: the grouped path reads the host)
-        return moe_grouped_layer(x, router, w_gate_up, w_down, shared, backend="triton")
+        return moe_grouped_layer(x, router, w_gate_up, w_down, shared, backend="triton", swiglu_limit=swiglu_limit)
     outs = []
     for i in range(0, max(x.shape[0], 1), M_PAD):
         chunk = x[i:i + M_PAD]
         p = plan(chunk.shape[0], router.config.top_k, w_gate_up, w_down, x.device, config)
         x_split, slots = route_chunk(chunk, router, p)
-        outs.append(moe_experts(chunk, slots, w_gate_up, w_down, shared, p.config, x_split=x_split))
+        outs.append(moe_experts(chunk, slots, w_gate_up, w_down, shared, p.config, x_split=x_split,
+                                swiglu_limit=swiglu_limit))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _prefill(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | None) -> torch.Tensor:
+def _prefill(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | None,
+             swiglu_limit: float | None = None) -> torch.Tensor:
     """More than M_PAD tokens of plain experts (a prefill): the router's own routing, then the
     chosen experts' weights gathered and applied by two batched matmuls (impl.moe.gather), one
     pass over all tokens. The decode kernels would take the tokens 16 at a time, re-reading each
@@ -205,7 +218,7 @@ def _prefill(x: torch.Tensor, router, w_gate_up, w_down, shared: SharedExpert | 
     from impl.moe.shared import shared_expert
     weights, ids = router(x)
     backends.note("moe", "triton", "moe_gather", tokens=x.shape[0], prefill=True)
-    out = moe_gather(x, weights, ids, w_gate_up, w_down)
+    out = moe_gather(x, weights, ids, w_gate_up, w_down, swiglu_limit)
     return out if shared is None else out + shared_expert(x, shared)
 
 

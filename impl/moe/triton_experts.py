@@ -3,8 +3,8 @@ tokens a call), routed experts in bf16 or MXFP4, SwiGLU, the weighted combine an
 shared expert, after the slots are known (impl/moe/triton_slots.py):
 
 1. `moe_gate_up_kernel` (slot x intermediate block): act = silu(x Wg^T) * (x Wu^T) for all
-   tokens of the slot at once, into a small scratch buffer; the shared expert in the programs
-   after the slots;
+   tokens of the slot at once (clipped when CLIP: impl.moe.reference.swiglu_act), into a small
+   scratch buffer; the shared expert in the programs after the slots;
 2. `moe_down_kernel` (hidden block x slot): weight * act Wd^T per slot, plus the shared expert,
    summed by the last program to arrive at a block and written once in the output dtype
    (deterministic: no atomics on the output).
@@ -69,9 +69,10 @@ def _matmul(a_ptr, stride_am, as_ptr, M, K, w_ptr, ws_ptr, w2_ptr, ws2_ptr, offs
 def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, offs_n, n_mask,
                  stride_wn, stride_sn, tokens, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, GEMV_ROWS: tl.constexpr, FP32_MATH: tl.constexpr,
-                 AHEAD: tl.constexpr, EVEN: tl.constexpr):
+                 AHEAD: tl.constexpr, EVEN: tl.constexpr, limit, CLIP: tl.constexpr):
     """silu(x Wg^T) * (x Wu^T) [M_PAD, BLOCK_N] fp32 for the gate rows at g_ptr and the up rows at
-    u_ptr (`_matmul`'s arguments)."""
+    u_ptr (`_matmul`'s arguments); when CLIP, silu(x Wg^T) capped at `limit` and x Wu^T clamped
+    to +-limit (an infinite limit: none)."""
     if GEMV_ROWS > 0:  # one K loop for both: their loads in flight together
         acc_g, acc_u = _matmul(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, gs_ptr, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
                                stride_sn, tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH, True, AHEAD,
@@ -85,7 +86,11 @@ def _swiglu_tile(x_ptr, stride_xm, xs_ptr, M, K, g_ptr, u_ptr, gs_ptr, us_ptr, o
                               stride_sn, BLOCK_K, MXFP4, FP32_MATH)
             acc_u += tile_dot(x_ptr, stride_xm, offs_m, offs_m < M, k0, K, u_ptr, us_ptr, offs_n, n_mask, stride_wn,
                               stride_sn, BLOCK_K, MXFP4, FP32_MATH)
-    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    act = acc_g / (1.0 + tl.exp(-acc_g))
+    if CLIP:
+        act = tl.minimum(act, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    return act * acc_u
 
 
 @triton.jit
@@ -94,10 +99,12 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                        w_ptr, ws_ptr, stride_we, stride_wn, stride_se, stride_sn,
                        sg_ptr, su_ptr, stride_shn,
                        act_ptr, stride_as, stride_am, act_s_ptr, stride_ass, shared_act_ptr, stride_sam,
+                       swiglu_limit, shared_limit,
                        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        MXFP4: tl.constexpr, HAS_SHARED: tl.constexpr, GEMV_ROWS: tl.constexpr,
                        FP32_MATH: tl.constexpr, SHARED_SPLIT: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-                       EVEN: tl.constexpr, AHEAD: tl.constexpr, SHARED_AHEAD: tl.constexpr, PDL: tl.constexpr):
+                       EVEN: tl.constexpr, AHEAD: tl.constexpr, SHARED_AHEAD: tl.constexpr, PDL: tl.constexpr,
+                       CLIP: tl.constexpr):
     """Program (slot, n-block): activations of intermediate columns n-block for every token.
     The SHARED_SPLIT programs after the last routed slot compute the shared expert instead, each
     BLOCK_N / SHARED_SPLIT of the block's rows, in K tiles of SHARED_BLOCK_K: its bf16 rows hold
@@ -109,7 +116,8 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
     MXFP4 on the register path (the dp4a products): the routed experts read x split into int8
     planes (xq_ptr, row stride stride_xqm; scales xs_ptr) and write their activations split the
     same way (act_ptr planes, act_s_ptr scales, slot strides stride_as / stride_ass), ready for
-    the down kernel."""
+    the down kernel. CLIP: the routed experts' SwiGLU clipped at swiglu_limit, the shared
+    expert's at shared_limit (fp32; infinite for none); without it neither is read."""
     DP4A: tl.constexpr = MXFP4 and GEMV_ROWS > 0
     slot = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -131,7 +139,8 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                     a_ptr, stride_a, as_ptr = x_ptr, stride_xm, x_ptr
                 act = _swiglu_tile(a_ptr, stride_a, as_ptr, M, H, g_ptr, g_ptr + I * stride_wn, gs_ptr,
                                    gs_ptr + I * stride_sn, offs_n, n_mask, stride_wn, stride_sn,
-                                   tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH, AHEAD, EVEN)
+                                   tokens, M_PAD, BLOCK_N, BLOCK_K, MXFP4, GEMV_ROWS, FP32_MATH, AHEAD, EVEN,
+                                   swiglu_limit, CLIP)
                 if DP4A:
                     tl.static_assert(BLOCK_N % 32 == 0)  # whole blocks of 32 to split
                     store_split_int8(act_ptr + slot * stride_as, stride_am, act_s_ptr + slot * stride_ass, I // 32,
@@ -150,7 +159,7 @@ def moe_gate_up_kernel(x_ptr, stride_xm, xq_ptr, stride_xqm, xs_ptr, M, H, I, I_
                 s_mask = (offs_s < I_SHARED) | EVEN
                 act = _swiglu_tile(x_ptr, stride_xm, x_ptr, M, H, sg_ptr, su_ptr, sg_ptr, su_ptr, offs_s, s_mask,
                                    stride_shn, 0, -1, M_PAD, BLOCK_S, SHARED_BLOCK_K, False, GEMV_ROWS, FP32_MATH,
-                                   SHARED_AHEAD, EVEN)
+                                   SHARED_AHEAD, EVEN, shared_limit, CLIP)
                 pdl_wait(PDL)  # writes wait (see impl/moe/triton_pdl.py)
                 tl.store(shared_act_ptr + offs_m[:, None] * stride_sam + offs_s[None, :],
                          act.to(shared_act_ptr.dtype.element_ty), mask=s_mask[None, :])

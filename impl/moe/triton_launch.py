@@ -98,10 +98,10 @@ class ExpertLaunch:
 
 
 def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: int, inter: int, i_shared: int,
-                  mxfp4: bool, pdl: bool) -> ExpertLaunch:
+                  mxfp4: bool, pdl: bool, clip: bool = False) -> ExpertLaunch:
     """The launches for `tokens` tokens grouped in `num_slots` slots, weights [E, 2 * inter,
     hidden] and [E, hidden, inter] (MXFP4 or plain), a shared expert of width `i_shared` (0:
-    none), with programmatic dependent launch or not."""
+    none), with programmatic dependent launch or not, with SwiGLU clipping (`clip`) or not."""
     rows = gemv_rows(cfg, tokens)
     # The shared expert's share of programs (register path only: a tensor-core tile needs 16 rows).
     split = (cfg.shared_split if rows else 1) if i_shared else 1
@@ -117,7 +117,7 @@ def expert_launch(cfg: MoELaunchConfig, *, tokens: int, num_slots: int, hidden: 
     gate_up = KernelLaunch(
         (num_slots + shared_slots, triton.cdiv(max(inter, i_shared), cfg.gate_up_block_n)),
         dict(common, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, SHARED_BLOCK_K=shared_k[0],
-             EVEN=even_a, AHEAD=ahead(cfg.gate_up_lookahead), SHARED_AHEAD=ahead(cfg.shared_lookahead)),
+             EVEN=even_a, AHEAD=ahead(cfg.gate_up_lookahead), SHARED_AHEAD=ahead(cfg.shared_lookahead), CLIP=clip),
         cfg.gate_up_warps, cfg.gate_up_stages)
     down = KernelLaunch(
         (triton.cdiv(hidden, cfg.down_block_n), num_slots + shared_slots),

@@ -144,6 +144,9 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
     if fmt != "none" and fmt not in moe.formats:
         raise ArmError(f"{name}: moe: the {config.moe!r} MoE backend takes {list(moe.formats)} experts, the model "
                        f"holds {fmt}")
+    if model.config.clips_swiglu and not moe.clips_swiglu:
+        raise ArmError(f"{name}: moe: the {config.moe!r} MoE backend does not clip SwiGLU (Backend.clips_swiglu), "
+                       f"and model {model.config.name!r} does in some layers")
     from impl.model.layer_backends import DEFAULTS
     for kind, backend in config.layer_backends().items():
         if backend != DEFAULTS[kind] and model.layer_backend(kind) == "none":
