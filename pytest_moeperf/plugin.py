@@ -37,7 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
     def add(flag, ini, help, **kw):
         group.addoption(flag, dest=ini, default=None, help=f"{help} (ini: {ini})", **kw)
-        parser.addini(ini, help, type="bool" if kw.get("action") == "store_true" else "string",
+        # argparse formats its help with %: the ini help is printed as it is.
+        parser.addini(ini, help.replace("%%", "%"), type="bool" if kw.get("action") == "store_true" else "string",
                       default=DEFAULTS.get(ini, False if kw.get("action") == "store_true" else None))
 
     add("--moe-bench", "moe_bench", "run the performance suites (marked moe_bench)", action="store_true")
@@ -47,14 +48,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "or a checkpoint folder (default: tiny-gsm, the trained tiny model)", metavar="MODEL")
     add("--moe-backend", "moe_backend", "MoE implementation under test, a registered `moe` backend "
         "(default: auto = triton on CUDA, gather on CPU)", metavar="NAME")
-    add("--moe-head", "moe_head", "LM head of the model under test: bf16, or fp8 (quantized online at load, "
-        "Triton FP8 GEMV) (default: bf16)", metavar="HEAD")
+    add("--moe-head", "moe_head", "LM head of the model under test: bf16, or fp8 (quantized online at load; "
+        "the Triton FP8 GEMV on CUDA, torch's scaled matmul on CPU) (default: bf16)", metavar="HEAD")
     add("--moe-baselines", "moe_baselines", "folder of frozen baselines, relative to rootdir "
         "(default: baselines)", metavar="DIR")
     add("--moe-freeze", "moe_freeze", "write or refresh this device's frozen figures (needs --moe-bench)",
         action="store_true")
-    add("--moe-report", "moe_report", "write the gate's results as JSON to PATH and Markdown beside it",
-        metavar="PATH")
+    add("--moe-report", "moe_report", "write the gate's results as JSON to PATH (not ending in .md) and Markdown "
+        "beside it (PATH with the suffix .md)", metavar="PATH")
     add("--moe-samples", "moe_samples", "timing samples per metric, at least 3 (default: 10)", metavar="N")
     add("--moe-strict", "moe_strict", "fail the run when a gated figure has no baseline, when a figure frozen for "
         "this device and configuration was not measured, when nothing was compared, or when a figure was not judged "
@@ -64,16 +65,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "re-measurements) and record the verdicts instead of acting on them (see scripts/gate_trust.py)",
         metavar="N")
     add("--moe-ladder", "moe_ladder", "A/B rows of the ladder suite, separated by ';': presets (baseline, +kernels, "
-        "+fp8-head, +mtp), NAME=SPEC or SPEC with SPEC key=value items (moe, experts, head, head_scales, spec, "
-        "temperature, top_k, top_p, seed; see impl/serve/configs.py) (default: baseline;+kernels;+fp8-head;+mtp "
+        "+fp8-head, +mtp), NAME=SPEC or SPEC with SPEC key=value items (moe, experts, head, head_scales, attention, "
+        "projection, spec, accept, temperature, top_k, top_p, seed; see impl/serve/configs.py) "
+        "(default: baseline;+kernels;+fp8-head;+mtp "
         "on CUDA, baseline;+fp8-head;+mtp on CPU)", metavar="ROWS")
     add("--moe-workload", "moe_workload", "prompts of the ladder suite: arith, gsm8k[:FOLDER|HUB_ID], "
         "synthetic[:IN:OUT] or jsonl:FILE (prompt, optional answer and max_tokens) (default: arith)",
         metavar="WORKLOAD")
-    add("--moe-requests", "moe_requests", "requests the ladder suite serves per row, at least 3 (default: 60 on "
+    add("--moe-requests", "moe_requests", "requests the ladder suite serves per row, 3 to 100000 (default: 60 on "
         "CPU, 1000 on CUDA, or all of a smaller file or split)", metavar="N")
-    add("--moe-shots", "moe_shots", "few-shot examples of the gsm8k workload (default: 5, as lm-evaluation-harness)",
-        metavar="K")
+    add("--moe-shots", "moe_shots", "few-shot examples of the gsm8k workload, which alone takes them (default: 5, "
+        "as lm-evaluation-harness)", metavar="K")
     add("--moe-margin", "moe_margin", "equivalence margin of the ladder's accuracy comparison, in percentage "
         "points (default: 1)", metavar="POINTS")
     add("--moe-ab-report", "moe_ab_report", "folder for the ladder's report (JSON, Markdown, PNG figures), "
@@ -83,8 +85,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "other processes' work also above it, a measurement is taken as made on a contended host: a regression "
         "it shows is not judged (HOST-CONTENDED) and it is not frozen; off: never "
         f"(default: {DEFAULT_STALL_THRESHOLD})", metavar="FRACTION")
-    add("--moe-host-wait", "moe_host_wait", "seconds to wait for a contended host to quiet before measuring once "
-        f"more (default: {DEFAULT_WAIT_S:g})", metavar="SECONDS")
+    add("--moe-host-wait", "moe_host_wait", "seconds (0 to 600) to wait for a contended host to quiet before "
+        f"measuring once more (default: {DEFAULT_WAIT_S:g})", metavar="SECONDS")
     add("--moe-plant", "moe_plant", "gate-trust run: plant a slowdown, KIND[:NAME]=FRACTION[,...] (e.g. moe=0.1: "
         "every call of the MoE backend under test takes 10%% longer; head:fp8-triton=0.1; decoder:mtp=0.1)",
         metavar="SPEC")
@@ -258,6 +260,27 @@ def parse_host_wait(value: str) -> float:
     return seconds
 
 
+def parse_report_path(value: str, root: Path) -> Path | None:
+    """The JSON report's path (None: no report); the Markdown goes beside it with the suffix .md,
+    so a path ending in .md would be overwritten by it."""
+    if not value:
+        return None
+    path = _under_root(value, root)
+    if path.suffix == ".md":
+        raise ValueError(f"--moe-report {value}: is the JSON report's path, and the Markdown report is written "
+                         f"beside it as {path.stem}.md: give a path ending in .json")
+    return path
+
+
+def parse_shots(value: str | None, workload) -> int | None:
+    """Few-shot examples, which only the gsm8k workload takes."""
+    shots = parse_count("--moe-shots", value, 0)
+    if shots is not None and workload.kind != "gsm8k":
+        raise ValueError(f"--moe-shots {shots}: only the gsm8k workload takes few-shot examples, and the workload "
+                         f"is {workload} (--moe-workload)")
+    return shots
+
+
 def _under_root(value: str, root: Path) -> Path:
     """A path option: relative ones are taken from rootdir, as ini values are (one rule for every
     path option, wherever pytest was started)."""
@@ -267,8 +290,8 @@ def _under_root(value: str, root: Path) -> Path:
 
 def parse_options(config: pytest.Config) -> Options:
     root = config.rootpath
-    report = _option(config, "moe_report")
     device = _parsed(config, "moe_device", parse_device)
+    workload = _parsed(config, "moe_workload", parse_workload_option, root)
     options = Options(
         bench=bool(_option(config, "moe_bench")),
         device=device,
@@ -277,14 +300,14 @@ def parse_options(config: pytest.Config) -> Options:
         head=_parsed(config, "moe_head", parse_head),
         baselines=_under_root(_option(config, "moe_baselines"), root),
         freeze=bool(_option(config, "moe_freeze")),
-        report=None if not report else _under_root(report, root),
+        report=_parsed(config, "moe_report", parse_report_path, root),
         samples=_parsed(config, "moe_samples", parse_samples),
         strict=bool(_option(config, "moe_strict")),
         trust=_parsed(config, "moe_trust", parse_trust),
         ladder=_option(config, "moe_ladder") or None,
-        workload=_parsed(config, "moe_workload", parse_workload_option, root),
+        workload=workload,
         requests=_parsed(config, "moe_requests", lambda v: parse_count("--moe-requests", v, MIN_REQUESTS, MAX_REQUESTS)),
-        shots=_parsed(config, "moe_shots", lambda v: parse_count("--moe-shots", v, 0)),
+        shots=_parsed(config, "moe_shots", parse_shots, workload),
         margin=_parsed(config, "moe_margin", parse_margin),
         ab_report=_under_root(_option(config, "moe_ab_report"), root),
         host_stall=_parsed(config, "moe_host_stall", parse_host_stall),

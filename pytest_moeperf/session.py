@@ -238,7 +238,8 @@ class MoePerfSession:
             # Written whenever the gate ran, so a nightly job never publishes the last run's report.
             try:
                 json_path, md_path = report.write(self.options.report, self.results, self.header(),
-                                                  self.strict_failures() + self.write_errors)
+                                                  self.run_failures() + [f"infrastructure error: {e}"
+                                                                         for e in self.worker_errors])
                 lines.append(f"report written to {json_path} and {md_path}")
             except OSError as e:
                 self.write_errors.append(f"the report was NOT written: {self.options.report}: {e}")

@@ -256,6 +256,9 @@ def test_a_freeze_on_a_contended_host_stores_nothing_and_fails_saying_so(frozen_
         "the freeze is incomplete: 1 figure(s) measured on a contended host were not frozen; this run fails"])
     after = this_device_store(frozen_suite).metrics["test_suite.py::test_latency::latency_us"]
     assert after.value == before.value == pytest.approx(100, rel=0.01)
+    # The report a nightly job publishes says why the run failed, as the terminal does.
+    failures = json.loads((frozen_suite.path / "report.json").read_text())["run_failures"]
+    assert failures == ["1 figure(s) not frozen: the host's CPUs were contended"]
 
 
 def test_a_freeze_whose_host_quiets_while_it_waits_freezes_the_quiet_measurement(frozen_suite, monkeypatch, host):

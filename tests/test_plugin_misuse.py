@@ -114,6 +114,12 @@ def test_unmarked(moe_gate):
     (["--moe-bench", "--moe-samples", "abc"], "--moe-samples must be a whole number >= 3, got 'abc'"),
     (["--moe-bench", "--moe-requests", "10000000"], "--moe-requests must be a whole number in [[]3, 100000], got "
      "'10000000'"),
+    # The Markdown report is written beside the JSON with the suffix .md: it would overwrite it.
+    (["--moe-bench", "--moe-report", "gate.md"], "--moe-report gate.md: is the JSON report's path*give a path "
+     "ending in .json"),
+    # Only gsm8k takes few-shot examples: named at once, not after the model is built.
+    (["--moe-shots", "5"], "--moe-shots 5: only the gsm8k workload takes few-shot examples, and the workload is "
+     "arith*"),
 ])
 def test_outputs_that_cannot_be_written_and_bad_values_are_usage_errors_before_measuring(run, pytester, args,
                                                                                         message):

@@ -11,6 +11,7 @@ from impl.head.fp8_head import (
     LogitParity,
     as_bf16_weight,
     compare_logits,
+    default_fp8_backend,
     require_head_backend,
     resolve_fp8_backend,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "LogitParity",
     "as_bf16_weight",
     "compare_logits",
+    "default_fp8_backend",
     "require_head_backend",
     "resolve_fp8_backend",
 ]

@@ -32,7 +32,7 @@ from impl import backends
 from impl.quant.fp8 import E4M3_MAX, GRANULARITIES, FP8Tensor, quantize_fp8
 
 __all__ = ["ACTIVATION_DTYPES", "BF16Head", "FP8Head", "FP8_DTYPES", "HEAD_BACKEND_ALIASES", "LogitParity",
-           "as_bf16_weight", "compare_logits", "require_head_backend", "resolve_fp8_backend"]
+           "as_bf16_weight", "compare_logits", "default_fp8_backend", "require_head_backend", "resolve_fp8_backend"]
 
 FP8_DTYPES = tuple(getattr(torch, name) for name in (
     "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -162,6 +162,13 @@ for _backend in (
                      "reference: dequantize the FP8 weight to fp32, fp32 matmul"),
 ):
     backends.register(_backend)
+
+
+def default_fp8_backend(device_type: str) -> str:
+    """The FP8 head backend a device runs unless told otherwise: the Triton GEMV on CUDA, torch's
+    scaled matmul on the CPU (the Triton kernel there runs in Triton's interpreter, about 460x the
+    bf16 head's time on the tiny model's head)."""
+    return "fp8-triton" if device_type == "cuda" else "fp8-scaled-mm"
 
 
 def resolve_fp8_backend(name: str) -> backends.Backend:

@@ -76,7 +76,8 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
 
     `head="fp8"` quantizes the LM head to e4m3 once the weights are in (`MoECausalLM.quantize_head`:
     scales per row, or per tensor with `head_granularity="tensor"`), run by the FP8 head backend
-    `head_backend` (default "triton"); `head="bf16"` keeps the unquantized head."""
+    `head_backend` (default: the device's, impl.head.default_fp8_backend); `head="bf16"` keeps the
+    unquantized head."""
     if experts not in ("auto", *EXPERT_FORMATS):
         raise ValueError(f"unknown expert format {experts!r}; expected auto or one of {EXPERT_FORMATS}")
     if head not in HEADS:
@@ -86,7 +87,7 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
     if head == "fp8":
         from impl.head import resolve_fp8_backend
         from impl.quant.fp8 import GRANULARITIES
-        resolve_fp8_backend(head_backend or "triton")
+        resolve_fp8_backend(head_backend or "fp8-triton")  # a name that does not exist fails before the build
         if head_granularity not in GRANULARITIES:
             raise ValueError(f"unknown head_granularity {head_granularity!r}; allowed: {GRANULARITIES}")
     device = resolve_device(device)
@@ -127,5 +128,6 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
         if isinstance(module, (KDAAttention, MLAAttention)):
             module.fuse_projections()
     if head == "fp8":
-        model.quantize_head(granularity=head_granularity, backend=head_backend or "triton")
+        from impl.head import default_fp8_backend
+        model.quantize_head(granularity=head_granularity, backend=head_backend or default_fp8_backend(device.type))
     return model.eval()

@@ -96,7 +96,8 @@ def _fp8_backend_name(name: str) -> str:
 
 
 def default_fp8_backend(device) -> str:
-    return "fp8-triton" if _device_type(device) == "cuda" else "fp8-scaled-mm"
+    from impl.head import default_fp8_backend as for_device
+    return for_device(_device_type(device))
 
 
 @dataclass(frozen=True)

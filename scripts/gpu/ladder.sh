@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-/tmp/moeperf-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-device cuda"
+. scripts/gpu/pytest_cmd.sh  # PYTEST
 timeout "${TEST_SECONDS:-150}" $PYTEST -rf tests/test_serve_gpu.py > "$OUT/serve-gpu.log" 2>&1
 echo "serve gpu tests rc=$?"; tail -3 "$OUT/serve-gpu.log"
 cp -r baselines "$OUT/gate-baselines"

@@ -16,7 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" HUMMING_COMPILER=nvrtc PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # the card is nearly full with two copies of the experts
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-device cuda"
+. scripts/gpu/pytest_cmd.sh  # PYTEST
 if [ -n "${TESTS:-}" ]; then
   # shellcheck disable=SC2086  # TESTS is a list of test files
   timeout "${TEST_SECONDS:-120}" $PYTEST -rf $TESTS > "$OUT/gpu-tests.log" 2>&1

@@ -27,7 +27,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" HUMMING_COMPILER=nvrtc PYTHONUNBUFFERED=1
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_moeperf.plugin --moe-device cuda"
+. scripts/gpu/pytest_cmd.sh  # PYTEST
 CHECKS=${CHECKS:-suites/test_moe_parity.py suites/test_head_parity.py tests/test_triton_moe.py tests/test_fp8_gemv.py \
 tests/test_triton_routing.py suites/test_moe_fuzz.py}
 if [ "$PART" = tune ] || [ "$PART" = bench ] || [ "$PART" = all ]; then
