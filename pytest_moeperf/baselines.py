@@ -1,8 +1,13 @@
-"""Frozen baselines: one JSON file per device, one entry per full fingerprint inside it.
+"""Frozen baselines: one JSON file per device, entries per full fingerprint inside it.
 
     baselines/<device slug>.json
     {"schema": "pytest-moeperf/baseline/1",
      "entries": [{"fingerprint": {...}, "metrics": {"<metric id>": {<FrozenMetric fields>}}}]}
+
+A figure is frozen under the configuration it was measured in (FrozenMetric.config: model,
+backend, workload, ...) and gated only against a run of that configuration. One fingerprint may
+have several entries: a metric frozen under a second configuration goes into another entry
+beside the first, so a freeze of another configuration never replaces the figures of the first.
 
 Files are validated when loaded (errors name the file and the problem). A metric is gated against
 the entry whose fingerprint is this device's (or a schema-1 entry `device.schema1_match`
@@ -72,9 +77,6 @@ def _finite(x) -> bool:
 class BaselineFile:
     path: Path
     entries: list[dict]  # each {"fingerprint": dict, "metrics": {id: FrozenMetric}}
-
-    def entry_for(self, fingerprint: dict) -> dict | None:
-        return next((e for e in self.entries if e["fingerprint"] == fingerprint), None)
 
 
 @dataclass(frozen=True)
@@ -151,11 +153,16 @@ class BaselineStore:
 
     @property
     def metrics(self) -> dict[str, FrozenMetric]:
-        """Every figure frozen for this exact device (a schema-2 entry's over a schema-1 one's)."""
+        """A figure per metric frozen for this exact device (a schema-2 entry's over a schema-1
+        one's; of a metric frozen under several configurations, the first entry's)."""
         merged: dict[str, FrozenMetric] = {}
         for entry in reversed(self._exact_entries()):
             merged.update(entry["metrics"])
         return merged
+
+    def figures(self) -> list[tuple[str, FrozenMetric]]:
+        """Every figure frozen for this exact device, under every configuration."""
+        return [(mid, m) for entry in self._exact_entries() for mid, m in entry["metrics"].items()]
 
     def lookup(self, metric_id: str, config: dict, portable: bool) -> Lookup:
         """The frozen figure for `metric_id` under `config`: from this device's exact entries, or,
@@ -209,13 +216,19 @@ class BaselineStore:
 
     def _freeze_locked(self, metrics: dict[str, FrozenMetric]) -> Path:
         current = load_file(self.path) if self.path.exists() else BaselineFile(self.path, [])
-        entry = current.entry_for(self.fingerprint)
-        if entry is None:
-            entry = {"fingerprint": self.fingerprint, "metrics": {}}
-            current.entries.append(entry)
+        mine = [e for e in current.entries if e["fingerprint"] == self.fingerprint]
         for mid, m in metrics.items():  # what the loader would refuse is never written
             FrozenMetric.from_json(asdict(m), f"{mid} (not frozen)")
-        entry["metrics"].update(metrics)
+        for mid, m in metrics.items():
+            # The figure frozen before under the same configuration is replaced; one frozen under
+            # another configuration is kept, this one going to an entry without that metric.
+            entry = (next((e for e in mine if mid in e["metrics"] and e["metrics"][mid].config == m.config), None)
+                     or next((e for e in mine if mid not in e["metrics"]), None))
+            if entry is None:
+                entry = {"fingerprint": self.fingerprint, "metrics": {}}
+                current.entries.append(entry)
+                mine.append(entry)
+            entry["metrics"][mid] = m
         doc = {"schema": SCHEMA, "entries": [
             {"fingerprint": e["fingerprint"],
              "metrics": {mid: asdict(m) for mid, m in sorted(e["metrics"].items())}}

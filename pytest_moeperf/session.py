@@ -153,7 +153,7 @@ class MoePerfSession:
         measured = {r.metric_id for r in self.results}
         keys = ("model", "dtype", "moe_backend")
         run = self.run_config
-        return sorted({mid for store, _ in self._stores() for mid, m in store.metrics.items()
+        return sorted({mid for store, _ in self._stores() for mid, m in store.figures()
                        if mid not in measured and all(m.config.get(k) == run[k] for k in keys)})
 
     def strict_failures(self) -> list[str]:

@@ -177,6 +177,25 @@ def test_freeze_keeps_other_devices_entries_and_metrics_not_remeasured(run, suit
         "not_run::m", "test_suite.py::test_latency::latency_us"}
 
 
+def test_a_freeze_under_another_configuration_keeps_the_figures_of_the_first(run, suite):
+    """A quick freeze with another MoE backend used to replace the default configuration's figure,
+    so the next default run had no baseline (and failed under --moe-strict)."""
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    run("--moe-bench", "--moe-freeze", "--moe-backend", "reference").assert_outcomes(passed=1)
+    for args in ((), ("--moe-backend", "reference")):
+        result = run("--moe-bench", "--moe-strict", *args, factor=1.0)
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["*latency_us*PASS*"])
+    # Both configurations' figures are in this device's entries; a third freeze of the first
+    # configuration replaces its own figure and adds no entry.
+    run("--moe-bench", "--moe-freeze", factor=1.05).assert_outcomes(passed=1)
+    figures = _this_device_store(suite).figures()
+    assert sorted(m.config["moe_backend"] for _, m in figures) == ["gather", "reference"]
+    assert len(load_file(_this_device_store(suite).path).entries) == 2
+    # A regression of the first configuration still fails against its own figure.
+    run("--moe-bench", factor=1.5).assert_outcomes(failed=1)
+
+
 def test_freeze_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     store = BaselineStore(tmp_path, {"kind": "cpu", "name": "x"}, "dev")
     store.freeze({"a::m": _frozen(value=1.0)})
