@@ -267,8 +267,11 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
     z = down(humming_swiglu(y, limit=swiglu_limit), top_k=1, **indexed)  # [T * k, H]
     if shared is not None:
         main.wait_stream(side)
+    shared_limit = shared.limit if shared is not None else None
+    clip = ({"swiglu_limit": swiglu_limit, "shared_limit": shared_limit}
+            if swiglu_limit is not None or shared_limit is not None else {})
     backends.note("moe", "humming", "humming_indexed_gemm", tokens=tokens, format="mxfp4", block=HUMMING_BLOCK,
-                  shared_stream=shared is not None)
+                  shared_stream=shared is not None, **clip)
     return humming_combine(z, weights, shared_out, x.dtype)
 
 
