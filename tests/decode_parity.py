@@ -26,6 +26,42 @@ def add_nextn_extras(folder, layer: int, hidden: int, final_norm: str, seed: int
     return extras
 
 
+def write_mla_checkpoint(folder, causal_lm, base_model, config, layers: int, hidden: int, seed: int,
+                         moe_layer: dict) -> tuple:
+    """A tiny MLA-on-every-layer checkpoint (DeepSeek-V3, GLM-4.7-Flash) with one NEXTN layer, and
+    its references in float64: (folder, transformers' model of the main layers, a one-layer model
+    holding the NEXTN layer's block with its final norm as `norm`, the NEXTN extras).
+
+    transformers has no NEXTN module: a `causal_lm` of `layers + 1` layers (`config(n, **kw)`
+    gives the family's config) is saved, config.json cut back to `layers` with
+    num_nextn_predict_layers 1, and the layer's enorm, hnorm, eh_proj and shared_head.norm added
+    in the family's names. `moe_layer`: the config keys that make a one-layer model's layer MoE,
+    as layer `layers` is."""
+    import json
+
+    from tests.ling_checkpoint import randomize
+    big = causal_lm(config(layers + 1)).eval()
+    randomize(big, seed=seed)
+    big.save_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    if isinstance(raw.get("mlp_layer_types"), list):
+        raw["mlp_layer_types"] = raw["mlp_layer_types"][:layers]
+    (folder / "config.json").write_text(json.dumps(raw))
+    extras = add_nextn_extras(folder, layers, hidden, "shared_head.norm", seed=seed + 1)
+    ref = causal_lm(config(layers)).eval()
+    nextn = base_model(config(1, **moe_layer)).eval()
+    with torch.no_grad():
+        ref.model.load_state_dict({k: v for k, v in big.model.state_dict().items()
+                                   if not k.startswith(f"layers.{layers}.")})
+        ref.lm_head.load_state_dict(big.lm_head.state_dict())
+        nextn.layers[0].load_state_dict(big.model.layers[layers].state_dict())
+        nextn.norm.weight.copy_(extras["shared_head.norm"])
+    for model in (ref, nextn):
+        model.set_experts_implementation("eager")  # the grouped matmul takes no float64
+    return folder, ref.double(), nextn.double(), {name: t.double() for name, t in extras.items()}
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per position ||a - b|| / ||b|| over the last (vocabulary or hidden) dimension."""
     return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
@@ -59,8 +95,10 @@ def nextn_reference(ref, nextn, extras: dict, tokens: torch.Tensor) -> torch.Ten
         h = ref.model(tokens).last_hidden_state[:, :-1]
         e = ref.model.embed_tokens(tokens[:, 1:])
 
+        eps = ref.config.rms_norm_eps  # enorm and hnorm are the model's RMSNorms
+
         def norm(x, w):
-            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
         x = torch.cat((norm(e, extras["enorm"]), norm(h, extras["hnorm"])), dim=-1) @ extras["eh_proj"].T
         return ref.lm_head(nextn(inputs_embeds=x).last_hidden_state)
 

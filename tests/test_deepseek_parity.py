@@ -25,9 +25,8 @@ from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError, read_config  # noqa: E402
 from impl.model.mla import MLAAttention  # noqa: E402
 from impl.spec import SpeculativeDecoder  # noqa: E402
-from tests.decode_parity import (add_nextn_extras, assert_decode_matches, cached_logits,  # noqa: E402
-                                 check_ladder_runs_unchanged, nextn_logits, nextn_reference, rel)
-from tests.ling_checkpoint import randomize  # noqa: E402
+from tests.decode_parity import (assert_decode_matches, cached_logits, check_ladder_runs_unchanged,  # noqa: E402
+                                 nextn_logits, nextn_reference, rel, write_mla_checkpoint)
 
 LAYERS, T, PROMPT, H = 3, 40, 8, 32
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
@@ -59,26 +58,8 @@ def checkpoint(tmp_path_factory):
     transformers has no NEXTN module: the checkpoint's layer LAYERS is written by saving a model of
     LAYERS + 1 layers, then config.json is cut back to LAYERS layers with num_nextn_predict_layers 1
     and the layer's enorm, hnorm, eh_proj and shared_head.norm added in DeepSeek's names."""
-    folder = tmp_path_factory.mktemp("deepseek-tiny")
-    big = DeepseekV3ForCausalLM(hf_config(LAYERS + 1)).eval()
-    randomize(big, seed=3)
-    big.save_pretrained(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    raw.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
-    (folder / "config.json").write_text(json.dumps(raw))
-    extras = add_nextn_extras(folder, LAYERS, H, "shared_head.norm", seed=4)
-
-    ref = DeepseekV3ForCausalLM(hf_config(LAYERS)).eval()
-    nextn = DeepseekV3Model(hf_config(1, first_k_dense_replace=0)).eval()  # its one layer MoE, as layer LAYERS is
-    with torch.no_grad():
-        ref.model.load_state_dict({k: v for k, v in big.model.state_dict().items()
-                                   if not k.startswith(f"layers.{LAYERS}.")})
-        ref.lm_head.load_state_dict(big.lm_head.state_dict())
-        nextn.layers[0].load_state_dict(big.model.layers[LAYERS].state_dict())
-        nextn.norm.weight.copy_(extras["shared_head.norm"])
-    for model in (ref, nextn):
-        model.set_experts_implementation("eager")  # the grouped matmul takes no float64
-    return folder, ref.double(), nextn.double(), {name: t.double() for name, t in extras.items()}
+    return write_mla_checkpoint(tmp_path_factory.mktemp("deepseek-tiny"), DeepseekV3ForCausalLM, DeepseekV3Model,
+                                hf_config, LAYERS, H, seed=3, moe_layer=dict(first_k_dense_replace=0))
 
 
 @pytest.fixture(scope="module")

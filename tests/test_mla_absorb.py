@@ -114,16 +114,19 @@ def test_bad_arguments_name_the_problem():
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 as compiled needs a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 4], ids=["decode", "verify"])
-def test_bf16_at_ling_shapes_on_the_gpu(tokens):
-    """Ling-3.0-flash's MLA widths: 32 heads, nope 128, v 128, latent 512, rope 64."""
+# (heads, nope, v, latent, rope): Ling-3.0-flash's; GLM-4.7-Flash's (20 heads, a nope width of no
+# power of two, v wider than nope).
+@pytest.mark.parametrize("heads,dn,dv,r,dr", [(32, 128, 128, 512, 64), (20, 192, 256, 512, 64)],
+                         ids=["ling-3.0-flash", "glm-4.7-flash"])
+def test_bf16_at_real_shapes_on_the_gpu(tokens, heads, dn, dv, r, dr):
     q, kv_a, w_uk, cos, sin, norm_w, eps, pos, cache, w_uv, gate = query_inputs(
-        1, tokens, 32, 128, 128, 512, 64, torch.bfloat16, seed=tokens, cache_rows=256)
+        1, tokens, heads, dn, dv, r, dr, torch.bfloat16, seed=tokens, cache_rows=256)
     want_cache = cache.clone()
     want = mla_query_reference(q, kv_a, w_uk, cos, sin, norm_w, eps, pos, want_cache)
     got = mla_query(q, kv_a, w_uk, cos, sin, norm_w, eps, pos, cache)
     assert rel(got, want) <= 2.0 ** -7
     assert rel(cache, want_cache) <= 2.0 ** -7
-    lat = torch.randn(tokens, 32, 512, device=DEVICE).to(torch.bfloat16)
+    lat = torch.randn(tokens, heads, r, device=DEVICE).to(torch.bfloat16)
     assert rel(mla_output(lat, gate, w_uv), mla_output_reference(lat, gate, w_uv)) <= 2.0 ** -7
 
 

@@ -1,7 +1,8 @@
 """Read transformers-format checkpoints (config.json + safetensors) of supported MoE families.
 
 Supported: Qwen3-MoE (`qwen3_moe`), GLM-4.5-MoE (`glm4_moe`), DeepSeek-V3 (`deepseek_v3`, and
-Kimi-K2's `kimi_k2`: MLA on every layer, YaRN rope) and Ling 3.0 (`bailing_hybrid`, in the
+Kimi-K2's `kimi_k2`: MLA on every layer, YaRN rope), GLM-4.7-Flash (`glm4_moe_lite`: DeepSeek-V3's
+MLA with GLM-4.5's MoE) and Ling 3.0 (`bailing_hybrid`, in the
 names its checkpoints and transformers' save_pretrained write: `word_embeddings`, `attention.*`
 with `dense` for the output projection and separate `q/k/v_conv1d`, `mlp.gate.expert_bias`).
 Ropes: the default, or a scaled one transformers computes without the sequence length (linear,
@@ -35,7 +36,9 @@ from impl.model.weight_formats import (CheckpointError, Quantization, Stored, as
 from impl.quant.mxfp4 import MXFP4Tensor
 
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")  # Kimi-K2's config names its own type for DeepSeek-V3's architecture
-SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe", "bailing_hybrid") + DEEPSEEK_V3
+# MLA on every layer, sigmoid group-limited routing, NEXTN layers: read by `_mla_config`.
+MLA_FAMILIES = DEEPSEEK_V3 + ("glm4_moe_lite",)
+SUPPORTED_ARCHITECTURES = ("qwen3_moe", "glm4_moe", "bailing_hybrid") + MLA_FAMILIES
 # transformers' defaults for keys a config.json may omit, where they differ between the families
 # or from the fallbacks below (Qwen3MoeConfig / Glm4MoeConfig).
 _FAMILY_DEFAULTS = {
@@ -161,21 +164,31 @@ def _swiglu_limits(raw: dict, path: Path, keys: tuple[str, str]) -> tuple[float,
     return tuple(float(v) for v in limits) if any(limits) else ()
 
 
-def _deepseek_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -> ModelConfig:
-    """A DeepSeek-V3 (`deepseek_v3`; Kimi-K2's `kimi_k2` is the same architecture) config.json read
-    by transformers' DeepseekV3Config (its defaults), then mapped onto ModelConfig: MLA on every
-    layer (no output gate; YaRN's mscale in the softmax scale), the first `first_k_dense_replace`
-    layers dense, sigmoid group-limited routing, NEXTN layers fed the normed hidden states."""
-    from transformers import DeepseekV3Config
+def _mla_config(raw: dict, path: Path, name: str, max_seq_len: int | None) -> ModelConfig:
+    """A DeepSeek-V3 (`deepseek_v3`; Kimi-K2's `kimi_k2` is the same architecture) or GLM-4.7-Flash
+    (`glm4_moe_lite`: DeepSeek-V3's attention, GLM-4.5's MoE) config.json read by transformers' own
+    config class (its defaults), then mapped onto ModelConfig: MLA on every layer (no output gate;
+    YaRN's mscale in the softmax scale), the dense layers the family names (DeepSeek's first
+    `first_k_dense_replace`, GLM's `mlp_layer_types`), sigmoid group-limited routing, NEXTN layers
+    fed the normed hidden states."""
+    arch = raw["model_type"]
+    if arch == "glm4_moe_lite":
+        try:
+            from transformers import Glm4MoeLiteConfig as Config
+        except ImportError:
+            raise CheckpointError(f"{path}: reading a glm4_moe_lite config needs a transformers with "
+                                  "Glm4MoeLiteConfig") from None
+    else:
+        from transformers import DeepseekV3Config as Config
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if raw.get(key, want) != want:
             raise CheckpointError(f"{path}: {key} = {raw[key]!r} is not supported (only {want!r})")
     fields = {k: v for k, v in raw.items() if k not in ("quantization_config", "architectures", "model_type",
                                                         "auto_map")}
     try:
-        c = DeepseekV3Config(**fields)
+        c = Config(**fields)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a valid deepseek_v3 config: {e}") from None
+        raise CheckpointError(f"{path}: not a valid {arch} config: {e}") from None
     if c.hidden_act != "silu":
         raise CheckpointError(f"{path}: activation {c.hidden_act!r} is not supported (only silu)")
     if not c.rope_interleave:
@@ -183,12 +196,20 @@ def _deepseek_config(raw: dict, path: Path, name: str, max_seq_len: int | None) 
                               "interleaved pairs, as DeepSeek-V3's checkpoints store them)")
     rope = dict(c.rope_parameters or {})
     layers = c.num_hidden_layers
+    if getattr(c, "mlp_layer_types", None) is not None:
+        unknown = sorted(set(c.mlp_layer_types) - {"dense", "sparse"})
+        if unknown or len(c.mlp_layer_types) != layers:
+            raise CheckpointError(f"{path}: mlp_layer_types must name 'dense' or 'sparse' for each of the {layers} "
+                                  f"layers, got {c.mlp_layer_types}")
+        dense = tuple(i for i, t in enumerate(c.mlp_layer_types) if t == "dense")
+    else:
+        dense = tuple(range(min(c.first_k_dense_replace, layers)))
     return ModelConfig(
         name=name, vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_layers=layers,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_attention_heads, head_dim=c.qk_rope_head_dim,
         intermediate_size=c.intermediate_size, num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
         moe_intermediate_size=c.moe_intermediate_size, num_shared_experts=c.n_shared_experts or 0,
-        dense_layers=tuple(range(min(c.first_k_dense_replace, layers))), router="sigmoid_grouped",
+        dense_layers=dense, router="sigmoid_grouped",
         n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
         routed_scaling_factor=c.routed_scaling_factor, rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_parameters=scaled_rope_parameters(rope, c.max_position_embeddings, path),
@@ -214,8 +235,8 @@ def _read(folder: Path, max_seq_len: int | None = None) -> tuple[dict, ModelConf
     try:
         if arch == "bailing_hybrid":
             return raw, _bailing_config(raw, path, folder.name, max_seq_len)
-        if arch in DEEPSEEK_V3:
-            return raw, _deepseek_config(raw, path, folder.name, max_seq_len)
+        if arch in MLA_FAMILIES:
+            return raw, _mla_config(raw, path, folder.name, max_seq_len)
         return raw, _family_config(raw, path, folder, max_seq_len)
     except CheckpointError:
         raise
