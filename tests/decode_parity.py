@@ -115,6 +115,27 @@ def nextn_logits(model, tokens: torch.Tensor, hidden: torch.Tensor | None = None
         return mtp.logits(mtp.hidden(hidden[:, :-1], tokens[:, 1:], cos, sin, torch.arange(t - 1), mask))
 
 
+def assert_nextn_matches(model, checkpoint: tuple, tokens: torch.Tensor, tol: float) -> torch.Tensor:
+    """Our NEXTN layer's logits within `tol` of the reference from transformers' modules at every
+    position (`checkpoint`: a parity checkpoint's (folder, ref, nextn, extras)); returns the reference."""
+    _, ref, nextn, extras = checkpoint
+    want = nextn_reference(ref, nextn, extras, tokens)
+    err = rel(nextn_logits(model, tokens), want)
+    assert err.max() <= tol, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    return want
+
+
+def assert_speculative_equals_greedy(model, prompt: torch.Tensor, tokens: int) -> None:
+    """MTP speculative decoding (k = 3) of `tokens` tokens equals plain greedy decoding, with some
+    draft rejected: random weights reject most drafts, so the rollback after a rejection is tested."""
+    from impl.generate import generate
+    from impl.spec import SpeculativeDecoder
+    plain = generate(model, prompt, tokens).new_tokens[0]
+    result = SpeculativeDecoder(model, k=3).generate(prompt, tokens)
+    assert torch.equal(result.new_tokens[0, :tokens], plain)
+    assert result.stats.accepted < result.stats.drafted, "no draft was rejected: the rollback went untested"
+
+
 def check_ladder_runs_unchanged(model, prompts: list[str], max_tokens: int) -> None:
     """One mechanism: the serving rows (FP8 head, MTP with the head shared) on `model` (CPU);
     provenance holds for every row and greedy +mtp serves exactly what +fp8-head serves."""

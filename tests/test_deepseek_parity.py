@@ -20,13 +20,12 @@ import torch
 pytest.importorskip("transformers.models.deepseek_v3")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV3Model  # noqa: E402
 
-from impl.generate import generate  # noqa: E402
 from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError, read_config  # noqa: E402
 from impl.model.mla import MLAAttention  # noqa: E402
-from impl.spec import SpeculativeDecoder  # noqa: E402
-from tests.decode_parity import (assert_decode_matches, cached_logits, check_ladder_runs_unchanged,  # noqa: E402
-                                 nextn_logits, nextn_reference, rel, write_mla_checkpoint)
+from tests.decode_parity import (assert_decode_matches, assert_nextn_matches,  # noqa: E402
+                                 assert_speculative_equals_greedy, cached_logits, check_ladder_runs_unchanged,
+                                 nextn_logits, rel, write_mla_checkpoint)
 
 LAYERS, T, PROMPT, H = 3, 40, 8, 32
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
@@ -100,10 +99,7 @@ def test_yarn_is_what_makes_it_match(checkpoint, tokens):
 def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
     """Fed the target's final-normed hidden state at i and token i + 1, as DeepSeek's own modeling
     code feeds the layer."""
-    _, ref, nextn, extras = checkpoint
-    want = nextn_reference(ref, nextn, extras, tokens)
-    err = rel(nextn_logits(ours, tokens), want)
-    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    want = assert_nextn_matches(ours, checkpoint, tokens, REL_TOL)
     # Negative control: the hidden states before the final norm (what tiny-gsm's layer takes).
     with torch.inference_mode():
         pre = ours.last_hidden_states(tokens, torch.arange(T))
@@ -111,11 +107,7 @@ def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ou
 
 
 def test_speculative_with_rejections_equals_greedy(ours, tokens):
-    prompt = tokens[0, :PROMPT]
-    plain = generate(ours, prompt, 24).new_tokens[0]
-    result = SpeculativeDecoder(ours, k=3).generate(prompt, 24)
-    assert torch.equal(result.new_tokens[0, :24], plain)
-    assert result.stats.accepted < result.stats.drafted, "no draft was rejected: the rollback went untested"
+    assert_speculative_equals_greedy(ours, tokens[0, :PROMPT], 24)
 
 
 @pytest.mark.parametrize("edit, problem", [

@@ -19,12 +19,10 @@ import torch
 pytest.importorskip("transformers.models.glm4_moe_lite")
 from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, Glm4MoeLiteModel  # noqa: E402
 
-from impl.generate import generate  # noqa: E402
 from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError, read_config  # noqa: E402
-from impl.spec import SpeculativeDecoder  # noqa: E402
-from tests.decode_parity import (assert_decode_matches, check_ladder_runs_unchanged, nextn_logits,  # noqa: E402
-                                 nextn_reference, rel, write_mla_checkpoint)
+from tests.decode_parity import (assert_decode_matches, assert_nextn_matches,  # noqa: E402
+                                 assert_speculative_equals_greedy, check_ladder_runs_unchanged, write_mla_checkpoint)
 
 LAYERS, T, PROMPT, H = 3, 40, 8, 32
 # The bar the other families' parity holds (tests/test_deepseek_parity.py): float64 on both sides
@@ -74,9 +72,7 @@ def test_prefill_then_decode_logits_match_transformers(checkpoint, ours, tokens)
 
 
 def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
-    _, ref, nextn, extras = checkpoint
-    err = rel(nextn_logits(ours, tokens), nextn_reference(ref, nextn, extras, tokens))
-    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    assert_nextn_matches(ours, checkpoint, tokens, REL_TOL)
 
 
 def test_dense_layers_follow_mlp_layer_types(checkpoint, tmp_path):
@@ -93,11 +89,7 @@ def test_dense_layers_follow_mlp_layer_types(checkpoint, tmp_path):
 
 
 def test_speculative_with_rejections_equals_greedy(ours, tokens):
-    prompt = tokens[0, :PROMPT]
-    plain = generate(ours, prompt, 24).new_tokens[0]
-    result = SpeculativeDecoder(ours, k=3).generate(prompt, 24)
-    assert torch.equal(result.new_tokens[0, :24], plain)
-    assert result.stats.accepted < result.stats.drafted, "no draft was rejected: the rollback went untested"
+    assert_speculative_equals_greedy(ours, tokens[0, :PROMPT], 24)
 
 
 def test_the_ladder_runs_on_the_checkpoint_unchanged(checkpoint):

@@ -14,13 +14,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers.models.bailing_hybrid")
-from impl.generate import generate  # noqa: E402
 from impl.model.build import build_model  # noqa: E402
 from impl.model.kda import KDAAttention  # noqa: E402
 from impl.model.loading import read_config  # noqa: E402
-from impl.spec import SpeculativeDecoder  # noqa: E402
-from tests.decode_parity import (assert_decode_matches, cached_logits, check_ladder_runs_unchanged,  # noqa: E402
-                                 nextn_logits, nextn_reference, rel)
+from tests.decode_parity import (assert_decode_matches, assert_nextn_matches,  # noqa: E402
+                                 assert_speculative_equals_greedy, cached_logits, check_ladder_runs_unchanged, rel)
 from tests.ling_checkpoint import write_tiny_ling  # noqa: E402
 
 T, PROMPT = 40, 8
@@ -74,9 +72,7 @@ def test_prefill_then_decode_logits_match_transformers(checkpoint, ours, tokens)
 
 def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ours, tokens):
     """Ling's NEXTN layer takes the target's final-normed hidden state at i and token i+1."""
-    _, ref, nextn, extras = checkpoint
-    err = rel(nextn_logits(ours, tokens), nextn_reference(ref, nextn, extras, tokens))
-    assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
+    assert_nextn_matches(ours, checkpoint, tokens, REL_TOL)
 
 
 def test_recurrent_decode_equals_chunked_prefill(ours, tokens):
@@ -120,12 +116,7 @@ def test_keep_verified_is_needed(ours, tokens):
 def test_speculative_with_rejections_equals_greedy(ours, tokens):
     """Random weights: the NEXTN draft is mostly rejected, so nearly every verify step rolls the KDA
     states back; the tokens must still be plain greedy decoding's."""
-    prompt = tokens[0, :PROMPT]
-    plain = generate(ours, prompt, 32).new_tokens[0]
-    result = SpeculativeDecoder(ours, k=3).generate(prompt, 32)
-    assert torch.equal(result.new_tokens[0, :32], plain)
-    stats = result.stats
-    assert stats.accepted < stats.drafted, "no draft was rejected: the rollback went untested"
+    assert_speculative_equals_greedy(ours, tokens[0, :PROMPT], 32)
 
 
 def test_the_ladder_runs_on_the_hybrid_model_unchanged():
