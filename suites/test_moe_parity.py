@@ -8,6 +8,10 @@ shared expert:
 - the Ling-3.0-flash (E=512, top-8, H=2560, I=768, shared I=768) and Ling-flash-2.0 (E=256,
   top-8, H=4096, I=1024, shared I=1024) shapes, marked `gpu` (bf16 activations).
 
+A backend that clips SwiGLU (`Backend.clips_swiglu`: Ling-3.0-flash's late layers) is also checked
+with clipping limits that bite, routed and shared (`test_clipped_parity_with_reference`; a
+backend without it is skipped there, saying that a model that clips refuses it).
+
 Backends under test: the one `--moe-backend` names (the `moe_backend` fixture). Left on `auto`,
 this suite also checks `triton`, the subject of these suites, besides what `auto` resolves to on
 this device (`gather` on a CPU), so the default CPU run checks the Triton kernels too.
@@ -35,11 +39,11 @@ is the backend's own arithmetic. Tolerances, as norm-wise relative error per tok
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -57,7 +61,7 @@ TOKENS = (1, 2, 4, 16)
 FORMATS = ("bf16", "mxfp4", "fp32")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Shape:
     name: str
     experts: int
@@ -216,3 +220,55 @@ def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_sha
     assert_ran(prov, backend, fmt)
     ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared)
     assert_rows_close(out, ref, tolerance(device), what)
+
+
+# Clipping limits, routed and shared, of the order of the activations here (x ~ N(0, 1), weight
+# rows of norm ~1 scaled by up to 4 per block): each cuts a good share of the values, so a backend
+# that ignores either one misses the oracle by far more than the tolerance (checked below: leaving
+# out the shared clip, the smaller effect, moved rows by 0.12 and more in 30 draws at 0.5).
+CLIP_ROUTED, CLIP_SHARED = 0.75, 0.3
+CLIP_TOKENS = (1, 4, 16)
+
+
+@pytest.mark.parametrize("tokens", CLIP_TOKENS, ids=[f"M{m}" for m in CLIP_TOKENS])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(_shape_params()))
+def test_clipped_parity_with_reference(backend, moe_device, shape, fmt, tokens):
+    """SwiGLU clipped (silu(gate) capped at the limit, up clamped to +-limit) in the routed experts
+    and the shared one, each at its own limit."""
+    if not backend.clips_swiglu:
+        pytest.skip(f"backend {backend.name!r} does not clip SwiGLU (Backend.clips_swiglu); a model that clips "
+                    "refuses it")
+    skip_unsupported(backend, fmt)
+    device = moe_device.torch_device
+    if fmt == "fp32" and device.type != "cpu":
+        pytest.skip("fp32 experts are the CPU model's format; a GPU model holds bf16 or MXFP4 ones")
+    dtype = activation_dtype(device)
+    weight_seed, seed = session_seed(shape.name, fmt), new_seed()
+    what = (f"{backend.name} vs moe_reference, clipped at {CLIP_ROUTED} / shared {CLIP_SHARED}, {shape.name} {fmt} "
+            f"M={tokens} (weight seed {weight_seed}, input seed {seed})")
+    w_gate_up, w_down = expert_weights(shape, fmt, device, weight_seed)
+    g = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(dtype)
+    logits = torch.randn(tokens, shape.experts, generator=g, device=device) * 2
+    weights, ids = sigmoid_grouped_topk(logits, shape.top_k, shape.n_group, shape.topk_group,
+                                        routed_scaling_factor=ROUTED_SCALING)
+    h, i_s = shape.hidden, shape.shared_inter
+    shared = SharedExpert(*(t.to(dtype) for t in (
+        torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
+        torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
+        torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))), limit=CLIP_SHARED)
+    with backends.record_provenance() as prov:
+        try:
+            out = backend.fn(x, weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
+        except backends.Unsupported as e:
+            pytest.skip(f"backend {backend.name!r} does not cover this case: {e}")
+    assert_ran(prov, backend, fmt)
+    ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
+    tol = tolerance(device)
+    # The premise: leaving out either clip moves every row well past the tolerance.
+    for routed, shared_limit in ((None, CLIP_SHARED), (CLIP_ROUTED, None)):
+        unclipped = moe_reference(x.float(), weights, ids, w_gate_up, w_down,
+                                  dataclasses.replace(shared, limit=shared_limit), swiglu_limit=routed)
+        assert (row_errors(unclipped, ref) > 5 * tol).all(), f"{what}: the limits do not bite"
+    assert_rows_close(out, ref, tol, what)

@@ -7,7 +7,8 @@ fail them):
 - `triton-wrong-scale`: the MXFP4 scales read one block off along K (each row's E8M0 codes
   rolled by one block); for plain bf16/fp32 weights the same wrong index on the values (each
   row rolled by 32 along K);
-- `triton-dropped-expert`: the last routed expert of every token dropped (its weight zeroed).
+- `triton-dropped-expert`: the last routed expert of every token dropped (its weight zeroed);
+- `triton-ignores-clip`: declares that it clips SwiGLU, and drops the routed and shared limits.
 The very same selection passes with the real `triton` backend. Small: a subset of the parity
 cases and a few hypothesis examples per property, without shrinking; each run in a subprocess.
 """
@@ -29,6 +30,8 @@ SUITE_FILES = ("test_moe_parity.py", "test_moe_fuzz.py")
 EXAMPLES = 4  # hypothesis examples per property in these runs
 
 CONFTEST = f'''
+import dataclasses
+
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
@@ -44,9 +47,9 @@ settings.load_profile("negative-controls")
 
 def _recorded_as(name, fn):
     """fn's kernels, recorded under backend `name` (as any wrapper backend records them)."""
-    def run(*args):
+    def run(*args, **kwargs):
         with backends.record_provenance() as inner:
-            out = fn(*args)
+            out = fn(*args, **kwargs)
         for e in inner.events:
             backends.note(e.kind, name, e.kernel, **e.config)
         return out
@@ -69,16 +72,24 @@ def _dropped_expert(x, weights, ids, w_gate_up, w_down, shared=None):
     return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
 
 
+def _ignores_clip(x, weights, ids, w_gate_up, w_down, shared=None, swiglu_limit=None):
+    unclipped = None if shared is None else dataclasses.replace(shared, limit=None)
+    return moe_triton(x, weights, ids, w_gate_up, w_down, unclipped)
+
+
 DEFECTS = {{"triton-wrong-scale": _wrong_scale, "triton-dropped-expert": _dropped_expert}}
 for _name, _fn in DEFECTS.items():
     backends.register(backends.Backend("moe", _name, _recorded_as(_name, _fn), "planted defect"), replace=True)
+backends.register(backends.Backend("moe", "triton-ignores-clip", _recorded_as("triton-ignores-clip", _ignores_clip),
+                                   "planted defect", clips_swiglu=True), replace=True)
 
 '''
 
 # Parity: the M=4 cases of one tiny shape (bf16, MXFP4 and fp32, with and without the shared
-# expert); fuzz: every property of the fuzz file.
+# expert, and clipped); fuzz: every property of the fuzz file.
 SELECTION = "(tiny-h96 and M4) or test_moe_fuzz"
 PARITY_CASES = 6
+CLIPPED_CASES = 3
 FUZZ_TESTS = ("test_fuzz_matches_reference", "test_fuzz_nan_reaches_exactly_its_rows",
               "test_mxfp4_decode_every_code_and_scale", "test_mxfp4_nan_scale_and_overflow_reach_exactly_their_tokens")
 
@@ -120,7 +131,8 @@ def test_the_selection_passes_with_the_real_triton_backend(suites):
     outcomes = run_suites(suites, "triton")
     assert all(o.outcome == "passed" for o in outcomes), [(o.nodeid, o.outcome, o.text[-2000:]) for o in outcomes
                                                           if o.outcome != "passed"]
-    assert len([o for o in outcomes if "test_moe_parity" in o.nodeid]) == PARITY_CASES
+    assert len([o for o in outcomes if "test_parity_with_reference" in o.nodeid]) == PARITY_CASES
+    assert len([o for o in outcomes if "test_clipped_parity" in o.nodeid]) == CLIPPED_CASES
     for test in FUZZ_TESTS:
         assert any(test in o.nodeid for o in outcomes), f"{test} did not run"
 
@@ -134,7 +146,7 @@ def test_planted_defect_fails_parity_and_fuzz(suites, defect):
             assert "provenance names backends" not in o.text and "AssertionError" in o.text, (
                 f"{o.nodeid} failed otherwise:\n{o.text[-3000:]}")
     # Every parity case of the selection fails, with the stated tolerance exceeded.
-    parity = [o for o in outcomes if "test_moe_parity" in o.nodeid]
+    parity = [o for o in outcomes if "test_parity_with_reference" in o.nodeid]
     assert len(parity) == PARITY_CASES, [o.nodeid for o in parity]
     assert all(o.outcome == "failed" and "exceeds the tolerance" in o.text for o in parity), (
         f"{defect} got through parity cases {[o.nodeid for o in parity if o.outcome != 'failed']}")
@@ -145,6 +157,16 @@ def test_planted_defect_fails_parity_and_fuzz(suites, defect):
     assert "Case(experts=" in fuzz[0].text
     decode = [o for o in outcomes if "test_mxfp4_decode_every_code_and_scale" in o.nodeid]
     assert len(decode) == 3 and all(o.outcome == "failed" for o in decode), [(o.nodeid, o.outcome) for o in decode]
+
+
+def test_a_backend_that_ignores_the_clip_it_declares_fails_the_clipped_parity(suites):
+    """Its unclipped cases are right, so only the clipped ones can catch it: they all fail on the
+    numbers; a backend that does not declare the clip is skipped there (the defects above)."""
+    outcomes = [o for o in run_suites(suites, "triton-ignores-clip") if "test_moe_parity" in o.nodeid]
+    clipped = [o for o in outcomes if "test_clipped_parity" in o.nodeid]
+    assert len(clipped) == CLIPPED_CASES and all(o.outcome == "failed" and "exceeds the tolerance" in o.text
+                                                 for o in clipped), [(o.nodeid, o.outcome) for o in clipped]
+    assert all(o.outcome == "passed" for o in outcomes if o not in clipped)
 
 
 def test_the_provenance_check_fails_when_the_backend_under_test_did_not_run():

@@ -52,7 +52,7 @@ def distinct_experts(block: MoEBlock, xs: list[torch.Tensor]) -> float:
 
 def shared_of(block: MoEBlock) -> SharedExpert | None:
     s = block.shared_experts
-    return None if s is None else SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
+    return None if s is None else SharedExpert(s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight, s.limit)
 
 
 def bytes_per_token(config: ModelConfig, fmt: str, distinct_experts: float) -> dict[str, float]:
