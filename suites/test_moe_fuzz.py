@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from impl import backends
-from impl.moe.reference import moe_reference
+from impl.moe.reference import InputSnapshot, moe_reference
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import MXFP4Tensor, pack_nibbles, quantize_mxfp4
 
@@ -217,14 +217,18 @@ def skip_without_mxfp4(formats, backend) -> None:
 
 
 def run_backend(backend, inputs):
-    """The backend's output, after checking that it (and only it) recorded the kernels it ran. A
-    backend that declines a drawn case (`backends.Unsupported`, e.g. a peer library's shape
-    limits) skips the property, saying why."""
+    """The backend's output, after checking that it (and only it) recorded the kernels it ran and
+    that it left its inputs as they were. A backend that declines a drawn case
+    (`backends.Unsupported`, e.g. a peer library's shape limits) skips the property, saying why."""
+    names = ("x", "weights", "ids", "w_gate_up", "w_down", "shared")
+    before = InputSnapshot(**dict(zip(names, inputs)))
     with backends.record_provenance() as prov:
         try:
             out = backend.fn(*inputs)
         except backends.Unsupported as e:
             pytest.skip(f"backend {backend.name!r} does not cover a drawn case: {e}")
+    changed = before.changed(**dict(zip(names, inputs)))
+    assert not changed, f"backend {backend.name!r} changed its input(s) {changed} in place"
     ran = {e.backend for e in prov.events if e.kind == "moe"}
     assert ran == {backend.name}, f"provenance names backends {sorted(ran)}, expected only {backend.name!r}"
     return out

@@ -49,7 +49,7 @@ import pytest
 import torch
 
 from impl import backends
-from impl.moe.reference import moe_reference
+from impl.moe.reference import InputSnapshot, moe_reference
 from impl.moe.shared import SharedExpert
 from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
 from impl.routing import sigmoid_grouped_topk
@@ -160,6 +160,21 @@ def assert_ran(prov, backend, fmt: str) -> None:
     assert formats <= {fmt}, f"backend {backend.name!r} ran weight format(s) {sorted(formats)}, given {fmt}"
 
 
+def call_backend(backend, x, weights, ids, w_gate_up, w_down, shared, **kwargs) -> torch.Tensor:
+    """The backend's output and the provenance of its call; it must leave every input as it was
+    (an oracle run after a backend that renormalized the weights in place would agree with it)."""
+    args = dict(x=x, weights=weights, ids=ids, w_gate_up=w_gate_up, w_down=w_down, shared=shared)
+    before = InputSnapshot(**args)
+    with backends.record_provenance() as prov:
+        try:
+            out = backend.fn(x, weights, ids, w_gate_up, w_down, shared, **kwargs)
+        except backends.Unsupported as e:  # a case outside what the backend covers, in its words
+            pytest.skip(f"backend {backend.name!r} does not cover this case: {e}")
+    changed = before.changed(**args)
+    assert not changed, f"backend {backend.name!r} changed its input(s) {changed} in place"
+    return out, prov
+
+
 def skip_unsupported(backend, fmt: str) -> None:
     """Skip a weight format the backend does not declare (`Backend.formats`), saying so."""
     if fmt not in backend.formats:
@@ -211,11 +226,7 @@ def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_sha
             torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
             torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))))
 
-    with backends.record_provenance() as prov:
-        try:
-            out = backend.fn(x, weights, ids, w_gate_up, w_down, shared)
-        except backends.Unsupported as e:  # a case outside what the backend covers, in its words
-            pytest.skip(f"backend {backend.name!r} does not cover this case: {e}")
+    out, prov = call_backend(backend, x, weights, ids, w_gate_up, w_down, shared)
     assert out.dtype == x.dtype, f"{what}: output dtype {out.dtype}, expected the activations' {x.dtype}"
     assert_ran(prov, backend, fmt)
     ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared)
@@ -258,11 +269,7 @@ def test_clipped_parity_with_reference(backend, moe_device, shape, fmt, tokens):
         torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
         torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
         torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))), limit=CLIP_SHARED)
-    with backends.record_provenance() as prov:
-        try:
-            out = backend.fn(x, weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
-        except backends.Unsupported as e:
-            pytest.skip(f"backend {backend.name!r} does not cover this case: {e}")
+    out, prov = call_backend(backend, x, weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
     assert_ran(prov, backend, fmt)
     ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
     tol = tolerance(device)

@@ -8,7 +8,9 @@ fail them):
   rolled by one block); for plain bf16/fp32 weights the same wrong index on the values (each
   row rolled by 32 along K);
 - `triton-dropped-expert`: the last routed expert of every token dropped (its weight zeroed);
-- `triton-ignores-clip`: declares that it clips SwiGLU, and drops the routed and shared limits.
+- `triton-ignores-clip`: declares that it clips SwiGLU, and drops the routed and shared limits;
+- `triton-renormalizes-in-place`: divides the routing weights by their sum in place, then runs on
+  them (an oracle that ran after it would see the same weights and agree).
 The very same selection passes with the real `triton` backend. Small: a subset of the parity
 cases and a few hypothesis examples per property, without shrinking; each run in a subprocess.
 """
@@ -77,7 +79,13 @@ def _ignores_clip(x, weights, ids, w_gate_up, w_down, shared=None, swiglu_limit=
     return moe_triton(x, weights, ids, w_gate_up, w_down, unclipped)
 
 
-DEFECTS = {{"triton-wrong-scale": _wrong_scale, "triton-dropped-expert": _dropped_expert}}
+def _renormalizes_in_place(x, weights, ids, w_gate_up, w_down, shared=None):
+    weights.div_(weights.sum(dim=-1, keepdim=True))
+    return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
+
+
+DEFECTS = {{"triton-wrong-scale": _wrong_scale, "triton-dropped-expert": _dropped_expert,
+           "triton-renormalizes-in-place": _renormalizes_in_place}}
 for _name, _fn in DEFECTS.items():
     backends.register(backends.Backend("moe", _name, _recorded_as(_name, _fn), "planted defect"), replace=True)
 backends.register(backends.Backend("moe", "triton-ignores-clip", _recorded_as("triton-ignores-clip", _ignores_clip),
@@ -157,6 +165,18 @@ def test_planted_defect_fails_parity_and_fuzz(suites, defect):
     assert "Case(experts=" in fuzz[0].text
     decode = [o for o in outcomes if "test_mxfp4_decode_every_code_and_scale" in o.nodeid]
     assert len(decode) == 3 and all(o.outcome == "failed" for o in decode), [(o.nodeid, o.outcome) for o in decode]
+
+
+def test_a_backend_that_changes_its_inputs_fails_parity_and_fuzz_naming_them(suites):
+    """Its outputs agree with an oracle run on the inputs as it left them; the suites check the
+    inputs themselves."""
+    outcomes = run_suites(suites, "triton-renormalizes-in-place")
+    parity = [o for o in outcomes if "test_parity_with_reference" in o.nodeid]
+    assert len(parity) == PARITY_CASES and all(
+        o.outcome == "failed" and "changed its input(s) ['weights'] in place" in o.text for o in parity), (
+        [(o.nodeid, o.outcome, o.text[-500:]) for o in parity])
+    fuzz = [o for o in outcomes if "test_fuzz_matches_reference" in o.nodeid]
+    assert len(fuzz) == 1 and fuzz[0].outcome == "failed" and "in place" in fuzz[0].text
 
 
 def test_a_backend_that_ignores_the_clip_it_declares_fails_the_clipped_parity(suites):

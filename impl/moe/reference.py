@@ -92,3 +92,56 @@ def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if shared is not None:
         out += swiglu(xf, torch.cat((shared.gate, shared.up)).float(), shared.down.float(), shared.limit)
     return out.to(x.dtype)
+
+
+class InputSnapshot:
+    """What a MoE backend's inputs held before its call, to check after it that it changed none of
+    them: a backend that renormalizes the routing weights or uses x as scratch in place computes
+    from inputs no other caller expects, and an oracle run after it would share the damage.
+    Small tensors are copied whole; the routed experts (GBs at the Ling shapes) by the sum of
+    their bytes and a strided sample of 4096 elements."""
+
+    WHOLE = 1 << 20  # elements up to which a tensor is copied whole
+
+    def __init__(self, **inputs) -> None:
+        self._held = {name: self._take(value) for name, value in inputs.items()}
+
+    @classmethod
+    def _tensors(cls, value) -> dict[str, torch.Tensor]:
+        if value is None:
+            return {}
+        if isinstance(value, torch.Tensor):
+            return {"": value}
+        if isinstance(value, MXFP4Tensor):
+            return {".packed": value.packed, ".scales": value.scales}
+        return {f".{k}": v for k, v in vars(value).items() if isinstance(v, torch.Tensor)}  # a SharedExpert
+
+    @classmethod
+    def _take(cls, value):
+        return {part: cls._digest(t) for part, t in cls._tensors(value).items()}
+
+    @classmethod
+    def _digest(cls, t: torch.Tensor):
+        if t.numel() <= cls.WHOLE:
+            return t.detach().clone()
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        return int(flat.view(torch.uint8).sum(dtype=torch.int64)), flat[::step][:4096].clone()
+
+    def changed(self, **inputs) -> list[str]:
+        """The names (with their part: `.scales`, `.gate`) of the inputs whose values differ now."""
+        out = []
+        for name, value in inputs.items():
+            for part, now in self._take(value).items():
+                before = self._held[name][part]
+                same = (_same_bits(before, now) if isinstance(before, torch.Tensor)
+                        else before[0] == now[0] and _same_bits(before[1], now[1]))
+                if not same:
+                    out.append(name + part)
+        return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN equals the same NaN, which == would not say)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
