@@ -12,6 +12,7 @@ from pathlib import Path
 from pytest_moeperf.ab_figures import render_figures
 from pytest_moeperf.ab_summary import MARGIN, METRICS, QS, SPEED_METRIC, summarize_ab
 from pytest_moeperf.baselines import atomic_write_bytes
+from pytest_moeperf.stats import SMALL_SAMPLE
 
 PROVENANCE_HEADS = {"requests": "requests (with warm-up)"}
 FILES = {
@@ -165,9 +166,10 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
         lines += ["", "### Flags", ""]
         for arm, reasons in summary["flagged"].items():
             lines += [f"- ⚠ **{arm}**: " + "; ".join(reasons)]
-    lines += ["", "Per-arm figures are means with a 95% BCa bootstrap interval, or percentiles. Ratios are the "
-              "geometric mean of the per-request ratios arm / reference with a 95% BCa bootstrap interval "
-              "over requests; \"faster\"/\"slower\" means that interval for decode tokens/s excludes 1. "
+    lines += ["", "Per-arm figures are means with a 95% interval (BCa bootstrap; Student's t below "
+              f"{SMALL_SAMPLE} requests, where resampling sees too few values), or percentiles. Ratios are the "
+              "geometric mean of the per-request ratios arm / reference with such an interval over requests; "
+              "\"faster\"/\"slower\" means that interval for decode tokens/s excludes 1. "
               f"Accuracy: Wilson intervals; the paired difference has Tango's score interval, exact McNemar "
               f"test, and equivalence by two one-sided tests at +-{100 * summary['accuracy_margin']:g} points."]
     if figures:
