@@ -117,7 +117,12 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
               f"- workload: {w.get('name', '-')}, {w.get('n_requests', '-')} requests, {w.get('shots', 0)}-shot",
               f"- reference arm: `{ref}` (every ratio is arm / {ref}, per request)"]
     if not summary["complete"]:
-        lines.append("- **PARTIAL RESULT: the run stopped part-way.** Arms may hold different numbers of "
+        failure = summary.get("failure")
+        why = "" if not failure else (
+            f" Row `{failure['row']}` {failure['kind']} on "
+            + ("preparing its steps" if failure["request"] is None else f"request `{failure['request']}`")
+            + f": {failure['error']}.")
+        lines.append(f"- **PARTIAL RESULT: the run stopped part-way.**{why} Arms may hold different numbers of "
                      "requests; paired figures use only the requests present in both arms.")
     host = summary.get("host")
     if host and host.get("contended"):

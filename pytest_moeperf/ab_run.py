@@ -46,6 +46,14 @@ def arm_entry(arm) -> dict:
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
 
 
+def _failure(error: Exception, where: tuple, kind: str) -> dict:
+    """Where a row stopped the ladder ("refused": a backend's Unsupported; "failed": an error of the
+    row's code), as the report shows it."""
+    cause = error.__cause__ if isinstance(error.__cause__, Exception) and kind == "refused" else error
+    row, request = where or (None, None)
+    return {"row": row, "request": request, "kind": kind, "error": f"{type(cause).__name__}: {cause}"}
+
+
 def host_entry(load, threshold: float | None) -> dict:
     """The host's CPU contention while the rows were served, as the report shows it: a contended
     host slows every row, so the speed figures are the host's as much as the code's."""
@@ -83,7 +91,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.data.gsm8k import GSM8KError
     from impl.data.text import TokenizerError, tokenizer_for
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
-    from impl.serve import ArmError, build_arms, run_ladder
+    from impl.serve import ArmError, build_arms, run_ladder, where_failed
     from pytest_moeperf.ab_report import write_ab_report
     from pytest_moeperf.ab_summary import summarize_ab
     from pytest_moeperf.host_load import Meter
@@ -126,6 +134,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
 
     dropped: dict[str, str] = {}
     complete = False
+    failure: dict | None = None  # the row that stopped the run, where, and why (in the report)
     meter = Meter(enabled=not session.device.is_cuda)
     try:
         try:
@@ -133,7 +142,18 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
                 run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup,
                            check=False, optional=optional, dropped=dropped)
         except ArmError as e:  # a row's backend refused the workload: the report below keeps what ran
+            failure = _failure(e, where_failed(e), "refused")
             _usage_exit(f"{ladder_opt}: {e}")
+        except Exception as e:
+            if where_failed(e) is None:
+                raise
+            # A row's code failed: named once, its traceback printed once (not once a test).
+            failure = _failure(e, where_failed(e), "failed")
+            import traceback
+            _progress("".join(traceback.format_exception(e)))
+            what = "preparing its steps" if failure["request"] is None else f"request {failure['request']!r}"
+            pytest.fail(f"row {failure['row']!r} failed on {what}: {failure['error']} (the A/B report in "
+                        f"{report_dir} holds the {len(records)} record(s) served before)", pytrace=False)
         complete = True
     finally:
         model.set_moe_backend(restore[0])
@@ -149,6 +169,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             "complete": complete,
             "dropped": dropped,
             "host": host_entry(host_load, opts.host_stall),
+            "failure": failure,
         }
         try:
             report = write_ab_report(result, report_dir, margin=opts.margin)

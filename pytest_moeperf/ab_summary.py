@@ -238,8 +238,10 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s",
     "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps",
     "correct", "strict_correct", "flexible_correct", "text"}, ...], "complete": bool, optionally
-    "dropped": {row name: why it was left out (impl.serve.runner)} and "host": the host's CPU
-    contention while serving (pytest_moeperf.ab_run.host_entry), passed through as it is}.
+    "dropped": {row name: why it was left out (impl.serve.runner)}, "host": the host's CPU
+    contention while serving (pytest_moeperf.ab_run.host_entry), passed through as it is, and
+    "failure": the row that stopped the run ({"row", "request", "kind", "error"}), whose comparison
+    then has no verdict and which is flagged}.
     Missing figures are None (TPOT of a 1-token output; accuracy of a synthetic workload).
 
     Returns {"workload", "device", "complete", "reference", "arms": [per-arm summary],
@@ -258,15 +260,23 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     steps = [{"arm": b["name"], "reference": a["name"],
               "ratios": _compare(a["name"], b["name"], by_arm, margin)["ratios"]} for a, b in zip(arms[1:], arms[2:])]
     max_n = max((s["n_requests"] for s in summaries), default=0)
+    failure = result.get("failure")
+    for c in comparisons:  # a comparison with a row that failed part-way gets no verdict
+        if failure and failure["row"] in (c["arm"], c["reference"]):
+            c["speed"] = c["verdict"] = f"{failure['kind']} part-way: no verdict"
     flagged = {}
     for i, s in enumerate(summaries):
         s["flags"] = _flags(s, comparisons[i - 1] if i else None)
+        if failure and s["name"] == failure["row"]:
+            where = "preparing its steps" if failure["request"] is None else f"request {failure['request']!r}"
+            s["flags"].insert(0, f"{failure['kind']} on {where} ({failure['error']}): the run stopped there, and "
+                                 "its figures are those of the requests before")
         s["partial"] = s["n_requests"] < max_n
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
     return {"workload": result.get("workload") or {}, "device": result.get("device"),
             "complete": bool(result.get("complete", False)), "dropped": dict(result.get("dropped") or {}),
-            "host": result.get("host"),
+            "host": result.get("host"), "failure": failure,
             "reference": ref,
             "accuracy_margin": margin, "confidence": CONFIDENCE,
             "arms": summaries, "comparisons": comparisons, "steps": steps, "flagged": flagged}

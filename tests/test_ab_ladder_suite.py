@@ -89,6 +89,17 @@ def test_a_run_stopped_part_way_keeps_what_completed_in_its_report(pytester):
     # What the host did while the completed requests were served is kept too (a CPU run is metered).
     host = report["summary"]["host"]
     assert host["metered"] is True and host["wall_s"] > 0, host
+    # The row and request that failed are named once: in the report, which flags that row and gives
+    # it no verdict, and in one short failure (the traceback printed once, not once a test).
+    failure = report["summary"]["failure"]
+    assert failure["kind"] == "failed" and failure["error"] == "RuntimeError: planted: the serving loop stops here"
+    row = failure["row"]
+    (comparison,) = report["summary"]["comparisons"]
+    assert row in ("baseline", "+mtp") and comparison["verdict"] == "failed part-way: no verdict"
+    assert report["summary"]["flagged"][row][0].startswith(f"failed on request {failure['request']!r}")
+    out = result.stdout.str()
+    assert f"row '{row}' failed on request {failure['request']!r}: RuntimeError: planted" in out
+    assert (out + result.stderr.str()).count("Traceback (most recent call last)") == 1
 
 
 def test_an_unknown_row_is_a_usage_error_naming_it(pytester):

@@ -448,3 +448,16 @@ def test_a_gpu_ladder_says_its_host_was_not_metered(tmp_path, full):
     md = write_ab_report(r, tmp_path)["markdown"].read_text()
     assert "- host: not metered (GPU timings do not wait for the host's CPUs)" in md
     assert "HOST-CONTENDED" not in md
+
+
+def test_a_row_that_failed_part_way_is_named_flagged_and_given_no_verdict(tmp_path, full):
+    r = copy.deepcopy(full)
+    r["complete"] = False
+    r["failure"] = {"row": "+kernels", "request": 7, "kind": "failed", "error": "RuntimeError: illegal memory access"}
+    summary = summarize_ab(r)
+    assert _cmp(summary, "+kernels")["verdict"] == "failed part-way: no verdict"
+    assert _cmp(summary, "+mtp")["verdict"] != "failed part-way: no verdict"  # a comparison without that row keeps it
+    assert summary["flagged"]["+kernels"][0].startswith("failed on request 7 (RuntimeError: illegal memory access)")
+    md = write_ab_report(r, tmp_path)["markdown"].read_text()
+    assert ("**PARTIAL RESULT: the run stopped part-way.** Row `+kernels` failed on request `7`: "
+            "RuntimeError: illegal memory access.") in md

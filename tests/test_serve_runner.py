@@ -12,7 +12,7 @@ from impl.data.arith import take
 from impl.serve.arm import build_arms
 from impl.serve.configs import parse_ladder
 from impl.serve.provenance import ProvenanceError, unshared_head_arm
-from impl.serve.runner import interleaved_order, iter_ladder, run_ladder
+from impl.serve.runner import interleaved_order, iter_ladder, run_ladder, where_failed
 from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
 
 
@@ -63,8 +63,9 @@ def test_a_run_stopped_part_way_keeps_its_records(arms):
     # An error in a later request: here one that does not fit the model's context.
     kept = []
     bad = [*reqs[:2], request(reqs[2].prompt, 10_000, rid="too-long")]
-    with pytest.raises(ValueError, match="request 'too-long'"):
+    with pytest.raises(ValueError, match="request 'too-long'") as e:
         run_ladder(arms, bad, records=kept, warmup=0)
+    assert where_failed(e.value) == (arms[0].name, "too-long")  # the row serving it, for the report
     assert [r["request_id"] for r in kept] == ["q0"] * 3 + ["q1"] * 3
     # A generator gives the same records one at a time.
     it = iter_ladder(arms, reqs[:1], warmup=0)

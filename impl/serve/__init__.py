@@ -10,9 +10,9 @@ from impl.serve.configs import (DEFAULT_K, PRESETS, Row, ServeConfig, parse_ladd
 from impl.serve.engine import RECORD_KEYS, prepare, request_seed, run_request
 from impl.serve.provenance import (ProvenanceError, RowProvenance, check_provenance, provenance_problems,
                                    unshared_head_arm)
-from impl.serve.runner import interleaved_order, iter_ladder, run_ladder
+from impl.serve.runner import interleaved_order, iter_ladder, run_ladder, where_failed
 
 __all__ = ["Arm", "ArmError", "DEFAULT_K", "PRESETS", "ProvenanceError", "RECORD_KEYS", "Row", "RowProvenance",
            "ServeConfig", "build_arm", "build_arms", "check_provenance", "expert_format", "interleaved_order",
            "iter_ladder", "parse_ladder", "parse_row", "parse_serve_config", "prepare", "provenance_problems",
-           "request_seed", "resolve_preset", "run_ladder", "run_request", "unshared_head_arm"]
+           "request_seed", "resolve_preset", "run_ladder", "run_request", "unshared_head_arm", "where_failed"]

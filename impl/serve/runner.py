@@ -41,22 +41,34 @@ from impl.serve.engine import prepare, run_request
 from impl.serve.provenance import check_provenance
 
 
+def where_failed(error: BaseException) -> tuple[str, object] | None:
+    """(row, request id; None while the row prepared its steps) of an error raised while a row
+    served, as the runner marks it; None for an error from elsewhere."""
+    return getattr(error, "_ladder_where", None)
+
+
 @contextlib.contextmanager
-def _refusals(arm, what: str) -> Iterator[None]:
+def _refusals(arm, what: str, request_id=None) -> Iterator[None]:
     """A backend's refusal of its input (impl.backends.Unsupported) raised as the ArmError of the
-    row that names that backend: the row cannot run on this model or workload."""
+    row that names that backend: the row cannot run on this model or workload. Every error raised
+    here is marked with the row and request it happened in (`where_failed`), keeping its type."""
     try:
-        yield
-    except backends.Unsupported as e:
-        raise ArmError(f"row {arm.name!r} ({arm.config.spec_text()}): a backend it names does not cover "
-                       f"{what}: {e}") from e
+        try:
+            yield
+        except backends.Unsupported as e:
+            raise ArmError(f"row {arm.name!r} ({arm.config.spec_text()}): a backend it names does not cover "
+                           f"{what}: {e}") from e
+    except Exception as e:
+        if where_failed(e) is None:
+            e._ladder_where = (arm.name, request_id)
+        raise
 
 
 def _served(arm, request) -> dict:
-    with _refusals(arm, f"request {request.request_id!r}"):
+    with _refusals(arm, f"request {request.request_id!r}", request.request_id):
         return run_request(arm, request)
 
-__all__ = ["interleaved_order", "iter_ladder", "run_ladder"]
+__all__ = ["interleaved_order", "iter_ladder", "run_ladder", "where_failed"]
 
 
 def interleaved_order(arms: list, i: int) -> list:
