@@ -178,7 +178,23 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             report = {"markdown": f"NOT WRITTEN ({e})"}
             session.write_errors.append(f"the A/B report was NOT written: {report_dir}: {e}")
     arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
-    return LadderRun(result, summarize_ab(result, margin=opts.margin), report, arm_records, host_load)
+    summary = summarize_ab(result, margin=opts.margin)
+    session.ab_verdicts += verdict_lines(summary)
+    return LadderRun(result, summary, report, arm_records, host_load)
+
+
+def verdict_lines(summary: dict) -> list[str]:
+    """Each row against the first, a line each, as the terminal summary shows them: the answer to
+    "is B faster than A, with the same answers" without opening the report (the gate judges
+    only against frozen figures, so a first run passes whatever the verdict)."""
+    workload = summary["workload"].get("name", "workload")
+    lines = []
+    for c in summary["comparisons"]:
+        r = c["ratios"]["decode_tokens_per_s"]
+        speed = "-" if r is None else f"x{r['ratio']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"
+        flag = " (FLAGGED: see the report)" if c["arm"] in summary["flagged"] else ""
+        lines.append(f"A/B {workload}: {c['arm']} vs {c['reference']}: decode tok/s {speed}, {c['verdict']}{flag}")
+    return lines
 
 
 def arm(ladder: LadderRun, name: str) -> dict:

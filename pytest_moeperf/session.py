@@ -66,6 +66,7 @@ class MoePerfSession:
         self.to_freeze: dict = {}
         self.finish_lines: list[str] = []  # what finish() wrote, for the terminal summary
         self.ab_reports: list = []  # the A/B ladder reports the suites wrote (their Markdown files)
+        self.ab_verdicts: list[str] = []  # each ladder row's verdict against the first, for the terminal
         # On the controller of an xdist run: each finished worker's GPU, device and figures to
         # freeze (workers.merge_payload), the GPU each live worker holds, and workers that crashed.
         self.workers: list[dict] = []
@@ -246,6 +247,7 @@ class MoePerfSession:
         lines += [f"ERROR: {e}" for e in self.write_errors]
         for md_path in self.ab_reports:
             lines.append(f"A/B ladder report: {md_path} (every request in the JSON beside it, figures as PNG)")
+        lines += self.ab_verdicts
         return lines
 
 

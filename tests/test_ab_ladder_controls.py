@@ -115,6 +115,9 @@ def test_a_head_that_perturbs_logits_gives_different_answers(pytester):
     assert "answers differ from 'baseline'" in text and "exact McNemar" in text
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "different", comparison["accuracy"]
+    # The terminal gives each row's verdict against the first, without opening the report.
+    assert re.search(r"^A/B arith: noisy vs baseline: decode tok/s x\d\.\d{3} \[[\d.]+, [\d.]+\], .*answers differ "
+                     r"\(FLAGGED: see the report\)$", text, re.MULTILINE), text[-3000:]
 
 
 def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
