@@ -23,13 +23,27 @@ def moe_device(moe_session):
 
 @pytest.fixture(scope="session")
 def moe_model(moe_session):
-    """The model under test (`--moe-model`), built once per session on the device, in eval mode."""
+    """The model under test (`--moe-model`), built once per session on the device, in eval mode.
+    A MoE backend that does not take the model's expert format (`Backend.formats`) or, on a model
+    that clips SwiGLU, does not clip skips every test that needs the model, saying why."""
     import torch
 
+    from impl import backends
     from impl.model import build_model
-    return build_model(moe_session.options.model, moe_session.device.torch_device,
-                       getattr(torch, moe_session.dtype_name), moe_backend=moe_session.moe_backend,
-                       head=moe_session.options.head)
+    from impl.serve import expert_format
+    model = build_model(moe_session.options.model, moe_session.device.torch_device,
+                        getattr(torch, moe_session.dtype_name), moe_backend="reference",
+                        head=moe_session.options.head)
+    backend = backends.get("moe", moe_session.moe_backend)
+    fmt = expert_format(model)
+    if fmt not in ("none", *backend.formats):
+        pytest.skip(f"the MoE backend under test {backend.name!r} takes {', '.join(backend.formats)} experts, and "
+                    f"the model under test {model.config.name!r} holds {fmt} (Backend.formats)")
+    try:
+        model.set_moe_backend(backend.name)
+    except backends.Unsupported as e:  # a model that clips SwiGLU and a backend that does not
+        pytest.skip(f"the model under test {model.config.name!r} cannot run {backend.name!r}: {e}")
+    return model
 
 
 @pytest.fixture(scope="session")

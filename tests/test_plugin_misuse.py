@@ -247,3 +247,20 @@ def test_a_relative_workload_file_is_taken_from_rootdir_not_the_working_folder(t
     assert parse_workload_option("gsm8k:openai/gsm8k", tmp_path).source == "openai/gsm8k"
     with pytest.raises(ValueError, match=str(tmp_path / "missing.jsonl")):
         parse_workload_option("jsonl:missing.jsonl", tmp_path)
+
+
+def test_a_backend_that_does_not_take_the_models_experts_skips_the_model_suites_saying_why(pytester, monkeypatch):
+    """Before: `--moe-backend` naming a backend that declares bf16 experts only ran (and was timed)
+    on the CPU model's fp32 experts; the ladder refused the same pairing."""
+    pytester.makeconftest('''
+from impl import backends
+from impl.moe import moe_gather
+
+backends.register(backends.Backend("moe", "bf16-only", lambda x, w, i, gu, d, shared=None: moe_gather(x, w, i, gu, d),
+                                   formats=("bf16",)), replace=True)
+''')
+    pytester.makepyfile(test_uses_model="def test_step(moe_model):\n    assert moe_model is not None\n")
+    result = run_inner(pytester, "--moe-backend", "bf16-only", "--moe-model", "tiny", monkeypatch=monkeypatch)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*the MoE backend under test 'bf16-only' takes bf16 experts, and the model under "
+                                 "test 'tiny' holds fp32 (Backend.formats)*"])
