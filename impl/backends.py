@@ -103,6 +103,10 @@ def _load_entry_points() -> None:
             if not isinstance(backend, Backend):
                 raise TypeError(f"it gave {type(backend).__name__}, expected impl.backends.Backend")
             register(backend)
+            if ep.name != backend.name:  # asked for by the entry point's name, it would be unknown
+                warnings.warn(f"entry point {ep.name} = {ep.value} in {ENTRY_POINT_GROUP!r} registers the {backend.kind} "
+                              f"backend {backend.name!r}: name it so (--moe-backend {backend.name}), or give the entry "
+                              "point the backend's name", UserWarning, stacklevel=2)
         except Exception as e:  # the user's code: any error, kept with the entry point's name
             why = f"{type(e).__name__}: {e}"
             _entry_point_failures[f"{ep.name} = {ep.value}"] = why

@@ -153,7 +153,8 @@ def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
 def assert_ran(prov, backend, fmt: str) -> None:
     """The backend under test ran (it, not another one, recorded kernels), in the right format."""
     events = [e for e in prov.events if e.kind == "moe"]
-    assert events, f"backend {backend.name!r} recorded no moe kernels: nothing says that it ran"
+    assert events, (f"backend {backend.name!r} recorded no moe kernels: nothing says that it ran (a backend calls "
+                    f"impl.backends.note('moe', {backend.name!r}, KERNEL_NAME) each time it runs)")
     ran = {e.backend for e in events}
     assert ran == {backend.name}, f"provenance names backends {sorted(ran)}, expected only {backend.name!r}"
     formats = {e.config["format"] for e in events if "format" in e.config}

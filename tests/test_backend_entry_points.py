@@ -52,6 +52,9 @@ shadow = backends.Backend("moe", "gather", _layer("gather"), "a user's layer und
 
 def not_a_backend():
     return "moe"
+
+
+aliased = backends.Backend("moe", "user-moe-real-name", _layer("user-moe-real-name"), "named otherwise than its entry point")
 '''
 ENTRY_POINTS = """[moeperf.backends]
 user-moe = user_moe_pkg:backend
@@ -61,6 +64,7 @@ user-moe-missing = user_moe_pkg_not_installed:backend
 user-moe-wrong = user_moe_pkg:not_a_backend
 user-moe-cuda = user_moe_pkg:cuda_only
 gather = user_moe_pkg:shadow
+user-moe-alias = user_moe_pkg:aliased
 """
 
 
@@ -98,6 +102,10 @@ def test_an_entry_point_that_fails_to_load_warns_at_once_naming_it(installed):
     assert ("entry point gather = user_moe_pkg:shadow in 'moeperf.backends' was not loaded (ValueError: a moe backend "
             "named 'gather' is already registered); its backend is unavailable") in messages
     assert any(m.startswith("entry point user-moe-missing = user_moe_pkg_not_installed:backend") for m in messages)
+    # A backend registered under another name than its entry point's is found by its own, and said so.
+    assert ("entry point user-moe-alias = user_moe_pkg:aliased in 'moeperf.backends' registers the moe backend "
+            "'user-moe-real-name': name it so (--moe-backend user-moe-real-name), or give the entry point the "
+            "backend's name") in messages
 
 
 def test_a_ladder_row_naming_a_backend_that_failed_to_load_says_why(installed):
@@ -144,7 +152,8 @@ def _parity(pytester, backend: str) -> dict[str, tuple[str, str]]:
     process scans the installed entry points as a user's run does): nodeid -> (outcome, text)."""
     pytester.makepyfile(test_moe_parity=(SUITES / "test_moe_parity.py").read_text())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-backend", backend, "--junitxml=out.xml",
-                                           "-k", "tiny-h96 and bf16 and M4", "test_moe_parity.py", timeout=600)
+                                           "-k", "test_parity_with_reference and tiny-h96 and bf16 and M4",
+                                           "test_moe_parity.py", timeout=600)
     assert result.ret in (0, 1), result.stdout.str()[-3000:] + result.stderr.str()[-3000:]
     outcomes = {}
     for case in ET.parse(pytester.path / "out.xml").iter("testcase"):

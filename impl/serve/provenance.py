@@ -134,7 +134,8 @@ def provenance_problems(name: str, config: ServeConfig, prov: RowProvenance) -> 
     if moe != {config.moe}:
         problems.append(f"moe: the row names the {config.moe!r} MoE backend but "
                         + (f"{sorted(moe)} ran (kernels {sorted(k for _, k in prov.moe)})" if moe
-                           else "no MoE call was recorded"))
+                           else "no MoE call was recorded (a backend calls impl.backends.note('moe', NAME, "
+                                "KERNEL) each time it runs)"))
     if config.experts not in ("auto", prov.expert_format):
         problems.append(f"experts: the row names {config.experts} experts, the model holds {prov.expert_format}")
     head = prov.backends("head")
