@@ -25,12 +25,15 @@ smallest, ~1e-21, stay inside fp32's and bf16's normal range).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, note, reject, settings
+from hypothesis.control import currently_in_test_context
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 from impl import backends
@@ -61,8 +64,11 @@ def _share(fraction: float, floor: int = 3) -> int:
 
 
 def fuzz_settings(fraction: float):
+    # filter_too_much: a backend refusing many drawn cases (a peer's shape limits) has them rejected,
+    # not the property ended; `reports_refusals` fails a property whose every case was refused.
     return settings(max_examples=_share(fraction), deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
 
 
 @pytest.fixture(scope="session")
@@ -216,17 +222,43 @@ def skip_without_mxfp4(formats, backend) -> None:
         pytest.skip(f"backend {backend.name!r} does not take MXFP4 experts (Backend.formats)")
 
 
+# The refusals of the backend under test in the current property (`reports_refusals`).
+_refused: list[str] = []
+
+
+def reports_refusals(prop):
+    """A property whose every drawn case the backend refused fails saying so, with the first
+    refusal (hypothesis alone would say it could not satisfy its assumptions)."""
+    @functools.wraps(prop)
+    def run(*args, **kwargs):
+        _refused.clear()
+        try:
+            return prop(*args, **kwargs)
+        except Unsatisfiable:
+            if not _refused:
+                raise
+            pytest.fail(f"the backend refused every drawn case ({len(_refused)}), e.g. {_refused[0]}: nothing was "
+                        "checked", pytrace=False)
+    return run
+
+
 def run_backend(backend, inputs):
     """The backend's output, after checking that it (and only it) recorded the kernels it ran and
-    that it left its inputs as they were. A backend that declines a drawn case
-    (`backends.Unsupported`, e.g. a peer library's shape limits) skips the property, saying why."""
+    that it left its inputs as they were. A drawn case the backend declines
+    (`backends.Unsupported`, e.g. a peer library's shape limits) is rejected and another drawn in
+    its place, so one refusal does not end the property (`reports_refusals`); outside a property
+    the test skips, saying why."""
     names = ("x", "weights", "ids", "w_gate_up", "w_down", "shared")
     before = InputSnapshot(**dict(zip(names, inputs)))
     with backends.record_provenance() as prov:
         try:
             out = backend.fn(*inputs)
         except backends.Unsupported as e:
-            pytest.skip(f"backend {backend.name!r} does not cover a drawn case: {e}")
+            if not currently_in_test_context():
+                pytest.skip(f"backend {backend.name!r} does not cover this case: {e}")
+            _refused.append(str(e))
+            note(f"backend {backend.name!r} does not cover this case: {e}")
+            reject()
     changed = before.changed(**dict(zip(names, inputs)))
     assert not changed, f"backend {backend.name!r} changed its input(s) {changed} in place"
     ran = {e.backend for e in prov.events if e.kind == "moe"}
@@ -251,6 +283,7 @@ def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: st
 
 # --- properties -----------------------------------------------------------------------------
 
+@reports_refusals
 @fuzz_settings(1.0)
 @given(data=st.data())
 def test_fuzz_matches_reference(backend, moe_device, formats, data):
@@ -262,6 +295,7 @@ def test_fuzz_matches_reference(backend, moe_device, formats, data):
     assert_rows_close(out, reference(inputs), tolerance(device), f"{backend.name} vs moe_reference, {case}")
 
 
+@reports_refusals
 @fuzz_settings(0.35)
 @given(data=st.data())
 def test_fuzz_nan_reaches_exactly_its_rows(backend, moe_device, formats, data):
@@ -478,6 +512,7 @@ def variant_tolerance(device: torch.device, variant: str) -> float:
     return max(tolerance(device), 2e-3) if "dp4a" in variant else tolerance(device)
 
 
+@reports_refusals
 @fuzz_settings(0.35)
 @given(data=st.data())
 def test_fuzz_triton_mxfp4_variants_match_reference(backend, moe_device, formats, data):

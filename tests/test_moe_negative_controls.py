@@ -10,7 +10,10 @@ fail them):
 - `triton-dropped-expert`: the last routed expert of every token dropped (its weight zeroed);
 - `triton-ignores-clip`: declares that it clips SwiGLU, and drops the routed and shared limits;
 - `triton-renormalizes-in-place`: divides the routing weights by their sum in place, then runs on
-  them (an oracle that ran after it would see the same weights and agree).
+  them (an oracle that ran after it would see the same weights and agree);
+- `triton-refuses-top1`: refuses top-1 routing (impl.backends.Unsupported) and drops each token's
+  last expert otherwise (a refusal once ended a fuzz property, hiding the rest);
+- `triton-refuses-all`: refuses every case.
 The very same selection passes with the real `triton` backend. Small: a subset of the parity
 cases and a few hypothesis examples per property, without shrinking; each run in a subprocess.
 """
@@ -84,8 +87,19 @@ def _renormalizes_in_place(x, weights, ids, w_gate_up, w_down, shared=None):
     return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
 
 
+def _refuses_top1(x, weights, ids, w_gate_up, w_down, shared=None):
+    if ids.shape[1] == 1:
+        raise backends.Unsupported("top-1 routing is not supported")
+    return _dropped_expert(x, weights, ids, w_gate_up, w_down, shared)
+
+
+def _refuses_all(x, weights, ids, w_gate_up, w_down, shared=None):
+    raise backends.Unsupported("this planted backend covers no case")
+
+
 DEFECTS = {{"triton-wrong-scale": _wrong_scale, "triton-dropped-expert": _dropped_expert,
-           "triton-renormalizes-in-place": _renormalizes_in_place}}
+           "triton-renormalizes-in-place": _renormalizes_in_place, "triton-refuses-top1": _refuses_top1,
+           "triton-refuses-all": _refuses_all}}
 for _name, _fn in DEFECTS.items():
     backends.register(backends.Backend("moe", _name, _recorded_as(_name, _fn), "planted defect"), replace=True)
 backends.register(backends.Backend("moe", "triton-ignores-clip", _recorded_as("triton-ignores-clip", _ignores_clip),
@@ -177,6 +191,19 @@ def test_a_backend_that_changes_its_inputs_fails_parity_and_fuzz_naming_them(sui
         [(o.nodeid, o.outcome, o.text[-500:]) for o in parity])
     fuzz = [o for o in outcomes if "test_fuzz_matches_reference" in o.nodeid]
     assert len(fuzz) == 1 and fuzz[0].outcome == "failed" and "in place" in fuzz[0].text
+
+
+def test_refusing_some_drawn_cases_does_not_hide_a_defect_in_the_others(suites):
+    outcomes = run_suites(suites, "triton-refuses-top1")
+    fuzz = [o for o in outcomes if "test_fuzz_matches_reference" in o.nodeid]
+    assert len(fuzz) == 1 and fuzz[0].outcome == "failed" and "exceeds the tolerance" in fuzz[0].text, (
+        [(o.nodeid, o.outcome, o.text[-800:]) for o in fuzz])
+
+
+def test_a_backend_that_refuses_every_drawn_case_fails_the_fuzz_properties(suites):
+    outcomes = [o for o in run_suites(suites, "triton-refuses-all") if "test_fuzz_matches_reference" in o.nodeid]
+    assert len(outcomes) == 1 and outcomes[0].outcome == "failed", outcomes
+    assert "refused every drawn case" in outcomes[0].text and "covers no case" in outcomes[0].text
 
 
 def test_a_backend_that_ignores_the_clip_it_declares_fails_the_clipped_parity(suites):
