@@ -162,6 +162,12 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     lines += _table(["arm", "requests", "decode tok/s (95% CI)", "TPOT p50/p90/p99 (ms)",
                      "TTFT p50/p90/p99 (ms)", "latency mean (s)", "accept length", "accuracy (95% CI)",
                      f"tok/s vs {ref} (95% CI)", "verdict"], rows)
+    scored = [s for s in summary["arms"] if s.get("strict_accuracy") and s.get("flexible_accuracy")]
+    if scored:  # both extractions, where the workload scores both (gsm8k, jsonl answers)
+        lines += ["", "Accuracy by answer extraction (the table's column is the workload's own score: strict for "
+                  "gsm8k, flexible for jsonl): " + "; ".join(
+                      f"`{s['name']}` strict {100 * s['strict_accuracy']['accuracy']:.1f}%, flexible "
+                      f"{100 * s['flexible_accuracy']['accuracy']:.1f}%" for s in scored)]
     for s in summary["arms"]:
         v = s.get("verify_step_s")
         if v is not None:

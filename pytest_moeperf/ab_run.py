@@ -227,3 +227,17 @@ def chunks(ids: list, count: int) -> list[list]:
     """`ids` in `count` consecutive runs (the last may be shorter)."""
     size = max(1, math.ceil(len(ids) / count))
     return [ids[j:j + size] for j in range(0, len(ids), size)]
+
+
+# Scored requests a chunk needs for its fraction right to mean something: a chunk of one request
+# scores 0 or 1, and the median of such chunks, frozen, could never be failed against.
+MIN_CHUNK = 5
+
+
+def accuracy_chunks(ids: list, count: int) -> list[list]:
+    """`ids` in at most `count` chunks of at least MIN_CHUNK requests, at least three of them (the
+    gate's median needs three); skips the test, saying so, with fewer than 3 * MIN_CHUNK."""
+    if len(ids) < 3 * MIN_CHUNK:
+        pytest.skip(f"{len(ids)} scored request(s): accuracy is gated over chunks of at least {MIN_CHUNK}, three of "
+                    f"them at least, so give --moe-requests {3 * MIN_CHUNK} or more (the report has the accuracy)")
+    return chunks(ids, min(count, len(ids) // MIN_CHUNK))

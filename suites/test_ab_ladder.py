@@ -28,7 +28,7 @@ import statistics
 import pytest
 
 from impl.data.workloads import AtMost
-from pytest_moeperf.ab_run import (WARMUP, LadderRun, chunks, fail_on_provenance, paired, row_config,
+from pytest_moeperf.ab_run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
                                    run_suite_ladder)
 from pytest_moeperf.ab_run import arm as arm_of
 from pytest_moeperf.tolerances import tolerance_for
@@ -98,7 +98,7 @@ def test_row_answers(ladder, row, moe_gate, moe_device):
                     f"of {acc['n']}, exact McNemar p = {acc['p_value']:.3g}", pytrace=False)
     mine, ref = ladder.records[row], ladder.records[ladder.result["arms"][0]["name"]]
     ids = [i for i in mine if i in ref and mine[i].get("correct") is not None]
-    groups = chunks(ids, CHUNKS)
+    groups = accuracy_chunks(ids, CHUNKS)
     tol = tolerance_for("ab_accuracy", moe_device.torch_device)
     moe_gate.check("ab_answers_alike", [statistics.fmean(mine[i]["correct"] == ref[i]["correct"] for i in c)
                                      for c in groups],
@@ -116,7 +116,7 @@ def test_reference_accuracy(ladder, moe_gate, moe_device):
     ids = [i for i, r in ladder.records[name].items() if r.get("correct") is not None]
     if not ids:
         pytest.skip(f"workload {ladder.result['workload']['name']!r} has no answers")
-    groups = chunks(ids, CHUNKS)
+    groups = accuracy_chunks(ids, CHUNKS)
     moe_gate.check("ab_reference_accuracy", [statistics.fmean(ladder.records[name][i]["correct"] for i in c)
                                           for c in groups],
                    unit="fraction", direction="higher", tolerance=tolerance_for("ab_accuracy", moe_device.torch_device),

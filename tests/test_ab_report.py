@@ -461,3 +461,28 @@ def test_a_row_that_failed_part_way_is_named_flagged_and_given_no_verdict(tmp_pa
     md = write_ab_report(r, tmp_path)["markdown"].read_text()
     assert ("**PARTIAL RESULT: the run stopped part-way.** Row `+kernels` failed on request `7`: "
             "RuntimeError: illegal memory access.") in md
+
+
+def test_the_report_gives_both_answer_extractions_where_the_workload_scores_both(tmp_path, full):
+    r = copy.deepcopy(full)
+    for rec in r["requests"]:  # a model that runs on past its answer: the last number is another
+        if rec["correct"] is not None:
+            rec["flexible_correct"] = rec["correct"] = False
+    summary = summarize_ab(r)
+    md = write_ab_report(r, tmp_path)["markdown"].read_text()
+    base = next(s for s in summary["arms"] if s["name"] == "baseline")
+    assert (f"`baseline` strict {100 * base['strict_accuracy']['accuracy']:.1f}%, flexible 0.0%" in md
+            and base["strict_accuracy"]["accuracy"] > 0.5)
+
+
+@pytest.mark.parametrize("scored, chunk_sizes", [(60, [6] * 10), (20, [5] * 4), (15, [5] * 3)])
+def test_accuracy_is_gated_over_chunks_of_at_least_five(scored, chunk_sizes):
+    from pytest_moeperf.ab_run import accuracy_chunks
+    assert [len(c) for c in accuracy_chunks(list(range(scored)), 10)] == chunk_sizes
+
+
+def test_too_few_scored_requests_skip_the_accuracy_gate_saying_how_many_it_needs():
+    """Chunks of one request score 0 or 1: their median, frozen, could never be failed against."""
+    from pytest_moeperf.ab_run import accuracy_chunks
+    with pytest.raises(pytest.skip.Exception, match=r"3 scored request\(s\).*--moe-requests 15 or more"):
+        accuracy_chunks([0, 1, 2], 10)
