@@ -149,6 +149,9 @@ def _arm_summary(arm: dict, records: list[dict]) -> dict:
         "provenance": prov, "provenance_error": arm.get("provenance_error"),
         "n_requests": len(records),
         "output_tokens": sum(r.get("output_tokens") or 0 for r in records),
+        # Requests that ran to their max_tokens (no EOS, no stop string): for a scored answer, what
+        # the model wrote after it may be what the scorer reads.
+        "length_stops": sum(r.get("stop_reason") == "length" for r in records),
         "metrics": {key: _metric_summary([r[key] for r in records if r.get(key) is not None]) for key in METRICS},
         "accept_length": _accept_summary(records, prov.get("drafts_per_step")) if arm.get("speculative") else None,
         "verify_step_s": (_metric_summary([v for v in map(verify_step_s, records) if v is not None])
@@ -202,6 +205,9 @@ def _flags(s: dict, cmp: dict | None) -> list[str]:
         flags.append(f"provenance error: {s['provenance_error']}")
     if s["n_requests"] == 0:
         flags.append("no requests recorded")
+    if s["accuracy"] is not None and 2 * s["length_stops"] > s["n_requests"]:
+        flags.append(f"{s['length_stops']} of {s['n_requests']} scored answers ran to their max_tokens: the number "
+                     "the scorer reads may come after the answer (give the workload `stop` strings, or more tokens)")
     if "accept=" in (s["config"] or ""):
         flags.append("acceptance assumed (" + next(p for p in s["config"].split(",") if p.startswith("accept="))
                      + "): the drafts are forced to the target's choices at that mean; speed follows from the "

@@ -486,3 +486,12 @@ def test_too_few_scored_requests_skip_the_accuracy_gate_saying_how_many_it_needs
     from pytest_moeperf.ab_run import accuracy_chunks
     with pytest.raises(pytest.skip.Exception, match=r"3 scored request\(s\).*--moe-requests 15 or more"):
         accuracy_chunks([0, 1, 2], 10)
+
+
+def test_answers_that_mostly_run_to_max_tokens_are_flagged():
+    r = synthetic(n=40)
+    for rec in r["requests"]:
+        rec["stop_reason"] = "length" if rec["arm"] == "+kernels" else "stop"
+    flagged = summarize_ab(r)["flagged"]
+    assert any("40 of 40 scored answers ran to their max_tokens" in f for f in flagged["+kernels"])
+    assert "baseline" not in flagged
