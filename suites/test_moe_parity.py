@@ -198,21 +198,30 @@ def _shape_params():
         yield pytest.param(shape, id=shape.name, marks=[pytest.mark.gpu] if shape.gpu else [])
 
 
-@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("tokens", TOKENS, ids=[f"M{m}" for m in TOKENS])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", list(_shape_params()))
-def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_shared):
+@dataclasses.dataclass
+class Case:
+    """One parity case's inputs on the device, and its description with both seeds."""
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    w_gate_up: object
+    w_down: object
+    shared: SharedExpert | None
+    what: str
+
+
+def draw_case(backend, moe_device, shape: Shape, fmt: str, tokens: int, shared_limit: float | None | bool,
+              label: str) -> Case:
+    """Fresh random inputs every run; the weights once per session, shape and format (the Ling
+    shapes take GBs). Both seeds are in `what`; MOEPERF_SEED=N replays a run. `shared_limit`:
+    False for no shared expert, else its clipping limit (None: none). Skips a format the backend
+    does not take, and fp32 experts on a GPU."""
     skip_unsupported(backend, fmt)
     device = moe_device.torch_device
     if fmt == "fp32" and device.type != "cpu":
         pytest.skip("fp32 experts are the CPU model's format; a GPU model holds bf16 or MXFP4 ones")
     dtype = activation_dtype(device)
-    # Fresh random inputs every run; the weights once per session, shape and format (the Ling
-    # shapes take GBs). Both seeds are in the failure message; MOEPERF_SEED=N replays a run.
     weight_seed, seed = session_seed(shape.name, fmt), new_seed()
-    what = (f"{backend.name} vs moe_reference, {shape.name} {fmt} M={tokens} "
-            f"{'+shared' if with_shared else 'routed only'} (weight seed {weight_seed}, input seed {seed})")
     w_gate_up, w_down = expert_weights(shape, fmt, device, weight_seed)
     g = torch.Generator(device).manual_seed(seed)
     x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(dtype)
@@ -220,18 +229,29 @@ def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_sha
     weights, ids = sigmoid_grouped_topk(logits, shape.top_k, shape.n_group, shape.topk_group,
                                         routed_scaling_factor=ROUTED_SCALING)
     shared = None
-    if with_shared:
+    if shared_limit is not False:
         h, i_s = shape.hidden, shape.shared_inter
         shared = SharedExpert(*(t.to(dtype) for t in (
             torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
             torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
-            torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))))
+            torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))), limit=shared_limit)
+    what = (f"{backend.name} vs moe_reference, {label}, {shape.name} {fmt} M={tokens} "
+            f"(weight seed {weight_seed}, input seed {seed})")
+    return Case(x, weights, ids, w_gate_up, w_down, shared, what)
 
-    out, prov = call_backend(backend, x, weights, ids, w_gate_up, w_down, shared)
-    assert out.dtype == x.dtype, f"{what}: output dtype {out.dtype}, expected the activations' {x.dtype}"
+
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+@pytest.mark.parametrize("tokens", TOKENS, ids=[f"M{m}" for m in TOKENS])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(_shape_params()))
+def test_parity_with_reference(backend, moe_device, shape, fmt, tokens, with_shared):
+    c = draw_case(backend, moe_device, shape, fmt, tokens, None if with_shared else False,
+                  "+shared" if with_shared else "routed only")
+    out, prov = call_backend(backend, c.x, c.weights, c.ids, c.w_gate_up, c.w_down, c.shared)
+    assert out.dtype == c.x.dtype, f"{c.what}: output dtype {out.dtype}, expected the activations' {c.x.dtype}"
     assert_ran(prov, backend, fmt)
-    ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared)
-    assert_rows_close(out, ref, tolerance(device), what)
+    ref = moe_reference(c.x.float(), c.weights, c.ids, c.w_gate_up, c.w_down, c.shared)
+    assert_rows_close(out, ref, tolerance(moe_device.torch_device), c.what)
 
 
 # Clipping limits, routed and shared, of the order of the activations here (x ~ N(0, 1), weight
@@ -251,32 +271,18 @@ def test_clipped_parity_with_reference(backend, moe_device, shape, fmt, tokens):
     if not backend.clips_swiglu:
         pytest.skip(f"backend {backend.name!r} does not clip SwiGLU (Backend.clips_swiglu); a model that clips "
                     "refuses it")
-    skip_unsupported(backend, fmt)
-    device = moe_device.torch_device
-    if fmt == "fp32" and device.type != "cpu":
-        pytest.skip("fp32 experts are the CPU model's format; a GPU model holds bf16 or MXFP4 ones")
-    dtype = activation_dtype(device)
-    weight_seed, seed = session_seed(shape.name, fmt), new_seed()
-    what = (f"{backend.name} vs moe_reference, clipped at {CLIP_ROUTED} / shared {CLIP_SHARED}, {shape.name} {fmt} "
-            f"M={tokens} (weight seed {weight_seed}, input seed {seed})")
-    w_gate_up, w_down = expert_weights(shape, fmt, device, weight_seed)
-    g = torch.Generator(device).manual_seed(seed)
-    x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(dtype)
-    logits = torch.randn(tokens, shape.experts, generator=g, device=device) * 2
-    weights, ids = sigmoid_grouped_topk(logits, shape.top_k, shape.n_group, shape.topk_group,
-                                        routed_scaling_factor=ROUTED_SCALING)
-    h, i_s = shape.hidden, shape.shared_inter
-    shared = SharedExpert(*(t.to(dtype) for t in (
-        torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
-        torch.randn(i_s, h, generator=g, device=device) / math.sqrt(h),
-        torch.randn(h, i_s, generator=g, device=device) / math.sqrt(i_s))), limit=CLIP_SHARED)
-    out, prov = call_backend(backend, x, weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
+    c = draw_case(backend, moe_device, shape, fmt, tokens, CLIP_SHARED,
+                  f"clipped at {CLIP_ROUTED} / shared {CLIP_SHARED}")
+    out, prov = call_backend(backend, c.x, c.weights, c.ids, c.w_gate_up, c.w_down, c.shared,
+                             swiglu_limit=CLIP_ROUTED)
     assert_ran(prov, backend, fmt)
-    ref = moe_reference(x.float(), weights, ids, w_gate_up, w_down, shared, swiglu_limit=CLIP_ROUTED)
-    tol = tolerance(device)
+
+    def oracle(routed, shared):
+        return moe_reference(c.x.float(), c.weights, c.ids, c.w_gate_up, c.w_down, shared, swiglu_limit=routed)
+    ref = oracle(CLIP_ROUTED, c.shared)
+    tol = tolerance(moe_device.torch_device)
     # The premise: leaving out either clip moves every row well past the tolerance.
     for routed, shared_limit in ((None, CLIP_SHARED), (CLIP_ROUTED, None)):
-        unclipped = moe_reference(x.float(), weights, ids, w_gate_up, w_down,
-                                  dataclasses.replace(shared, limit=shared_limit), swiglu_limit=routed)
-        assert (row_errors(unclipped, ref) > 5 * tol).all(), f"{what}: the limits do not bite"
-    assert_rows_close(out, ref, tol, what)
+        unclipped = oracle(routed, dataclasses.replace(c.shared, limit=shared_limit))
+        assert (row_errors(unclipped, ref) > 5 * tol).all(), f"{c.what}: the limits do not bite"
+    assert_rows_close(out, ref, tol, c.what)
