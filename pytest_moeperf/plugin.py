@@ -19,6 +19,7 @@ from pytest_moeperf import workers
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
             "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": "",
             "moe_ladder": "", "moe_workload": "arith", "moe_requests": "", "moe_shots": "", "moe_margin": "1",
+            "moe_expect": "",
             "moe_ab_report": "ab-report", "moe_host_stall": str(DEFAULT_STALL_THRESHOLD),
             "moe_host_wait": str(DEFAULT_WAIT_S)}
 # Requests a ladder row serves at most: every request is built and checked before the first is
@@ -78,6 +79,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "as lm-evaluation-harness)", metavar="K")
     add("--moe-margin", "moe_margin", "equivalence margin of the ladder's accuracy comparison, in percentage "
         "points (default: 1)", metavar="POINTS")
+    add("--moe-expect", "moe_expect", "what each ladder row must show against the first, else its test fails: "
+        "faster (its decode tokens/s interval above 1) or not-slower (not below 1); without it a first run, "
+        "with nothing frozen, passes whatever the verdict", metavar="faster|not-slower")
     add("--moe-ab-report", "moe_ab_report", "folder for the ladder's report (JSON, Markdown, PNG figures), "
         "relative to rootdir (default: ab-report)", metavar="DIR")
     add("--moe-host-stall", "moe_host_stall", "CPU timings: the share of wall time runnable tasks waited for a CPU "
@@ -242,6 +246,18 @@ def parse_margin(value: str) -> float:
     return points / 100
 
 
+EXPECTATIONS = ("faster", "not-slower")
+
+
+def parse_expect(value: str | None) -> str | None:
+    """What each ladder row must show against the first (EXPECTATIONS), or None."""
+    if not value:
+        return None
+    if value not in EXPECTATIONS:
+        raise ValueError(f"--moe-expect must be one of {', '.join(EXPECTATIONS)}, got {value!r}")
+    return value
+
+
 def parse_host_stall(value: str) -> float | None:
     """A stall fraction in (0, 1), or None for `off`."""
     if value.strip().lower() == "off":
@@ -309,6 +325,7 @@ def parse_options(config: pytest.Config) -> Options:
         requests=_parsed(config, "moe_requests", lambda v: parse_count("--moe-requests", v, MIN_REQUESTS, MAX_REQUESTS)),
         shots=_parsed(config, "moe_shots", parse_shots, workload),
         margin=_parsed(config, "moe_margin", parse_margin),
+        expect=_parsed(config, "moe_expect", parse_expect),
         ab_report=_under_root(_option(config, "moe_ab_report"), root),
         host_stall=_parsed(config, "moe_host_stall", parse_host_stall),
         host_wait=_parsed(config, "moe_host_wait", parse_host_wait),

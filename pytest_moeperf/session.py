@@ -37,6 +37,9 @@ class Options:
     requests: int | None = None
     shots: int | None = None
     margin: float = 0.01
+    # What each row after the first must show against it, else its test fails (None: no demand;
+    # the gate then judges only against frozen figures): "faster", "not-slower" (EXPECTATIONS).
+    expect: str | None = None
     ab_report: Path | None = None
     # A CPU timing measured while the host's CPU stall (host_load) exceeded host_stall (None: off)
     # is not judged a regression, nor frozen; the gate first waits up to host_wait s for quiet.

@@ -77,6 +77,24 @@ backends.register(backends.Backend("head", "fp8-noisy", _noisy, "planted: the FP
 '''
 
 
+SLOW = ONE_THREAD + '''
+import time
+
+from impl import backends
+from impl.moe import moe_gather
+
+
+def _slow(x, weights, ids, w_gate_up, w_down, shared=None):
+    backends.note("moe", "gather-slow", "moe_gather+sleep")
+    time.sleep(0.002)  # 2 ms a MoE layer: the row serves several times slower
+    return moe_gather(x, weights, ids, w_gate_up, w_down)
+
+
+backends.register(backends.Backend("moe", "gather-slow", _slow, "planted: gather, 2 ms slower a call",
+                                   formats=("bf16", "fp32")), replace=True)
+'''
+
+
 def _folder(pytester, name: str):
     """A folder under the pytester root, there already when a test runs the ladder twice."""
     path = pytester.path / name
@@ -107,6 +125,17 @@ def test_an_mtp_row_whose_draft_holds_only_the_fp8_weight_fails_its_provenance(p
     assert re.search(r"row '\+mtp': .*head", text), text[-3000:]
     flagged = report["summary"]["flagged"]
     assert "+mtp" in flagged and flagged["+mtp"], flagged
+
+
+def test_moe_expect_faster_fails_a_row_that_is_slower_and_passes_one_that_is_faster(pytester):
+    """Without frozen figures a slower row passes the gate (NO-BASELINE); --moe-expect makes the
+    verdict itself the test. +mtp decodes about 1.2-1.3x the baseline on a CPU."""
+    outcomes, text, report = run_ladder(pytester, SLOW, "baseline;+mtp;slow=moe=gather-slow", 8, "-k", "as_expected",
+                                        "--moe-expect", "faster")
+    assert outcomes.get("test_row_as_expected[+mtp]") == "PASSED", text[-3000:]
+    assert outcomes.get("test_row_as_expected[slow]") == "FAILED", text[-3000:]
+    assert re.search(r"row 'slow' is expected faster than 'baseline' \(--moe-expect faster\) but reads slower "
+                     r"\(decode tok/s x0\.\d+", text), text[-3000:]
 
 
 def test_a_head_that_perturbs_logits_gives_different_answers(pytester):

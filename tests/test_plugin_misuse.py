@@ -120,6 +120,7 @@ def test_unmarked(moe_gate):
     # Only gsm8k takes few-shot examples: named at once, not after the model is built.
     (["--moe-shots", "5"], "--moe-shots 5: only the gsm8k workload takes few-shot examples, and the workload is "
      "arith*"),
+    (["--moe-expect", "quicker"], "--moe-expect must be one of faster, not-slower, got 'quicker'"),
 ])
 def test_outputs_that_cannot_be_written_and_bad_values_are_usage_errors_before_measuring(run, pytester, args,
                                                                                         message):
