@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -149,7 +150,6 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
                 raise
             # A row's code failed: named once, its traceback printed once (not once a test).
             failure = _failure(e, where_failed(e), "failed")
-            import traceback
             _progress("".join(traceback.format_exception(e)))
             what = "preparing its steps" if failure["request"] is None else f"request {failure['request']!r}"
             pytest.fail(f"row {failure['row']!r} failed on {what}: {failure['error']} (the A/B report in "
@@ -186,7 +186,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
 def verdict_lines(summary: dict) -> list[str]:
     """Each row against the first, a line each, as the terminal summary shows them: the answer to
     "is B faster than A, with the same answers" without opening the report (the gate judges
-    only against frozen figures, so a first run passes whatever the verdict)."""
+    only against frozen figures, so a first run passes whatever the verdict, unless --moe-expect)."""
     workload = summary["workload"].get("name", "workload")
     lines = []
     for c in summary["comparisons"]:
