@@ -43,7 +43,21 @@ CHUNKS = 10  # accuracy figures are gated over this many consecutive chunks of t
 def _rows(session):
     from impl.serve.configs import parse_ladder
     device = session.device.torch_device.type
-    return parse_ladder(session.options.ladder or DEFAULT_LADDER[device], device)
+    return parse_ladder(session.options.ladder or _default_ladder(session, device), device)
+
+
+def _default_ladder(session, device: str) -> str:
+    """The device's default rows, less +mtp for a model without a NEXTN layer to draft with (said
+    once in the terminal summary; naming +mtp in --moe-ladder for such a model is a usage error)."""
+    from impl.model.build import model_config
+    rows = DEFAULT_LADDER[device]
+    if model_config(session.options.model).num_mtp_layers:
+        return rows
+    note = (f"A/B: the default ladder leaves out +mtp: model {session.options.model!r} has no MTP (NEXTN) layer "
+            "to draft with")
+    if note not in session.ab_verdicts:
+        session.ab_verdicts.append(note)
+    return rows.replace(";+mtp", "")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

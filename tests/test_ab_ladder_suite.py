@@ -78,6 +78,17 @@ def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_fi
         assert all(isinstance(r[k], bool) for k in ("correct", "strict_correct", "flexible_correct")), r
 
 
+def test_the_default_ladder_leaves_out_mtp_for_a_checkpoint_without_a_nextn_layer(pytester):
+    """Before: the default rows named +mtp, so every checkpoint without MTP weights (most Qwen3-MoE
+    ones) stopped the whole main job with a usage error it had not asked for."""
+    ckpt = build_checkpoint(pytester.path / "qwen3-moe")
+    result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-requests", "3", "-k", "provenance")
+    assert result.ret == 0, result.stdout.str()[-3000:] + result.stderr.str()[-2000:]
+    assert [a["name"] for a in report["arms"]] == ["baseline", "+fp8-head"]
+    result.stdout.fnmatch_lines(["A/B: the default ladder leaves out +mtp: model '*qwen3-moe' has no MTP (NEXTN) "
+                                 "layer to draft with"])
+
+
 @pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(), reason=f"no trained checkpoint at {CHECKPOINT}")
 def test_a_run_stopped_part_way_keeps_what_completed_in_its_report(pytester):
     result, report = _run(pytester, STOPS_AT_FIFTH, "--moe-model", str(CHECKPOINT), "--moe-ladder", "baseline;+mtp",

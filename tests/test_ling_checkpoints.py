@@ -20,7 +20,7 @@ pytest.importorskip("transformers.models.bailing_hybrid")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from impl.model.build import build_model  # noqa: E402
-from impl.model.loading import CheckpointError, read_config  # noqa: E402
+from impl.model.loading import CheckpointError, check_checkpoint, read_config  # noqa: E402
 from impl.quant.mxfp4 import quantize_mxfp4  # noqa: E402
 from tests.ling_checkpoint import LAYERS, write_tiny_ling  # noqa: E402
 
@@ -226,6 +226,20 @@ def test_wrong_shape_names_tensor_and_file(source, tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.0\.attention\.dense\.weight: "
                                               r"layers\.0\.self_attn\.o_proj\.weight has shape \(32, 48\).*\(32, 32\)"):
         build_model(str(bad))
+
+
+def test_expert_shapes_the_config_does_not_imply_are_named_before_the_build(source, tmp_path):
+    """A routed expert stored at another width than the config's fails in check_checkpoint, which
+    the plugin runs at start-up, naming the stored tensor, its shape and the config's widths; it
+    used to pass there and fail in every test that built the model."""
+    def widen(t):
+        t["model.layers.1.mlp.experts.3.gate_proj.weight"] = torch.zeros(48, 32)
+        return t
+    bad = derive(source, tmp_path / "bad", widen)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.1\.mlp\.experts\.3\.gate_proj\.weight "
+                                              r"has shape \(48, 32\), the config \(num_experts 8, hidden_size 32, "
+                                              r"moe_intermediate_size 32\) implies \(32, 32\)"):
+        check_checkpoint(bad)
 
 
 def test_unexpected_tensor_names_its_file(source, tmp_path):

@@ -61,6 +61,20 @@ def _restore_fp32(model: MoECausalLM) -> None:
             module.forget_gate.dt_bias.data = module.forget_gate.dt_bias.data.float()
 
 
+def model_config(spec: str | ModelConfig) -> ModelConfig:
+    """The config of the model `build_model(spec)` builds, without building it: a preset's, or a
+    checkpoint's after its headers are checked (its NEXTN layers only as many as its weights hold)."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    if spec in PRESETS:
+        return get_config(spec)
+    if spec in EMBEDDED or Path(spec).is_dir():
+        from impl.model.loading import check_checkpoint
+        return check_checkpoint(EMBEDDED.get(spec, Path(spec)))
+    raise ValueError(f"model spec {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded checkpoint "
+                     f"({sorted(EMBEDDED)}) nor a checkpoint folder")
+
+
 def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, moe_backend: str = "gather",
                 seed: int = 0, head: str = "bf16", head_backend: str | None = None,

@@ -249,8 +249,9 @@ def _read(folder: Path, max_seq_len: int | None = None) -> tuple[dict, ModelConf
 def check_checkpoint(folder: str | Path) -> ModelConfig:
     """read_config, every safetensors file's header read, and the headers' tensors against the
     model the config describes (built on the meta device: shapes, no memory): its names, and the
-    shape of every tensor stored plain. A folder that cannot load fails here, naming the file and
-    the tensor, before anything is built. CheckpointError otherwise."""
+    shape of every tensor stored unquantized, routed experts included. A folder that cannot load
+    fails here, naming the file and the tensor, before anything is built. Returns the config of
+    the model it builds (NEXTN layers only as many as the weights hold); CheckpointError otherwise."""
     from impl.model.roofline import meta_model
     folder = Path(folder)
     raw, config = _read(folder)
@@ -265,7 +266,28 @@ def check_checkpoint(folder: str | Path) -> ModelConfig:
             if shape != tuple(expected[name].shape):
                 raise CheckpointError(f"{store.where(stored.data)}: {name} has shape {shape}, the config implies "
                                       f"{tuple(expected[name].shape)}")
-    return config
+    c = model.config
+    why = f"(num_experts {c.num_experts}, hidden_size {c.hidden_size}, moe_intermediate_size {c.moe_intermediate_size})"
+    for prefix, parts in plan.per_expert.items():
+        _, two_i, h = model.get_submodule(prefix).shapes["gate_up"]
+        want = {"gate": (two_i // 2, h), "up": (two_i // 2, h), "down": (h, two_i // 2)}
+        for part, experts in parts.items():
+            for stored in experts.values():
+                _check_shape(store, stored, want[part], why)
+    for prefix, parts in plan.fused.items():
+        shapes = model.get_submodule(prefix).shapes
+        for part, stored in parts.items():
+            _check_shape(store, stored, shapes[part], why)
+    return model.config
+
+
+def _check_shape(store: _Store, stored: Stored, want: tuple, why: str) -> None:
+    """A weight stored unquantized has the shape the config implies (a quantized one is checked as it loads)."""
+    if stored.scale is not None:
+        return
+    shape = store.shape(stored.data)
+    if shape != tuple(want):
+        raise CheckpointError(f"{store.where(stored.data)} has shape {shape}, the config {why} implies {tuple(want)}")
 
 
 def _family_config(raw: dict, path: Path, folder: Path, max_seq_len: int | None) -> ModelConfig:
