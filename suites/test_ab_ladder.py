@@ -23,6 +23,7 @@ Tolerances: pytest_moeperf.tolerances ("ab_speed", "ab_accuracy", "accept_length
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import pytest
@@ -46,12 +47,19 @@ def _rows(session):
     return parse_ladder(session.options.ladder or _default_ladder(session, device), device)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_mtp(model: str) -> bool:
+    """Whether the model under test has a NEXTN layer (a checkpoint's headers read once a session:
+    the rows are asked for by every parametrized test function)."""
+    from impl.model.build import model_config
+    return model_config(model).num_mtp_layers > 0
+
+
 def _default_ladder(session, device: str) -> str:
     """The device's default rows, less +mtp for a model without a NEXTN layer to draft with (said
     once in the terminal summary; naming +mtp in --moe-ladder for such a model is a usage error)."""
-    from impl.model.build import model_config
     rows = DEFAULT_LADDER[device]
-    if model_config(session.options.model).num_mtp_layers:
+    if _has_mtp(session.options.model):
         return rows
     note = (f"A/B: the default ladder leaves out +mtp: model {session.options.model!r} has no MTP (NEXTN) layer "
             "to draft with")

@@ -25,7 +25,7 @@ import torch
 
 from impl import backends
 from impl.moe.reference import check_moe_inputs, logical_weight
-from impl.moe.shared import check_shared_expert
+from impl.moe.shared import check_shared_expert, clip_note
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import tl, triton
 
@@ -267,9 +267,7 @@ def moe_humming(x, weights, ids, w_gate_up: MXFP4Tensor, w_down: MXFP4Tensor, sh
     z = down(humming_swiglu(y, limit=swiglu_limit), top_k=1, **indexed)  # [T * k, H]
     if shared is not None:
         main.wait_stream(side)
-    shared_limit = shared.limit if shared is not None else None
-    clip = ({"swiglu_limit": swiglu_limit, "shared_limit": shared_limit}
-            if swiglu_limit is not None or shared_limit is not None else {})
+    clip = clip_note(swiglu_limit, shared)
     backends.note("moe", "humming", "humming_indexed_gemm", tokens=tokens, format="mxfp4", block=HUMMING_BLOCK,
                   shared_stream=shared is not None, **clip)
     return humming_combine(z, weights, shared_out, x.dtype)

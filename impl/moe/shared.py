@@ -29,6 +29,15 @@ def check_shared_expert(shared: SharedExpert, hidden: int, device: torch.device)
         raise ValueError("shared expert weights must be contiguous and on the device of x")
 
 
+def clip_note(swiglu_limit: float | None, shared: SharedExpert | None) -> dict:
+    """The SwiGLU clipping a MoE call ran, for its provenance note: both limits where either is
+    set (a layer that clips), nothing otherwise."""
+    shared_limit = shared.limit if shared is not None else None
+    if swiglu_limit is None and shared_limit is None:
+        return {}
+    return {"swiglu_limit": swiglu_limit, "shared_limit": shared_limit}
+
+
 def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
     """The shared expert's SwiGLU MLP on x [T, H], in x's dtype (torch ops)."""
     from impl.moe.reference import swiglu_act

@@ -21,7 +21,7 @@ import torch
 from impl import backends
 from impl.moe.configs import M_PAD, MoELaunchConfig
 from impl.moe.grouped import GROUPED_MIN_TOKENS, moe_grouped_layer
-from impl.moe.shared import SharedExpert, check_shared_expert
+from impl.moe.shared import SharedExpert, check_shared_expert, clip_note
 from impl.moe.triton_dp4a import check_split, empty_split, split_int8_kernel
 from impl.moe.triton_experts import moe_down_kernel, moe_gate_up_kernel
 from impl.moe.triton_launch import Plan, expert_launch, plan
@@ -117,15 +117,15 @@ def moe_experts(x: torch.Tensor, slots: Slots, w_gate_up, w_down, shared: Shared
     i_shared = shared.gate.shape[0] if shared is not None else 0
     split_here = p.dp4a and x_split is None
     shared_limit = shared.limit if shared is not None else None
-    clip = swiglu_limit is not None or shared_limit is not None
+    clip = clip_note(swiglu_limit, shared)
     backends.note("moe", "triton", ("split_int8_kernel+" if split_here else "") + "moe_gate_up_kernel+moe_down_kernel",
                   format=backends.weight_format(w_gate_up), tokens=m, shared=shared is not None, config=cfg,
-                  product=p.product, **({"swiglu_limit": swiglu_limit, "shared_limit": shared_limit} if clip else {}))
+                  product=p.product, **clip)
     act_dtype = torch.float32 if FP32_MATH else x.dtype
     dev = x.device
     pdl = use_pdl(cfg.pdl, dev)
     launch = expert_launch(cfg, tokens=m, num_slots=num_slots, hidden=hidden, inter=inter, i_shared=i_shared,
-                           mxfp4=mxfp4, pdl=pdl, clip=clip)
+                           mxfp4=mxfp4, pdl=pdl, clip=bool(clip))
     if p.dp4a:  # x and the routed activations as int8 splits (impl.moe.triton_dp4a)
         if x_split is not None:
             check_split(x_split, m, hidden, dev)
