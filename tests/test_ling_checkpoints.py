@@ -307,7 +307,9 @@ def test_swiglu_limits_load_and_malformed_ones_are_named(source, tmp_path):
               None),
              ({"expert_swiglu_limit_list": [7] * (layers - 1)}, r"expert_swiglu_limit_list must list one finite limit"),
              ({"share_expert_swiglu_limit_list": [-1] * layers}, r"share_expert_swiglu_limit_list must list"),
-             ({"expert_swiglu_limit_list": ["7"] * layers}, r"expert_swiglu_limit_list must list")]
+             ({"expert_swiglu_limit_list": ["7"] * layers}, r"expert_swiglu_limit_list must list"),
+             ({"expert_swiglu_limit_list": [0] * layers, "swiglu_limits": [7] * layers},
+              r"expert_swiglu_limit_list and swiglu_limits name the same limits and differ")]
     for i, (keys, error) in enumerate(cases):
         folder = tmp_path / f"clip-{i}"
         shutil.copytree(source, folder)

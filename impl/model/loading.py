@@ -154,7 +154,11 @@ SWIGLU_LIMIT_KEYS = (("expert_swiglu_limit_list", "swiglu_limits"),
 def _swiglu_limits(raw: dict, path: Path, keys: tuple[str, str]) -> tuple[float, ...]:
     """The per-layer limits under the first of `keys` present (absent or null: none), checked as
     transformers checks them: one a decoder layer, each a number >= 0 (0: no clipping)."""
-    key = next((k for k in keys if raw.get(k) is not None), None)
+    given = [k for k in keys if raw.get(k) is not None]
+    if len(given) > 1 and raw[given[0]] != raw[given[1]]:
+        raise CheckpointError(f"{path}: {given[0]} and {given[1]} name the same limits and differ: "
+                              f"{raw[given[0]]!r} against {raw[given[1]]!r}")
+    key = given[0] if given else None
     if key is None:
         return ()
     limits, layers = raw[key], raw.get("num_hidden_layers")
