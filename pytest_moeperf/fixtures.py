@@ -30,19 +30,15 @@ def moe_model(moe_session):
 
     from impl import backends
     from impl.model import build_model
-    from impl.serve import expert_format
+    from impl.serve import why_cannot_run
     model = build_model(moe_session.options.model, moe_session.device.torch_device,
                         getattr(torch, moe_session.dtype_name), moe_backend="reference",
                         head=moe_session.options.head)
     backend = backends.get("moe", moe_session.moe_backend)
-    fmt = expert_format(model)
-    if fmt not in ("none", *backend.formats):
-        pytest.skip(f"the MoE backend under test {backend.name!r} takes {', '.join(backend.formats)} experts, and "
-                    f"the model under test {model.config.name!r} holds {fmt} (Backend.formats)")
-    try:
-        model.set_moe_backend(backend.name)
-    except backends.Unsupported as e:  # a model that clips SwiGLU and a backend that does not
-        pytest.skip(f"the model under test {model.config.name!r} cannot run {backend.name!r}: {e}")
+    reason = why_cannot_run(model, backend)
+    if reason:
+        pytest.skip(f"the MoE backend under test: {reason}")
+    model.set_moe_backend(backend.name)
     return model
 
 

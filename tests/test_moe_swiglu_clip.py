@@ -117,6 +117,14 @@ def test_a_ladder_row_on_a_backend_that_does_not_clip_is_refused(non_clipping_ba
         build_arm(model, ServeConfig(moe="clip-test-plain"), tokenizer=ByteTokenizer())
 
 
+def test_the_one_reason_the_ladder_and_the_model_suites_give_names_the_clip(non_clipping_backend):
+    from impl.serve import why_cannot_run
+    assert why_cannot_run(build_model("tiny"), non_clipping_backend) is None
+    reason = why_cannot_run(build_model(clipping_tiny()), non_clipping_backend)
+    assert "'clip-test-plain' MoE backend does not clip SwiGLU" in reason
+    assert why_cannot_run(build_model(clipping_tiny()), backends.get("moe", "reference")) is None
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("swiglu_limits", (0.5,) * 3, r"swiglu_limits has 3 entries for 4 layers"),
     ("shared_swiglu_limits", (0, -1, 0, 0), r"shared_swiglu_limits must be finite numbers >= 0"),

@@ -263,5 +263,5 @@ backends.register(backends.Backend("moe", "bf16-only", lambda x, w, i, gu, d, sh
     pytester.makepyfile(test_uses_model="def test_step(moe_model):\n    assert moe_model is not None\n")
     result = run_inner(pytester, "--moe-backend", "bf16-only", "--moe-model", "tiny", monkeypatch=monkeypatch)
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*the MoE backend under test 'bf16-only' takes bf16 experts, and the model under "
-                                 "test 'tiny' holds fp32 (Backend.formats)*"])
+    result.stdout.fnmatch_lines(["*the MoE backend under test: the 'bf16-only' MoE backend takes bf16 experts, and "
+                                 "model 'tiny' holds fp32 (Backend.formats)*"])

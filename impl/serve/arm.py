@@ -27,7 +27,7 @@ from torch import nn
 from impl import backends
 from impl.serve.configs import Row, ServeConfig
 
-__all__ = ["Arm", "ArmError", "build_arm", "build_arms", "expert_format"]
+__all__ = ["Arm", "ArmError", "build_arm", "build_arms", "expert_format", "why_cannot_run"]
 
 
 class ArmError(ValueError):
@@ -50,6 +50,21 @@ def expert_format(model) -> str:
         raise ArmError(f"the model's MoE layers hold experts in several formats {sorted(formats)}; an arm "
                        "runs one format")
     return formats.pop()
+
+
+def why_cannot_run(model, moe: backends.Backend) -> str | None:
+    """Why MoE backend `moe` cannot run `model`'s experts, or None when it can: the experts' format
+    is not among `Backend.formats`, or the model clips SwiGLU and the backend does not. The ladder
+    refuses such a row (ArmError) and the model suites skip (pytest_moeperf.fixtures), with this
+    one reason."""
+    fmt = expert_format(model)
+    if fmt != "none" and fmt not in moe.formats:
+        return (f"the {moe.name!r} MoE backend takes {', '.join(moe.formats)} experts, and model "
+                f"{model.config.name!r} holds {fmt} (Backend.formats)")
+    if model.config.clips_swiglu and not moe.clips_swiglu:
+        return (f"the {moe.name!r} MoE backend does not clip SwiGLU (Backend.clips_swiglu), and model "
+                f"{model.config.name!r} does in some layers")
+    return None
 
 
 class _HeadBank:
@@ -141,12 +156,9 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
     if config.experts != "auto" and config.experts != fmt:
         raise ArmError(f"{name}: experts: the row expects {config.experts} experts but the model holds {fmt}; "
                        "arms share one model, so convert the model's experts before building its arms")
-    if fmt != "none" and fmt not in moe.formats:
-        raise ArmError(f"{name}: moe: the {config.moe!r} MoE backend takes {list(moe.formats)} experts, the model "
-                       f"holds {fmt}")
-    if model.config.clips_swiglu and not moe.clips_swiglu:
-        raise ArmError(f"{name}: moe: the {config.moe!r} MoE backend does not clip SwiGLU (Backend.clips_swiglu), "
-                       f"and model {model.config.name!r} does in some layers")
+    reason = why_cannot_run(model, moe)
+    if reason:
+        raise ArmError(f"{name}: moe: {reason}")
     from impl.model.layer_backends import DEFAULTS
     for kind, backend in config.layer_backends().items():
         if backend != DEFAULTS[kind] and model.layer_backend(kind) == "none":
