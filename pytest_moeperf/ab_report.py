@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from pytest_moeperf.ab_figures import render_figures
-from pytest_moeperf.ab_summary import MARGIN, METRICS, QS, SPEED_METRIC, summarize_ab
+from pytest_moeperf.ab_summary import MARGIN, METRICS, QS, SPEED_METRIC, failure_place, summarize_ab
 from pytest_moeperf.baselines import atomic_write_bytes
 from pytest_moeperf.stats import SMALL_SAMPLE
 
@@ -118,10 +118,8 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
               f"- reference arm: `{ref}` (every ratio is arm / {ref}, per request)"]
     if not summary["complete"]:
         failure = summary.get("failure")
-        why = "" if not failure else (
-            f" Row `{failure['row']}` {failure['kind']} on "
-            + ("preparing its steps" if failure["request"] is None else f"request `{failure['request']}`")
-            + f": {failure['error']}.")
+        why = "" if not failure else (f" Row `{failure['row']}` {failure['kind']} on "
+                                      f"{failure_place(failure, markdown=True)}: {failure['error']}.")
         lines.append(f"- **PARTIAL RESULT: the run stopped part-way.**{why} Arms may hold different numbers of "
                      "requests; paired figures use only the requests present in both arms.")
     host = summary.get("host")

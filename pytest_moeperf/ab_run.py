@@ -94,7 +94,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
     from impl.serve import ArmError, build_arms, run_ladder, where_failed
     from pytest_moeperf.ab_report import write_ab_report
-    from pytest_moeperf.ab_summary import summarize_ab
+    from pytest_moeperf.ab_summary import failure_place, summarize_ab
     from pytest_moeperf.host_load import Meter
     opts = session.options
     workload_opt, ladder_opt = opts.named("moe_workload"), opts.named("moe_ladder")
@@ -151,9 +151,8 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             # A row's code failed: named once, its traceback printed once (not once a test).
             failure = _failure(e, where_failed(e), "failed")
             _progress("".join(traceback.format_exception(e)))
-            what = "preparing its steps" if failure["request"] is None else f"request {failure['request']!r}"
-            pytest.fail(f"row {failure['row']!r} failed on {what}: {failure['error']} (the A/B report in "
-                        f"{report_dir} holds the {len(records)} record(s) served before)", pytrace=False)
+            pytest.fail(f"row {failure['row']!r} failed on {failure_place(failure)}: {failure['error']} (the A/B "
+                        f"report in {report_dir} holds the {len(records)} record(s) served before)", pytrace=False)
         complete = True
     finally:
         model.set_moe_backend(restore[0])

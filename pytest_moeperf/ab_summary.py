@@ -199,6 +199,15 @@ def _compare(ref_name: str, arm_name: str, by_arm, margin: float) -> dict:
             "speed": speed, "accuracy": acc, "verdict": f"{speed}; {answers}"}
 
 
+def failure_place(failure: dict, markdown: bool = False) -> str:
+    """Where a row stopped the ladder, in words: on which request (its id as Python writes it, or
+    as Markdown code), or while preparing its steps (before its first request)."""
+    request = failure["request"]
+    if request is None:
+        return "preparing its steps"
+    return f"request `{request}`" if markdown else f"request {request!r}"
+
+
 def _flags(s: dict, cmp: dict | None) -> list[str]:
     flags = []
     if s["provenance_error"]:
@@ -274,9 +283,8 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     for i, s in enumerate(summaries):
         s["flags"] = _flags(s, comparisons[i - 1] if i else None)
         if failure and s["name"] == failure["row"]:
-            where = "preparing its steps" if failure["request"] is None else f"request {failure['request']!r}"
-            s["flags"].insert(0, f"{failure['kind']} on {where} ({failure['error']}): the run stopped there, and "
-                                 "its figures are those of the requests before")
+            s["flags"].insert(0, f"{failure['kind']} on {failure_place(failure)} ({failure['error']}): the run "
+                                 "stopped there, and its figures are those of the requests before")
         s["partial"] = s["n_requests"] < max_n
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
