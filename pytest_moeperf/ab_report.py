@@ -113,8 +113,12 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     cmp = {c["arm"]: c for c in summary["comparisons"]}
     n_max = max((s["n_requests"] for s in summary["arms"]), default=0)
     lines = [f"# A/B ladder: {w.get('name', 'workload')}", ""]
-    lines += [f"- device: {summary['device'] or '-'}",
-              f"- workload: {w.get('name', '-')}, {w.get('n_requests', '-')} requests, {w.get('shots', 0)}-shot",
+    lines += [f"- device: {summary['device'] or '-'}"]
+    model = summary.get("model")
+    if model:
+        lines.append(f"- model: {model['name']} (`{model['spec']}`), {model['dtype']} weights, {model['experts']} "
+                     f"experts, tokenizer {model['tokenizer']}")
+    lines += [f"- workload: {w.get('name', '-')}, {w.get('n_requests', '-')} requests, {w.get('shots', 0)}-shot",
               f"- reference arm: `{ref}` (every ratio is arm / {ref}, per request)"]
     if not summary["complete"]:
         failure = summary.get("failure")

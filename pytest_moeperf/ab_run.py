@@ -47,6 +47,17 @@ def arm_entry(arm) -> dict:
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
 
 
+def model_entry(model, spec, tokenizer) -> dict:
+    """The model every row served, as the report names it: what was asked for (`--moe-model`),
+    the weights' dtype, the routed experts' format and the tokenizer that made the prompts' ids
+    (the checkpoint's own, bytes, or none: token ids only)."""
+    from impl.serve import expert_format
+    return {"name": model.config.name, "spec": str(spec),
+            "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+            "experts": expert_format(model),
+            "tokenizer": f"{type(tokenizer).__name__} {tokenizer.name!r}, {tokenizer.vocab_size} ids"}
+
+
 def _failure(error: Exception, where: tuple, kind: str) -> dict:
     """Where a row stopped the ladder ("refused": a backend's Unsupported; "failed": an error of the
     row's code), as the report shows it."""
@@ -163,6 +174,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
                          "details": {"description": workload.description}},
             "device": session.device.describe(),
+            "model": model_entry(model, opts.model, tokenizer),
             "arms": [arm_entry(a) for a in arms],
             "requests": records,
             "complete": complete,

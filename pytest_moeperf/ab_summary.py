@@ -288,7 +288,7 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
         s["partial"] = s["n_requests"] < max_n
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
-    return {"workload": result.get("workload") or {}, "device": result.get("device"),
+    return {"workload": result.get("workload") or {}, "device": result.get("device"), "model": result.get("model"),
             "complete": bool(result.get("complete", False)), "dropped": dict(result.get("dropped") or {}),
             "host": result.get("host"), "failure": failure,
             "reference": ref,

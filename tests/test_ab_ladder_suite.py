@@ -70,6 +70,11 @@ def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_fi
                           "--moe-requests", "3", "--moe-ladder", "a=baseline;b=baseline", "-k", "provenance")
     assert result.ret == 0, result.stdout.str()[-3000:]
     assert report["summary"]["workload"]["shots"] == 5
+    # The report names the tokenizer that made the prompts (the checkpoint's own, not bytes) and the weights.
+    model = report["summary"]["model"]
+    assert model["tokenizer"].startswith(f"HFTokenizer '{ckpt.name}'") and model["spec"] == str(ckpt), model
+    assert (model["dtype"], model["experts"]) == ("float32", "fp32"), model
+    assert f"tokenizer {model['tokenizer']}" in (pytester.path / "ab" / "ab-report.md").read_text()
     records = report["requests"]
     assert len(records) == 6 and {r["arm"] for r in records} == {"a", "b"}
     for r in records:
