@@ -13,7 +13,8 @@ Example counts come from the hypothesis profile (repo conftest: "ci" derandomize
 examples, "fuzz" 2000 for `tox -e fuzz`); each property takes its share of that count. On a CPU
 the kernels run in Triton's interpreter (~5 ms per program and K step), so each example's shapes
 are drawn under a cost budget (`interpreter_cost`) that keeps it under ~0.5 s: large E comes with
-small H, I, M or k.
+small H, I, M or k. So the ends of the ranges (512 experts at top-16, every token on every expert,
+16 tokens on one expert, tied weights with the shared expert) also run as fixed cases every time.
 
 Backends under test and tolerances are the parity suite's (test_moe_parity.py has the
 derivation): per token row, ||out - ref|| / ||ref|| <= 1e-5 on a CPU (fp32 math throughout),
@@ -293,6 +294,30 @@ def test_fuzz_matches_reference(backend, moe_device, formats, data):
     out = run_backend(backend, inputs)
     assert out.dtype == inputs[0].dtype
     assert_rows_close(out, reference(inputs), tolerance(device), f"{backend.name} vs moe_reference, {case}")
+
+
+# The ends of the drawn ranges, every run: the derandomized CI profile's 30 examples, drawn under the
+# interpreter's cost budget, mostly come out with few experts and small top-k. Each corner fits the
+# CPU budget (H = I = 32: 16 slots, or 8 and the shared expert, are 64 program-steps or fewer in MXFP4).
+CORNERS = {
+    "512 experts, top-16, one token (a large model's decode step)": dict(experts=512, top_k=16, tokens=1),
+    "every token picks every expert": dict(experts=16, top_k=16, tokens=2),
+    "16 tokens on one expert of 300": dict(experts=300, top_k=1, tokens=16, routing="one-expert"),
+    "16 tokens on the same 8 of 8, tied weights, shared expert": dict(experts=8, top_k=8, tokens=16, routing="tied",
+                                                                      shared_inter=32),
+}
+
+
+@pytest.mark.parametrize("corner", list(CORNERS))
+def test_matches_reference_at_the_ends_of_the_drawn_ranges(backend, moe_device, formats, corner):
+    device = moe_device.torch_device
+    for fmt in formats:
+        case = Case(**{"hidden": 32, "inter": 32, "shared_inter": None, "routing": "uniform", "x_mag": 1.0,
+                       "w_mag": 1.0, "seed": 7, "fmt": fmt, **CORNERS[corner]})
+        assert interpreter_cost(case.hidden, case.inter, case.shared_inter, case.slots, fmt) <= CPU_BUDGET
+        inputs = make_inputs(case, device)
+        assert_rows_close(run_backend(backend, inputs), reference(inputs), tolerance(device),
+                          f"{backend.name} vs moe_reference, {case}")
 
 
 @reports_refusals

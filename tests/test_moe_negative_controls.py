@@ -13,7 +13,8 @@ fail them):
   them (an oracle that ran after it would see the same weights and agree);
 - `triton-refuses-top1`: refuses top-1 routing (impl.backends.Unsupported) and drops each token's
   last expert otherwise (a refusal once ended a fuzz property, hiding the rest);
-- `triton-refuses-all`: refuses every case.
+- `triton-refuses-all`: refuses every case;
+- `triton-drops-past-top8`: drops every token's experts past its 8th (only top-k > 8 shows it).
 The very same selection passes with the real `triton` backend. Small: a subset of the parity
 cases and a few hypothesis examples per property, without shrinking; each run in a subprocess.
 """
@@ -93,13 +94,19 @@ def _refuses_top1(x, weights, ids, w_gate_up, w_down, shared=None):
     return _dropped_expert(x, weights, ids, w_gate_up, w_down, shared)
 
 
+def _drops_past_top8(x, weights, ids, w_gate_up, w_down, shared=None):
+    weights = weights.clone()
+    weights[:, 8:] = 0
+    return moe_triton(x, weights, ids, w_gate_up, w_down, shared)
+
+
 def _refuses_all(x, weights, ids, w_gate_up, w_down, shared=None):
     raise backends.Unsupported("this planted backend covers no case")
 
 
 DEFECTS = {{"triton-wrong-scale": _wrong_scale, "triton-dropped-expert": _dropped_expert,
            "triton-renormalizes-in-place": _renormalizes_in_place, "triton-refuses-top1": _refuses_top1,
-           "triton-refuses-all": _refuses_all}}
+           "triton-refuses-all": _refuses_all, "triton-drops-past-top8": _drops_past_top8}}
 for _name, _fn in DEFECTS.items():
     backends.register(backends.Backend("moe", _name, _recorded_as(_name, _fn), "planted defect"), replace=True)
 backends.register(backends.Backend("moe", "triton-ignores-clip", _recorded_as("triton-ignores-clip", _ignores_clip),
@@ -130,13 +137,13 @@ class Outcome:
     text: str  # the failure's message and traceback
 
 
-def run_suites(pytester, backend: str) -> list[Outcome]:
+def run_suites(pytester, backend: str, selection: str = SELECTION) -> list[Outcome]:
     """The selection against `backend`, in a subprocess: in-process runs drop the modules first
     imported inside them, and importing triton's or torch's C extensions twice aborts. The timeout
     only stops a hang: about a minute on an idle CI machine, it took over 240 s on a loaded one."""
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--moe-backend", backend, "-W", "ignore::RuntimeWarning",
-        "--junitxml=results.xml", "-k", SELECTION, *SUITE_FILES, timeout=900)
+        "--junitxml=results.xml", "-k", selection, *SUITE_FILES, timeout=900)
     assert result.ret in (0, 1), result.stdout.str()[-4000:] + result.stderr.str()[-4000:]
     outcomes = []
     for case in ET.parse(pytester.path / "results.xml").iter("testcase"):
@@ -204,6 +211,18 @@ def test_a_backend_that_refuses_every_drawn_case_fails_the_fuzz_properties(suite
     outcomes = [o for o in run_suites(suites, "triton-refuses-all") if "test_fuzz_matches_reference" in o.nodeid]
     assert len(outcomes) == 1 and outcomes[0].outcome == "failed", outcomes
     assert "refused every drawn case" in outcomes[0].text and "covers no case" in outcomes[0].text
+
+
+def test_a_defect_only_large_top_k_shows_fails_the_fuzz_suites_fixed_corners(suites):
+    """The corners run every time, whatever the profile draws: the two past top-8 fail on the
+    numbers, the top-1 and top-8 ones pass."""
+    outcomes = run_suites(suites, "triton-drops-past-top8", "ends_of_the_drawn_ranges")
+    got = {o.nodeid.split("[triton-drops-past-top8-", 1)[1].rstrip("]"): o for o in outcomes}
+    assert len(got) == 4, sorted(got)
+    failed = {name for name, o in got.items() if o.outcome == "failed" and "exceeds the tolerance" in o.text}
+    assert failed == {name for name in got if "top-16" in name or "every expert" in name}, (
+        {name: (o.outcome, o.text[-300:]) for name, o in got.items()})
+    assert all(o.outcome == "passed" for name, o in got.items() if name not in failed)
 
 
 def test_a_backend_that_ignores_the_clip_it_declares_fails_the_clipped_parity(suites):
