@@ -63,9 +63,17 @@ def _run(pytester, conftest, *args):
     return result, json.loads(path.read_text()) if path.is_file() else None
 
 
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory) -> Path:
+    """Built outside any test that uses `pytester`: pytester drops the modules first imported
+    during its test, and transformers' import registers torch libraries (c10d_functional) that
+    cannot be registered twice in one process, as a later import would."""
+    return build_checkpoint(tmp_path_factory.mktemp("ab-ckpt") / "qwen3-moe")
+
+
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K data not found at {GSM8K_DIR}")
-def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_figure(pytester):
-    ckpt = build_checkpoint(pytester.path / "qwen3-moe")
+def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_figure(pytester, qwen3_checkpoint):
+    ckpt = qwen3_checkpoint
     result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-workload", f"gsm8k:{GSM8K_DIR}",
                           "--moe-requests", "3", "--moe-ladder", "a=baseline;b=baseline", "-k", "provenance")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -83,10 +91,10 @@ def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_fi
         assert all(isinstance(r[k], bool) for k in ("correct", "strict_correct", "flexible_correct")), r
 
 
-def test_the_default_ladder_leaves_out_mtp_for_a_checkpoint_without_a_nextn_layer(pytester):
+def test_the_default_ladder_leaves_out_mtp_for_a_checkpoint_without_a_nextn_layer(pytester, qwen3_checkpoint):
     """Before: the default rows named +mtp, so every checkpoint without MTP weights (most Qwen3-MoE
     ones) stopped the whole main job with a usage error it had not asked for."""
-    ckpt = build_checkpoint(pytester.path / "qwen3-moe")
+    ckpt = qwen3_checkpoint
     result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-requests", "3", "-k", "provenance")
     assert result.ret == 0, result.stdout.str()[-3000:] + result.stderr.str()[-2000:]
     assert [a["name"] for a in report["arms"]] == ["baseline", "+fp8-head"]
