@@ -27,27 +27,29 @@ def test_gate_trust_counts_false_failures_and_detections(tmp_path, monkeypatch):
     """The script end to end on real timings. What it counts is under test, not the host: under
     `pytest -n` on 2 cores the other worker can hide the doubled head call in a ratio of two
     interleaved timings (seen once in four runs beside two busy loops), so a run whose counts the
-    host spoiled is run again, at most three times."""
+    host spoiled is run again, at most three times. The plant quadruples the head call: a doubled
+    one was caught once in two evaluations in all three attempts on a 2-core host running three
+    pytest processes."""
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     suite = tmp_path / "test_planted.py"
     suite.write_text(PLANTED_SUITE)
     for attempt in range(3):
         out = tmp_path / f"trust{attempt}"
         rc = _script().main(["--out", str(out), "--paths", str(suite), "--aa-runs", "1", "--repeats", "2",
-                             "--plant", "head:bf16=1.0", "--plant-runs", "1", "--", "--moe-samples", "15",
+                             "--plant", "head:bf16=3.0", "--plant-runs", "1", "--", "--moe-samples", "15",
                              # a contended CI host would refuse the freeze
                              "--moe-host-stall", "off"])
         assert rc == 0, (out / "freeze.log").read_text()[-2000:]
         doc = json.loads((out / "trust.json").read_text())
         (row,) = doc["metrics"].values()
-        aa, planted = row["phases"]["aa"], row["phases"]["head:bf16=1.0"]
+        aa, planted = row["phases"]["aa"], row["phases"]["head:bf16=3.0"]
         if (aa["n"], aa["regression"], planted["n"], planted["regression"]) == (2, 0, 2, 2):
             break
     assert (aa["n"], aa["regression"]) == (2, 0)
     assert (planted["n"], planted["regression"]) == (2, 2)
-    assert planted["effective_slowdown"] > 0.3  # the head call doubled; the ratio also counts F.linear
+    assert planted["effective_slowdown"] > 0.6  # 1 - 1/4 for the head call quadrupled (the frozen ratio over the planted)
     text = (out / "trust.md").read_text()
-    assert "A/A: 0 false failure(s) in 2 judged evaluation(s)" in text and "head:bf16=1.0: 2, 2 (100%)" in text
+    assert "A/A: 0 false failure(s) in 2 judged evaluation(s)" in text and "head:bf16=3.0: 2, 2 (100%)" in text
 
 
 def test_gate_trust_refuses_a_used_output_folder(tmp_path, capsys):
