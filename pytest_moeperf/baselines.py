@@ -44,6 +44,7 @@ class FrozenMetric:
     tolerance: float  # practical threshold, a fraction of the value
     config: dict = field(default_factory=dict)
     frozen_at: str = ""
+    commit: str = ""  # the checkout the figure was measured on (report.checkout_commit), when known
 
     @classmethod
     def from_json(cls, raw, where: str) -> "FrozenMetric":

@@ -201,7 +201,7 @@ class Gate:
             _check_freezable(result)
             self.session.to_freeze[result.metric_id] = FrozenMetric(
                 result.current, samples, unit, direction, tolerance, config,
-                datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                datetime.now(timezone.utc).isoformat(timespec="seconds"), self.session.commit or "")
             result.verdict, result.message = "frozen", f"frozen into {self.session.store.path}"
             self._publish(result)
             return result
@@ -279,9 +279,10 @@ class Gate:
         result.ratio, result.ci_low, result.ci_high, result.p_value = cmp.ratio, cmp.ci_low, cmp.ci_high, cmp.p_value
         result.verdict = cmp.verdict
         result.message = (f"{result.metric}: {result.current:.4g} {result.unit} vs frozen {frozen.value:.4g} "
-                          f"{result.unit}: x{cmp.ratio:.3f} (95% CI {cmp.ci_low:.3f}-{cmp.ci_high:.3f}, "
+                          f"{result.unit}{_change(result.current, frozen.value, result.direction)}: "
+                          f"x{cmp.ratio:.3f} as fast (95% CI {cmp.ci_low:.3f}-{cmp.ci_high:.3f}, "
                           f"tolerance {frozen.tolerance:.0%}, {result.direction} is better, "
-                          f"{result.scope} baseline) -> {cmp.verdict}")
+                          f"{result.scope} baseline{_frozen_when(frozen)}) -> {cmp.verdict}")
 
     def check_ratio(self, metric: str, measure: Callable[[], tuple[list[float], list[float]]], *,
                     direction: str, tolerance: float, config: dict | None = None) -> GateResult:
@@ -298,3 +299,18 @@ class Gate:
 
         return self.check(metric, ratios(), unit="x", direction=direction, tolerance=tolerance,
                           config=config, remeasure=ratios, portable=True)
+
+
+def _change(current: float, frozen: float, direction: str) -> str:
+    """" (43.7% higher: worse)": the figure's own change, beside the speed ratio whose x0.696 would
+    otherwise read as "30% less" of a figure that grew by 44%."""
+    if not frozen or not math.isfinite(current / frozen) or current == frozen:
+        return ""
+    change = current / frozen - 1
+    worse = (change > 0) == (direction == "lower")
+    return f" ({abs(change):.1%} {'higher' if change > 0 else 'lower'}: {'worse' if worse else 'better'})"
+
+
+def _frozen_when(frozen: FrozenMetric) -> str:
+    when = ", ".join(x for x in (frozen.frozen_at, f"at {frozen.commit}" if frozen.commit else "") if x)
+    return f", frozen {when}" if when else ""

@@ -415,6 +415,19 @@ def pytest_testnodedown(node, error) -> None:
         state.worker_errors.append(f"pytest-xdist worker {node.gateway.id} (GPU {gpu}) went down: {error}")
 
 
+class _FailureHooks:
+    """The tests that failed on their own, as the controller (or a plain run) sees them: not a
+    test pytest-xdist failed because its worker went down under it."""
+
+    def __init__(self, session: MoePerfSession) -> None:
+        self.session = session
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed and "crashed while running" not in str(report.longrepr):
+            self.session.failed_tests.append(report.nodeid)
+
+
 class _BenchmarkHooks:
     """Registered only when pytest-benchmark is installed: puts the fingerprint in its machine info."""
 
@@ -437,6 +450,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     session = MoePerfSession(options)
+    session.rootdir = config.rootpath
     plant_spec = _option(config, "moe_plant")
     if plant_spec:
         plant = _plant_module()
@@ -451,13 +465,16 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_moeperf.baselines import BaselineError, BaselineStore
         from pytest_moeperf.timing import pin_heap_allocations
         pin_heap_allocations()
+        problem = _unwritable(options) if not _is_worker(config) else None
+        if problem:  # found before anything is measured, not after
+            raise pytest.UsageError(problem)
+        if options.report is not None and not _is_worker(config):
+            from pytest_moeperf import report
+            report.write_unfinished(options.report, session.run_header())
         try:
             BaselineStore.validate_folder(options.baselines)
         except BaselineError as e:
             raise pytest.UsageError(f"malformed baseline: {e}") from None
-        problem = _unwritable(options) if not _is_worker(config) else None
-        if problem:  # found before anything is measured, not after
-            raise pytest.UsageError(problem)
         if options.device != "auto":
             try:
                 session.device.torch_device
@@ -469,6 +486,8 @@ def pytest_configure(config: pytest.Config) -> None:
             parse_ladder_option(options.ladder, session.device.torch_device.type)
         except ValueError as e:
             raise pytest.UsageError(_from_ini(config, "moe_ladder", str(e))) from None
+    if not _is_worker(config):
+        config.pluginmanager.register(_FailureHooks(session), "moeperf-failure-hooks")
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
 
@@ -552,11 +571,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.config.workeroutput[workers.OUTPUT_KEY] = workers.worker_payload(state, gpu)
         return
     state.finish_lines = state.finish(interrupted=session.exitstatus == pytest.ExitCode.INTERRUPTED)
-    if state.worker_errors:
-        # Exit 3, not 1: a lost worker says nothing about the code under test.
+    if state.worker_errors and not (state.failed_tests or state.run_failures()):
+        # Exit 3, not 1: a lost worker says nothing about the code under test. A run that also
+        # found a regression or a failed check exits 1, the lost worker named in its summary.
         session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
-    elif state.run_failures() and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+    elif (state.failed_tests or state.run_failures()) and session.exitstatus in (
+            pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED, pytest.ExitCode.INTERNAL_ERROR):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

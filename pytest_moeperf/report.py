@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -67,20 +69,50 @@ def trust_table(results) -> str:
     return _aligned(TRUST_COLUMNS, trust_rows(results))
 
 
-def markdown(results, header: dict, run_failures: list[str] = ()) -> str:
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def checkout_commit(folder: Path) -> str | None:
+    """The git commit checked out at `folder` (with "+changes" when the tree differs from it),
+    or None outside a git checkout: which code a report's figures came from."""
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def markdown(results, header: dict, run_failures: list[str] = (), failed_tests: list[str] = ()) -> str:
     head = [f"# pytest-moeperf report", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
     head += [f"**The run fails:** {why}" for why in run_failures] + ([""] if run_failures else [])
+    if failed_tests:
+        head += [f"**{len(failed_tests)} test(s) failed:** " + ", ".join(f"`{t}`" for t in failed_tests), ""]
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
     return "\n".join(head + lines) + "\n"
 
 
-def write(path: Path, results, header: dict, run_failures: list[str] = ()) -> tuple[Path, Path]:
-    """JSON at `path`, Markdown beside it (same stem, .md); both written atomically.
-    `run_failures`: why the run fails though no test did (--moe-strict's reasons, a write that failed)."""
+def write(path: Path, results, header: dict, run_failures: list[str] = (),
+          failed_tests: list[str] = ()) -> tuple[Path, Path]:
+    """JSON at `path`, Markdown beside it (same stem, .md); each written atomically, the JSON last.
+    `run_failures`: why the run fails though no test did (--moe-strict's reasons, a write that
+    failed); `failed_tests`: the tests that failed."""
     path = Path(path)
-    doc = {"header": header, "run_failures": list(run_failures), "metrics": [asdict(r) for r in results]}
-    atomic_write_text(path, json.dumps(doc, indent=1, default=str) + "\n")
+    doc = {"header": header, "run_failures": list(run_failures), "failed_tests": list(failed_tests),
+           "metrics": [asdict(r) for r in results]}
     md = path.with_suffix(".md")
-    atomic_write_text(md, markdown(results, header, run_failures))
+    atomic_write_text(md, markdown(results, header, run_failures, failed_tests))
+    atomic_write_text(path, json.dumps(doc, indent=1, default=str) + "\n")
     return path, md
+
+
+def write_unfinished(path: Path, header: dict) -> None:
+    """The report a run leaves until it finishes: whatever stops it (a usage error found later, a
+    kill, a crash), the previous run's report is gone and this one says the run did not finish."""
+    header = {**header, "status": "did not finish (stopped, killed or refused before its end)",
+              "outcome": "NONE: no verdict"}
+    write(path, [], header, ["the run did not finish: no figure here was judged"])

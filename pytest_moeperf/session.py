@@ -76,6 +76,9 @@ class MoePerfSession:
         self.gpu_of_worker: dict[str, str] = {}
         self.worker_errors: list[str] = []
         self.write_errors: list[str] = []  # frozen figures or the report that could not be written
+        self.failed_tests: list[str] = []  # tests that failed on their own (not by a worker going down)
+        self.rootdir: Path | None = None  # pytest's rootdir: the checkout whose commit the report names
+        self.started = report.now()
 
     @property
     def freeze(self) -> bool:
@@ -119,6 +122,16 @@ class MoePerfSession:
             config["head"] = self.options.head
         return config
 
+    @cached_property
+    def commit(self) -> str | None:
+        return report.checkout_commit(self.rootdir) if self.rootdir is not None else None
+
+    def run_header(self) -> dict:
+        """What the report says of the run before any device is looked at: the code, the model,
+        the baselines, when it started."""
+        return {"commit": self.commit or "unknown (not a git checkout)", "started": self.started,
+                "model": self.options.model, "baselines": str(self.options.baselines)}
+
     def header(self) -> dict:
         if self.workers:  # the controller of an xdist run: the workers' devices
             h = {"device": "; ".join(f"GPU {w['gpu']}: {w['device']}" for w in self.workers),
@@ -132,6 +145,7 @@ class MoePerfSession:
             stall = self.options.host_stall
             h["host_stall_threshold"] = "off" if stall is None else stall
             h["host_wait_s"] = self.options.host_wait
+        h = {**self.run_header(), **h}
         if self.options.plants:
             h["planted"] = ", ".join(map(str, self.options.plants))
         if self.options.trust:
@@ -239,11 +253,16 @@ class MoePerfSession:
             lines.append(f"the freeze is incomplete: {len(self.contended())} figure(s) measured on a contended host "
                          "were not frozen; this run fails")
         if self.options.report is not None and self.options.bench:
-            # Written whenever the gate ran, so a nightly job never publishes the last run's report.
+            # Written whenever the gate ran; the plugin wrote a stub saying "did not finish" at
+            # start-up, so a nightly job never publishes the last run's report.
+            outcome = {"status": "stopped part-way" if interrupted else "complete",
+                       "outcome": "FAIL" if self.failed_tests or self.run_failures() or self.worker_errors else "PASS",
+                       "finished": report.now()}
             try:
-                json_path, md_path = report.write(self.options.report, self.results, self.header(),
+                json_path, md_path = report.write(self.options.report, self.results, {**self.header(), **outcome},
                                                   self.run_failures() + [f"infrastructure error: {e}"
-                                                                         for e in self.worker_errors])
+                                                                         for e in self.worker_errors],
+                                                  failed_tests=self.failed_tests)
                 lines.append(f"report written to {json_path} and {md_path}")
             except OSError as e:
                 self.write_errors.append(f"the report was NOT written: {self.options.report}: {e}")

@@ -98,7 +98,9 @@ def test_planted_20_percent_slowdown_fails(run):
     run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
     result = run("--moe-bench", factor=1.2)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*latency_us: 120 us vs frozen 100 us: x0.833*-> regression*",
+    # The figure's own change beside the speed ratio, and when the frozen figure was frozen.
+    result.stdout.fnmatch_lines(["*latency_us: 120 us vs frozen 100 us (20.0% higher: worse): x0.833 as fast*"
+                                 "baseline, frozen 20*-> regression*",
                                  "*REGRESSION*"])
 
 
@@ -347,6 +349,35 @@ def test_report_is_written_as_json_and_markdown(run, suite):
     assert doc["header"]["fingerprint"] == DeviceInfo("auto").key
     assert "| test_suite.py::test_latency::latency_us | 120 us | 100 us | 0.833 |" in \
         (suite.path / "out" / "report.md").read_text()
+
+
+def test_the_report_gives_the_runs_outcome_its_failed_tests_and_its_commit(run, suite):
+    """A report read alone (a nightly job's artifact) says whether the run passed: a failed check
+    that gates no figure fails it too, and the code it measured is named."""
+    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=1)
+    suite.makepyfile(test_check="def test_parity():\n    assert 1.0 == 2.0\n")
+    run("--moe-bench", "--moe-report", "out/report.json").assert_outcomes(passed=1, failed=1)
+    doc = json.loads((suite.path / "out" / "report.json").read_text())
+    assert [m["verdict"] for m in doc["metrics"]] == ["pass"]
+    assert doc["header"]["outcome"] == "FAIL" and doc["header"]["status"] == "complete"
+    assert doc["failed_tests"] == ["test_check.py::test_parity"]
+    assert doc["header"]["commit"] == "unknown (not a git checkout)" and doc["header"]["finished"]
+    assert "**1 test(s) failed:** `test_check.py::test_parity`" in (suite.path / "out" / "report.md").read_text()
+    (suite.path / "test_check.py").unlink()
+    run("--moe-bench", "--moe-report", "out/report.json").assert_outcomes(passed=1)
+    assert json.loads((suite.path / "out" / "report.json").read_text())["header"]["outcome"] == "PASS"
+
+
+def test_a_run_that_does_not_finish_leaves_no_earlier_report_behind(run, suite):
+    """Here a usage error found after the report's path was checked (a malformed baseline); a
+    killed run leaves the same: the report written at start-up."""
+    run("--moe-bench", "--moe-freeze", "--moe-report", "out/report.json").assert_outcomes(passed=1)
+    (suite.path / "baselines" / "broken.json").write_text("{")
+    assert run("--moe-bench", "--moe-report", "out/report.json").ret == pytest.ExitCode.USAGE_ERROR
+    doc = json.loads((suite.path / "out" / "report.json").read_text())
+    assert doc["metrics"] == [] and doc["header"]["outcome"] == "NONE: no verdict"
+    assert doc["header"]["status"].startswith("did not finish")
+    assert "the run did not finish" in (suite.path / "out" / "report.md").read_text()
 
 
 def test_gpu_markers_skip_with_their_reason_on_a_cpu(pytester, monkeypatch):

@@ -132,3 +132,15 @@ def test_a_crashed_worker_is_an_infrastructure_error(xsuite):
     assert result.ret == pytest.ExitCode.INTERNAL_ERROR  # exit 3: not the code under test
     result.stdout.fnmatch_lines(["*infrastructure error: pytest-xdist worker gw* (GPU *) went down*"])
     assert len(entries(xsuite)[0]["metrics"]) == 4  # what the other tests measured is kept
+
+
+def test_a_run_with_a_regression_exits_1_even_when_a_worker_was_lost(xsuite):
+    """Exit 3 says "infrastructure, not the code": not when the code regressed too."""
+    xsuite.makepyfile(test_crash="import os\nimport pytest\n\n@pytest.mark.moe_bench\n"
+                                 "def test_crash():\n    os._exit(9)\n")
+    run_workers(xsuite, "H200,H200", "--moe-freeze", "-k", "latency").assert_outcomes(passed=4)
+    result = run_workers(xsuite, "H200,H200", SLOW_GPU1="1.5")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*infrastructure error: pytest-xdist worker gw* (GPU *) went down*"])
+    doc = json.loads((xsuite.path / "report.json").read_text())
+    assert doc["header"]["outcome"] == "FAIL" and "test_crash.py::test_crash" not in doc["failed_tests"]
