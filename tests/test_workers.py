@@ -16,7 +16,8 @@ from pytest_moeperf.workers import parse_worker_gpus, visible_gpus, worker_index
 pytest.importorskip("xdist")
 
 # Four timed figures with deterministic samples (1% spread); the one measured on GPU "1" is
-# slowed by SLOW_GPU1 (a planted slowdown on that worker's GPU). Each test records the GPU it saw.
+# slowed by SLOW_GPU1 (a planted slowdown on that worker's GPU; SLOW_ALL on the others). Each
+# test records the GPU it saw.
 SUITE = """
 import os
 import pytest
@@ -29,7 +30,7 @@ def test_latency(moe_gate, name):
     gpu = os.environ["MOEPERF_WORKER_GPU"]
     with open(f"gpu-{name}.txt", "w") as f:
         f.write(gpu)
-    slow = float(os.environ.get("SLOW_GPU1", "1")) if gpu == "1" else 1.0
+    slow = float(os.environ.get("SLOW_GPU1", "1")) if gpu == "1" else float(os.environ.get("SLOW_ALL", "1"))
     moe_gate.check(f"latency_{name}_us", [100 * s * slow for s in SPREAD], unit="us", direction="lower",
                    tolerance=0.10)
 """
@@ -139,7 +140,7 @@ def test_a_run_with_a_regression_exits_1_even_when_a_worker_was_lost(xsuite):
     xsuite.makepyfile(test_crash="import os\nimport pytest\n\n@pytest.mark.moe_bench\n"
                                  "def test_crash():\n    os._exit(9)\n")
     run_workers(xsuite, "H200,H200", "--moe-freeze", "-k", "latency").assert_outcomes(passed=4)
-    result = run_workers(xsuite, "H200,H200", SLOW_GPU1="1.5")
+    result = run_workers(xsuite, "H200,H200", SLOW_GPU1="1.5", SLOW_ALL="1.5")  # whichever worker goes down
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*infrastructure error: pytest-xdist worker gw* (GPU *) went down*"])
     doc = json.loads((xsuite.path / "report.json").read_text())
