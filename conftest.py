@@ -4,18 +4,12 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+from pytest_moeperf.plugin import parse_count
+
 
 def parse_fuzz_examples(text: str | None) -> int:
     """MOEPERF_FUZZ_EXAMPLES, the `fuzz` profile's example count (each property takes its share)."""
-    if text is None:
-        return 2000
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"MOEPERF_FUZZ_EXAMPLES={text!r}: expected a whole number of hypothesis examples >= 1")
-    return n
+    return parse_count("MOEPERF_FUZZ_EXAMPLES", text, 1) or 2000
 
 
 # "ci": derandomized and bounded, so the default run is reproducible and fast on 2 cores;

@@ -170,15 +170,8 @@ def parse_head(value: str) -> str:
 
 
 def parse_trust(value: str | None) -> int:
-    if value in (None, ""):
-        return 0
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"--moe-trust must be a whole number of evaluations, at least 1, got {value!r}")
-    return n
+    """Evaluations per timed figure of a gate-trust run; 0: not one."""
+    return parse_count("--moe-trust", value, 1) or 0
 
 
 def parse_ladder_option(value: str | None, device: str) -> str | None:
@@ -217,7 +210,8 @@ def parse_workload_option(value: str, rootpath: Path):
 
 
 def parse_count(flag: str, value: str | None, minimum: int, maximum: int | None = None) -> int | None:
-    """A whole number in [minimum, maximum], or None when not given."""
+    """A whole number in [minimum, maximum], or None when not given; `flag` names where it was
+    given (an option, an environment variable)."""
     if value in (None, ""):
         return None
     try:

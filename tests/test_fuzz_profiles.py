@@ -34,4 +34,4 @@ def test_the_fuzz_profile_takes_its_size_from_the_environment_and_each_property_
 def test_a_bad_example_count_is_an_error_naming_the_variable(value):
     result = _probe(value)
     assert result.returncode != 0
-    assert f"MOEPERF_FUZZ_EXAMPLES={value!r}: expected a whole number" in result.stderr
+    assert f"MOEPERF_FUZZ_EXAMPLES must be a whole number >= 1, got {value!r}" in result.stderr

@@ -171,7 +171,7 @@ def test_a_trust_run_gates_each_figure_n_times_and_fails_nothing(pytester, monke
 
 @pytest.mark.parametrize("args, message", [
     (["--moe-trust", "3"], "--moe-trust needs --moe-bench"),
-    (["--moe-bench", "--moe-trust", "0"], "--moe-trust must be a whole number of evaluations, at least 1"),
+    (["--moe-bench", "--moe-trust", "0"], "--moe-trust must be a whole number >= 1, got '0'"),
     (["--moe-bench", "--moe-freeze", "--moe-plant", "moe=0.1"], "--moe-plant and --moe-freeze exclude each other"),
     (["--moe-bench", "--moe-plant", "moe"], "--moe-plant: 'moe' is not KIND*NAME*=FRACTION"),
     (["--moe-bench", "--moe-plant", "moe:nope=0.1"], "--moe-plant: unknown moe backend 'nope'; available:"),
