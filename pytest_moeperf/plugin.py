@@ -404,7 +404,7 @@ def pytest_testnodedown(node, error) -> None:
     gpu = state.gpu_of_worker.pop(node.gateway.id, "?")
     payload = getattr(node, "workeroutput", {}).get(workers.OUTPUT_KEY)
     if payload is not None:
-        workers.merge_payload(state, payload)
+        workers.merge_payload(state, payload, node.gateway.id)
     if error:
         state.worker_errors.append(f"pytest-xdist worker {node.gateway.id} (GPU {gpu}) went down: {error}")
 
@@ -420,6 +420,24 @@ class _FailureHooks:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed and "crashed while running" not in str(report.longrepr):
             self.session.failed_tests.append(report.nodeid)
+        payload = getattr(report, "moeperf_figures", None)  # a worker's figures, sent with its report
+        if payload is not None and self.session.options.bench:
+            workers.merge_payload(self.session, payload, report.node.gateway.id)
+
+
+class _WorkerHooks:
+    """On a pytest-xdist worker: what each test measured travels with its report, which xdist
+    sends to the controller as the test ends."""
+
+    def __init__(self, session: MoePerfSession, gpu: str) -> None:
+        self.session, self.gpu = session, gpu
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if self.session.options.bench:  # every phase: xdist holds a worker's last teardown back
+            report.moeperf_figures = workers.worker_payload(self.session, self.gpu)
 
 
 class _BenchmarkHooks:
@@ -482,6 +500,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(_from_ini(config, "moe_ladder", str(e))) from None
     if not _is_worker(config):
         config.pluginmanager.register(_FailureHooks(session), "moeperf-failure-hooks")
+    else:
+        config.pluginmanager.register(_WorkerHooks(session, gpu or ""), "moeperf-worker-hooks")
     if config.pluginmanager.hasplugin("benchmark"):
         config.pluginmanager.register(_BenchmarkHooks(session), "moeperf-benchmark-hooks")
 
@@ -560,7 +580,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if state is None:
         return
     if _is_worker(session.config) and state.options.bench:
-        # The controller merges every worker's figures, freezes and reports once.
+        # The controller merges every worker's figures, freezes and reports once; most came with
+        # the test reports (_WorkerHooks), the rest (a session fixture's teardown) come here.
         gpu = session.config.workerinput.get(workers.WORKER_GPU_KEY, "")
         session.config.workeroutput[workers.OUTPUT_KEY] = workers.worker_payload(state, gpu)
         return

@@ -73,6 +73,9 @@ class MoePerfSession:
         # On the controller of an xdist run: each finished worker's GPU, device and figures to
         # freeze (workers.merge_payload), the GPU each live worker holds, and workers that crashed.
         self.workers: list[dict] = []
+        # On a worker: how much of results and to_freeze it has sent (workers.worker_payload).
+        self.sent_results = 0
+        self.sent_freezes: dict = {}
         self.gpu_of_worker: dict[str, str] = {}
         self.worker_errors: list[str] = []
         self.write_errors: list[str] = []  # frozen figures or the report that could not be written

@@ -86,22 +86,35 @@ def pin_worker_gpu(gpu: str, env=os.environ) -> None:
     env["CUDA_VISIBLE_DEVICES"] = gpu
 
 
-def worker_payload(session, gpu: str) -> dict:
-    """What a worker sends back, as plain JSON types: execnet carries only builtin types (a
-    fingerprint's torch version is a str subclass)."""
+def worker_payload(session, gpu: str) -> dict | None:
+    """What a worker sends back of what it measured since it last sent (None: nothing new), as
+    plain JSON types: execnet carries only builtin types (a fingerprint's torch version is a str
+    subclass). Sent with each test's report, so what a worker measured reaches the controller
+    even when the worker crashes or the run is stopped later."""
+    results = session.results[session.sent_results:]
+    to_freeze = {mid: m for mid, m in session.to_freeze.items() if session.sent_freezes.get(mid) is not m}
+    if not results and not to_freeze:
+        return None
+    session.sent_results = len(session.results)
+    session.sent_freezes.update(to_freeze)
     return json.loads(json.dumps({"gpu": gpu, "fingerprint": session.device.fingerprint, "slug": session.device.slug,
             "device": session.device.describe(),
-            "results": [asdict(r) for r in session.results],
-            "to_freeze": {mid: asdict(m) for mid, m in session.to_freeze.items()}}, default=str))
+            "results": [asdict(r) for r in results],
+            "to_freeze": {mid: asdict(m) for mid, m in to_freeze.items()}}, default=str))
 
 
-def merge_payload(session, payload: dict) -> None:
-    """Add one worker's payload to the controller's session."""
+def merge_payload(session, payload: dict, worker: str) -> None:
+    """Add what worker `worker` (its xdist id) sent to the controller's session: one entry per
+    worker in `session.workers`, however many times it sent."""
     from pytest_moeperf.baselines import FrozenMetric
     from pytest_moeperf.gate import GateResult
     for raw in payload["results"]:
         result = GateResult(**raw)
         result.gpu = payload["gpu"]
         session.results.append(result)
-    session.workers.append({k: payload[k] for k in ("gpu", "fingerprint", "slug", "device")} | {
-        "to_freeze": {mid: FrozenMetric(**m) for mid, m in payload["to_freeze"].items()}})
+    entry = next((w for w in session.workers if w["worker"] == worker), None)
+    if entry is None:
+        entry = {"worker": worker, **{k: payload[k] for k in ("gpu", "fingerprint", "slug", "device")},
+                 "to_freeze": {}}
+        session.workers.append(entry)
+    entry["to_freeze"].update({mid: FrozenMetric(**m) for mid, m in payload["to_freeze"].items()})

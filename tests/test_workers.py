@@ -6,6 +6,11 @@ a regression on one worker's GPU, a crashed worker, JUnit properties."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -145,3 +150,31 @@ def test_a_run_with_a_regression_exits_1_even_when_a_worker_was_lost(xsuite):
     result.stdout.fnmatch_lines(["*infrastructure error: pytest-xdist worker gw* (GPU *) went down*"])
     doc = json.loads((xsuite.path / "report.json").read_text())
     assert doc["header"]["outcome"] == "FAIL" and "test_crash.py::test_crash" not in doc["failed_tests"]
+
+
+def test_a_run_stopped_by_sigterm_keeps_what_the_workers_measured(xsuite):
+    """Each test's figures travel with its report, so stopping the controller part-way (a CI
+    timeout) still freezes and reports them; a worker's figures used to arrive only when it
+    finished, and a stopped run kept none."""
+    xsuite.makepyfile(test_zz_slow="import time\nimport pytest\n\n@pytest.mark.moe_bench\n"
+                                "def test_slow():\n    time.sleep(120)\n")
+    env = {**os.environ, "MOEPERF_SIMULATED_GPUS": "H200,H200"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "xdist", "-n", "2", "--moe-bench",
+           "--moe-device", "cpu", "--moe-freeze", "--moe-report", "report.json", "-p", "no:randomly"]
+    proc = subprocess.Popen(cmd, cwd=xsuite.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((xsuite.path / f"gpu-{n}.txt").exists() for n in "abcd"):
+            assert time.monotonic() < deadline and proc.poll() is None, "the four timed tests did not run"
+            time.sleep(0.2)
+        time.sleep(3)  # their reports reach the controller as each test's call ends
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out[-3000:]
+    assert len(entries(xsuite)[0]["metrics"]) == 4, out[-3000:]
+    doc = json.loads((xsuite.path / "report.json").read_text())
+    assert sorted(m["metric"] for m in doc["metrics"]) == [f"latency_{n}_us" for n in "abcd"]
+    assert doc["header"]["status"] == "stopped part-way"
