@@ -409,9 +409,10 @@ def pytest_testnodedown(node, error) -> None:
         state.worker_errors.append(f"pytest-xdist worker {node.gateway.id} (GPU {gpu}) went down: {error}")
 
 
-class _FailureHooks:
-    """The tests that failed on their own, as the controller (or a plain run) sees them: not a
-    test pytest-xdist failed because its worker went down under it."""
+class _ControllerHooks:
+    """On the controller of a pytest-xdist run, or a plain run: the tests that failed on their
+    own (not one pytest-xdist failed because its worker went down under it), and the figures each
+    worker sends with its test reports (_WorkerHooks)."""
 
     def __init__(self, session: MoePerfSession) -> None:
         self.session = session
@@ -422,7 +423,8 @@ class _FailureHooks:
             self.session.failed_tests.append(report.nodeid)
         payload = getattr(report, "moeperf_figures", None)  # a worker's figures, sent with its report
         if payload is not None and self.session.options.bench:
-            workers.merge_payload(self.session, payload, report.node.gateway.id)
+            node = getattr(report, "node", None)  # set by pytest-xdist on the controller
+            workers.merge_payload(self.session, payload, node.gateway.id if node else payload["gpu"])
 
 
 class _WorkerHooks:
@@ -499,7 +501,7 @@ def pytest_configure(config: pytest.Config) -> None:
         except ValueError as e:
             raise pytest.UsageError(_from_ini(config, "moe_ladder", str(e))) from None
     if not _is_worker(config):
-        config.pluginmanager.register(_FailureHooks(session), "moeperf-failure-hooks")
+        config.pluginmanager.register(_ControllerHooks(session), "moeperf-controller-hooks")
     else:
         config.pluginmanager.register(_WorkerHooks(session, gpu or ""), "moeperf-worker-hooks")
     if config.pluginmanager.hasplugin("benchmark"):
@@ -593,8 +595,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     elif (state.failed_tests or state.run_failures()) and session.exitstatus in (
             pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED, pytest.ExitCode.INTERNAL_ERROR):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
