@@ -27,11 +27,11 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Callable
 
 import pytest
 
+from pytest_moeperf import report
 from pytest_moeperf.baselines import FrozenMetric
 from pytest_moeperf.device import short_key
 from pytest_moeperf.host_load import HostLoad, Meter, wait_for_quiet
@@ -201,7 +201,7 @@ class Gate:
             _check_freezable(result)
             self.session.to_freeze[result.metric_id] = FrozenMetric(
                 result.current, samples, unit, direction, tolerance, config,
-                datetime.now(timezone.utc).isoformat(timespec="seconds"), self.session.commit or "")
+                report.now(), self.session.commit or "")
             result.verdict, result.message = "frozen", f"frozen into {self.session.store.path}"
             self._publish(result)
             return result

@@ -419,7 +419,8 @@ class _ControllerHooks:
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.failed and "crashed while running" not in str(report.longrepr):
+        if (report.failed and "crashed while running" not in str(report.longrepr)
+                and report.nodeid not in self.session.failed_tests):  # once, whichever phases failed
             self.session.failed_tests.append(report.nodeid)
         payload = getattr(report, "moeperf_figures", None)  # a worker's figures, sent with its report
         if payload is not None and self.session.options.bench:
