@@ -63,7 +63,7 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
     # The rows and every per-request record too: a reader can redo any statistic from the file.
     doc = {"schema": "pytest-moeperf/ab-report/1", "summary": summary,
            "figures": {k: p.name for k, p in written.items()},
-           "arms": result.get("arms", []), "requests": result.get("requests", [])}
+           "arms": result.get("arms", []), "prompts": result.get("prompts", []), "requests": result.get("requests", [])}
     path = out / FILES["json"]
     atomic_write_bytes(path, (json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n").encode())
     written["json"] = path
@@ -204,6 +204,11 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
             rows.append([f"{label} ({better} is better)", "-" if r is None else r["n"],
                          "-" if r is None else f"x{r['ratio']:.4f}", "-" if r is None else _ci(r["ci"], ".4f")])
         lines += _table(["figure", "pairs", "ratio", "95% CI"], rows) + [""]
+        o = c.get("outputs")
+        if o is not None:
+            differ = "" if o["identical"] == o["n"] else (
+                f"; the others' first different token is at index {o['first_difference_p50']:g} (median)")
+            lines += [f"Outputs token for token as {ref}'s: {o['identical']} of {o['n']} requests{differ}.", ""]
         a = c["accuracy"]
         if a is None:
             lines += ["No scored answers on both arms: accuracy not compared.", ""]

@@ -38,13 +38,15 @@ def arm_entry(arm) -> dict:
     prov = arm.provenance
     if prov is None:
         return {"name": arm.name, "config": arm.config.spec_text(), "provenance": {}, "speculative":
-                arm.config.speculative, "provenance_error": "the row served no request"}
+                arm.config.speculative, "greedy": arm.config.sampling.temperature == 0,
+                "provenance_error": "the row served no request"}
     shown = prov.as_dict()
     shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
     shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
     problems = provenance_problems(arm.name, arm.config, prov)
     return {"name": arm.name, "config": arm.config.spec_text(), "provenance": shown,
-            "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
+            "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative,
+            "greedy": arm.config.sampling.temperature == 0}
 
 
 def model_entry(model, spec, tokenizer) -> dict:
@@ -56,6 +58,13 @@ def model_entry(model, spec, tokenizer) -> dict:
             "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
             "experts": expert_format(model),
             "tokenizer": f"{type(tokenizer).__name__} {tokenizer.name!r}, {tokenizer.vocab_size} ids"}
+
+
+def prompt_entry(request) -> dict:
+    """One request of the workload as the report lists it, once for every row: what the model was
+    asked and what a right answer is, so its outputs can be checked by eye."""
+    return {"request_id": request.request_id, "prompt": request.prompt, "prompt_tokens": len(request.prompt_ids),
+            "answer": request.answer, "max_tokens": request.max_tokens, "stop": list(request.stop)}
 
 
 def _failure(error: Exception, where: tuple, kind: str) -> dict:
@@ -141,8 +150,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
 
     def scored(record: dict) -> None:
         request = by_id[record["request_id"]]
-        record.update({k: v for k, v in workload.score(request, record["text"]).items()
-                       if k in ("correct", "strict_correct", "flexible_correct")})
+        record.update(workload.score(request, record["text"]))  # marks and the answers each extraction read
 
     dropped: dict[str, str] = {}
     complete = False
@@ -177,6 +185,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             "model": model_entry(model, opts.model, tokenizer),
             "arms": [arm_entry(a) for a in arms],
             "requests": records,
+            "prompts": [prompt_entry(r) for r in requests],
             "complete": complete,
             "dropped": dropped,
             "host": host_entry(host_load, opts.host_stall),

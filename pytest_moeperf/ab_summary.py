@@ -10,6 +10,7 @@ each figure only the pairs where both records carry it (a 1-token output has no 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from dataclasses import asdict
 
@@ -146,12 +147,14 @@ def _arm_summary(arm: dict, records: list[dict]) -> dict:
     prov = arm.get("provenance") or {}
     out = {
         "name": arm["name"], "config": arm.get("config"), "speculative": bool(arm.get("speculative")),
+        "greedy": arm.get("greedy", True),
         "provenance": prov, "provenance_error": arm.get("provenance_error"),
         "n_requests": len(records),
         "output_tokens": sum(r.get("output_tokens") or 0 for r in records),
         # Requests that ran to their max_tokens (no EOS, no stop string): for a scored answer, what
         # the model wrote after it may be what the scorer reads.
         "length_stops": sum(r.get("stop_reason") == "length" for r in records),
+        "scored_length_stops": sum(r.get("stop_reason") == "length" for r in records if r.get("correct") is not None),
         "metrics": {key: _metric_summary([r[key] for r in records if r.get(key) is not None]) for key in METRICS},
         "accept_length": _accept_summary(records, prov.get("drafts_per_step")) if arm.get("speculative") else None,
         "verify_step_s": (_metric_summary([v for v in map(verify_step_s, records) if v is not None])
@@ -195,8 +198,25 @@ def _compare(ref_name: str, arm_name: str, by_arm, margin: float) -> dict:
     answers = "no accuracy data" if acc is None else {
         "equivalent": "answers equivalent", "different": "answers differ",
         "inconclusive": "answers inconclusive"}[acc["verdict"]]
+    outputs = _outputs(ref, arm, ids)
+    same = "" if outputs is None else f"; outputs identical in {outputs['identical']} of {outputs['n']}"
     return {"arm": arm_name, "reference": ref_name, "n_paired": len(ids), "ratios": ratios,
-            "speed": speed, "accuracy": acc, "verdict": f"{speed}; {answers}"}
+            "speed": speed, "accuracy": acc, "outputs": outputs, "verdict": f"{speed}; {answers}{same}"}
+
+
+def _outputs(ref: dict, arm: dict, ids) -> dict | None:
+    """How many paired requests came out token for token as the reference's, and where the others
+    first differ (the median index of the first different output token). The direct check of "the
+    same answers" where none can be scored (a random-weight model, prompts without answers); for
+    two greedy rows of the same arithmetic, every output is the same."""
+    pairs = [(ref[i]["output_ids"], arm[i]["output_ids"]) for i in ids
+             if ref[i].get("output_ids") is not None and arm[i].get("output_ids") is not None]
+    if not pairs:
+        return None
+    firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in pairs if a != b]
+    return {"n": len(pairs), "identical": len(pairs) - len(firsts),
+            "first_difference_p50": statistics.median(firsts) if firsts else None}
 
 
 def failure_place(failure: dict, markdown: bool = False) -> str:
@@ -208,14 +228,15 @@ def failure_place(failure: dict, markdown: bool = False) -> str:
     return f"request `{request}`" if markdown else f"request {request!r}"
 
 
-def _flags(s: dict, cmp: dict | None) -> list[str]:
+def _flags(s: dict, cmp: dict | None, reference_greedy: bool = True) -> list[str]:
     flags = []
     if s["provenance_error"]:
         flags.append(f"provenance error: {s['provenance_error']}")
     if s["n_requests"] == 0:
         flags.append("no requests recorded")
-    if s["accuracy"] is not None and 2 * s["length_stops"] > s["n_requests"]:
-        flags.append(f"{s['length_stops']} of {s['n_requests']} scored answers ran to their max_tokens: the number "
+    scored = s["accuracy"]["n"] if s["accuracy"] is not None else 0
+    if scored and 2 * s["scored_length_stops"] > scored:
+        flags.append(f"{s['scored_length_stops']} of {scored} scored answers ran to their max_tokens: the number "
                      "the scorer reads may come after the answer (give the workload `stop` strings, or more tokens)")
     if "accept=" in (s["config"] or ""):
         flags.append("acceptance assumed (" + next(p for p in s["config"].split(",") if p.startswith("accept="))
@@ -238,6 +259,11 @@ def _flags(s: dict, cmp: dict | None) -> list[str]:
         if cmp["speed"] == "slower":
             flags.append(f"slower than {cmp['reference']}: decode tokens/s x{r['ratio']:.3f} "
                          f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]")
+        o = cmp["outputs"]
+        if o is not None and s["greedy"] and reference_greedy and 2 * o["identical"] < o["n"]:
+            flags.append(f"greedy outputs differ from {cmp['reference']}'s in {o['n'] - o['identical']} of {o['n']} "
+                         f"requests (the first different token at index {o['first_difference_p50']:g}, median): "
+                         "check that the row computes what the reference does")
         a = cmp["accuracy"]
         if a is not None and a["verdict"] == "different":
             flags.append(f"answers differ from {cmp['reference']}: accuracy {100 * a['difference']:+.1f} points "
@@ -281,7 +307,7 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
             c["speed"] = c["verdict"] = f"{failure['kind']} part-way: no verdict"
     flagged = {}
     for i, s in enumerate(summaries):
-        s["flags"] = _flags(s, comparisons[i - 1] if i else None)
+        s["flags"] = _flags(s, comparisons[i - 1] if i else None, summaries[0]["greedy"])
         if failure and s["name"] == failure["row"]:
             s["flags"].insert(0, f"{failure['kind']} on {failure_place(failure)} ({failure['error']}): the run "
                                  "stopped there, and its figures are those of the requests before")

@@ -150,8 +150,8 @@ def test_a_head_that_perturbs_logits_gives_different_answers(pytester):
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "different", comparison["accuracy"]
     # The terminal gives each row's verdict against the first, without opening the report.
-    assert re.search(r"^A/B arith: noisy vs baseline: decode tok/s x\d\.\d{3} \[[\d.]+, [\d.]+\], .*answers differ "
-                     r"\(FLAGGED: see the report\)$", text, re.MULTILINE), text[-3000:]
+    assert re.search(r"^A/B arith: noisy vs baseline: decode tok/s x\d\.\d{3} \[[\d.]+, [\d.]+\], .*answers differ; "
+                     r"outputs identical in \d+ of 60 \(FLAGGED: see the report\)$", text, re.MULTILINE), text[-3000:]
 
 
 def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
@@ -183,6 +183,7 @@ def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
     assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "equivalent", comparison["accuracy"]
+    assert comparison["outputs"]["identical"] == comparison["outputs"]["n"] == 60, comparison["outputs"]
     # No speed figure of the A/A run is one the gate would call a regression. A miss is confirmed
     # by a fresh run before it fails, as the gate confirms a timing regression on a shared machine
     # (`remeasure`): one CI run on the 2-core runner had the A/A TTFT at 1.154 (99.75% CI

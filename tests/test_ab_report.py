@@ -495,3 +495,67 @@ def test_answers_that_mostly_run_to_max_tokens_are_flagged():
     flagged = summarize_ab(r)["flagged"]
     assert any("40 of 40 scored answers ran to their max_tokens" in f for f in flagged["+kernels"])
     assert "baseline" not in flagged
+
+
+def test_requests_without_answers_do_not_count_towards_the_max_tokens_flag():
+    """Before: every request that ran to its max_tokens was counted as a scored answer, so a
+    workload mixing prompts with and without answers flagged every row."""
+    r = synthetic(n=40)
+    for rec in r["requests"]:
+        unscored = rec["request_id"] % 4 != 0  # 10 of 40 carry an answer
+        rec["stop_reason"] = "length" if unscored else "stop"
+        if unscored:
+            rec.update(correct=None, strict_correct=None, flexible_correct=None)
+    assert summarize_ab(r)["flagged"] == {}
+    for rec in r["requests"]:
+        if rec["request_id"] % 4 == 0 and rec["arm"] == "+kernels":
+            rec["stop_reason"] = "length"
+    flagged = summarize_ab(r)["flagged"]
+    assert any("10 of 10 scored answers ran to their max_tokens" in f for f in flagged["+kernels"])
+
+
+def _with_outputs(r, changed: dict[str, int], at: int = 3):
+    """Give every record output ids, the rows in `changed` a different token at index `at` in that
+    many requests."""
+    for rec in r["requests"]:
+        ids = list(range(10))
+        if rec["request_id"] < changed.get(rec["arm"], 0):
+            ids[at] = 99
+        rec["output_ids"] = ids
+    return r
+
+
+def test_outputs_are_compared_token_for_token_with_the_first_rows():
+    """A broken row on a model or prompts that score nothing (all rows wrong alike) still shows:
+    its outputs are not the reference's."""
+    r = _with_outputs(synthetic(n=40, scored=False), {"+kernels": 30, "+fp8-head": 5})
+    s = summarize_ab(r)
+    by_arm = {c["arm"]: c for c in s["comparisons"]}
+    assert by_arm["+kernels"]["outputs"] == {"n": 40, "identical": 10, "first_difference_p50": 3}
+    assert by_arm["+fp8-head"]["outputs"]["identical"] == 35
+    assert by_arm["+mtp"]["outputs"] == {"n": 40, "identical": 40, "first_difference_p50": None}
+    assert "outputs identical in 10 of 40" in by_arm["+kernels"]["verdict"]
+    assert any("greedy outputs differ from baseline's in 30 of 40 requests" in f and "index 3" in f
+               for f in s["flagged"]["+kernels"])
+    assert "+fp8-head" not in s["flagged"]  # 5 of 40 differ: numerics, not a broken row
+
+
+def test_outputs_of_a_sampling_row_differ_without_a_flag():
+    r = _with_outputs(synthetic(n=40, scored=False), {"+kernels": 30})
+    r["arms"][1]["greedy"] = False
+    s = summarize_ab(r)
+    assert next(c for c in s["comparisons"] if c["arm"] == "+kernels")["outputs"]["identical"] == 10
+    assert "+kernels" not in s["flagged"]
+
+
+def test_the_report_lists_each_prompt_once_and_the_outputs_compared(tmp_path, full):
+    r = _with_outputs(copy.deepcopy(full), {"+kernels": 7})
+    r["prompts"] = [{"request_id": i, "prompt": f"q{i}", "prompt_tokens": 3, "answer": "7", "max_tokens": 10,
+                     "stop": []} for i in range(r["workload"]["n_requests"])]
+    written = write_ab_report(r, tmp_path)
+    doc = json.loads(written["json"].read_text())
+    assert [p["prompt"] for p in doc["prompts"]][:2] == ["q0", "q1"]
+    assert doc["requests"][0]["output_ids"] == list(range(10))
+    md = written["markdown"].read_text()
+    assert "Outputs token for token as baseline's: 113 of 120 requests; the others' first different token is at " \
+           "index 3 (median)." in md

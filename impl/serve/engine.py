@@ -70,7 +70,7 @@ __all__ = ["LOOKAHEAD", "RECORD_KEYS", "prepare", "request_seed", "run_request"]
 LOOKAHEAD = 1  # steps queued ahead of the host's stop check, on CUDA (0 on CPU)
 RECORD_KEYS = ("arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s", "tpot_s",
                "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps", "text",
-               "stop_reason")
+               "output_ids", "stop_reason")
 
 
 def request_seed(seed: int, request_id) -> int:
@@ -481,5 +481,6 @@ def run_request(arm, request) -> dict:
         "accepted_per_position": stats["accepted_per_position"] if spec else None,
         "verify_steps": verify_steps,
         "text": out.text,
+        "output_ids": out.ids[:n],  # what the rows' outputs are compared by (the text may decode alike)
         "stop_reason": out.reason,
     }
