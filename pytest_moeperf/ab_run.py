@@ -180,7 +180,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
         host_load = meter.take()
         result = {
             "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
-                         "details": {"description": workload.description}},
+                         "digest": workload.digest, "details": {"description": workload.description}},
             "device": session.device.describe(),
             "model": model_entry(model, opts.model, tokenizer),
             "arms": [arm_entry(a) for a in arms],
@@ -224,8 +224,17 @@ def arm(ladder: LadderRun, name: str) -> dict:
 def row_config(ladder: LadderRun, row: str, reference: str | None = None) -> dict:
     """What each gated figure of a row depends on: both rows' specs, the workload, its size."""
     ref = arm(ladder, reference) if reference else ladder.result["arms"][0]
-    return {"row": arm(ladder, row)["config"], "reference": ref["config"],
-            "workload": ladder.result["workload"]["name"], "requests": ladder.result["workload"]["n_requests"]}
+    return {"row": arm(ladder, row)["config"], "reference": ref["config"], **workload_key(ladder)}
+
+
+def workload_key(ladder: LadderRun) -> dict:
+    """What the ladder's gated figures depend on of its workload: its name and size, and the
+    prompts file's contents (a file edited at the same path is another workload)."""
+    w = ladder.result["workload"]
+    key = {"workload": w["name"], "requests": w["n_requests"]}
+    if w.get("digest"):
+        key["prompts"] = w["digest"]
+    return key
 
 
 def paired(ladder: LadderRun, row: str, key: str, reference: str | None = None) -> list[float]:

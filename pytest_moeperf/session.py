@@ -121,9 +121,19 @@ class MoePerfSession:
     def run_config(self) -> dict:
         """What every gated figure of this run depends on besides the device."""
         config = {"model": self.options.model, "dtype": self.dtype_name, "moe_backend": self.moe_backend}
+        if self.checkpoint_digest is not None:  # a checkpoint replaced at the same path is another model
+            config["checkpoint"] = self.checkpoint_digest
         if self.options.head != "bf16":  # figures frozen before the option existed stay comparable
             config["head"] = self.options.head
         return config
+
+    @cached_property
+    def checkpoint_digest(self) -> str | None:
+        """impl.files.folder_digest of the model's folder, when --moe-model names one (a preset or an
+        embedded checkpoint is named by the code)."""
+        from impl.files import folder_digest
+        path = Path(self.options.model)
+        return folder_digest(path) if path.is_absolute() and path.is_dir() else None  # parse_model: folders absolute
 
     @cached_property
     def commit(self) -> str | None:

@@ -30,7 +30,7 @@ import pytest
 
 from impl.data.workloads import AtMost
 from pytest_moeperf.ab_run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
-                                   run_suite_ladder)
+                                   run_suite_ladder, workload_key)
 from pytest_moeperf.ab_run import arm as arm_of
 from pytest_moeperf.tolerances import tolerance_for
 
@@ -158,8 +158,7 @@ def test_reference_accuracy(ladder, moe_gate, moe_device):
     moe_gate.check("ab_reference_accuracy", [statistics.fmean(ladder.records[name][i]["correct"] for i in c)
                                           for c in groups],
                    unit="fraction", direction="higher", tolerance=tolerance_for("ab_accuracy", moe_device.torch_device),
-                   config={"row": arm_of(ladder, name)["config"], "workload": ladder.result["workload"]["name"],
-                           "requests": ladder.result["workload"]["n_requests"]}, portable=True)
+                   config={"row": arm_of(ladder, name)["config"], **workload_key(ladder)}, portable=True)
 
 
 def test_row_accept_length(ladder, row, moe_gate, moe_device):

@@ -248,3 +248,36 @@ def test_a_usage_error_found_during_the_run_names_the_ini_key_it_came_from(pytes
     out = _usage_exit(result)
     assert "usage error: ini key moe_workload (--moe-workload) synthetic:380:3:" in out
     assert "the model's 384 positions less the 3 a speculative row writes ahead" in out
+
+
+def test_figures_frozen_on_a_prompts_file_are_not_gated_against_another_file_at_its_path(pytester):
+    """Before: the file's path was its identity, so prompts edited in place were gated against the
+    figures of the old ones (their TTFT ratio read as a 45% regression)."""
+    prompts = pytester.path / "mine.jsonl"
+
+    def write(prefix):
+        prompts.write_text("".join(json.dumps({"prompt": f"{prefix}{i} + {i} =", "max_tokens": 4}) + "\n"
+                                   for i in range(6)))
+
+    pytester.makeconftest(ONE_THREAD)
+    pytester.makepyfile(test_ab_ladder=SUITE.read_text())
+    baselines = pytester.mkdir("baselines")
+
+    def run(*extra):
+        return pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "--moe-bench", "--moe-baselines", str(baselines), "--moe-model", "tiny",
+            "--moe-workload", f"jsonl:{prompts}", "--moe-ladder", "baseline;+fp8-head", "-k", "speed", "-rs",
+            *extra, "test_ab_ladder.py", timeout=600)
+
+    write("")
+    frozen = run("--moe-freeze")
+    assert frozen.ret == 0, frozen.stdout.str()[-3000:]
+    write("Some other question: ")
+    edited = run()
+    out = edited.stdout.str()
+    assert edited.ret == 0 and "regression" not in out, out[-3000:]
+    assert out.count("taken under another configuration") == 3 and "prompts" in out, out[-3000:]
+    write("")
+    again = run()
+    assert "taken under another configuration" not in again.stdout.str(), again.stdout.str()[-3000:]
+    assert "3 figure(s) compared" in again.stdout.str(), again.stdout.str()[-3000:]

@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 
 from impl.data import arith, gsm8k
 from impl.data.text import Tokenizer, VocabularyError
+from impl.files import content_digest
 
 KINDS = ("arith", "gsm8k", "synthetic", "jsonl")
 USAGE = ("arith | gsm8k | gsm8k:FOLDER | gsm8k:HUB_ID | synthetic | synthetic:IN:OUT (IN, OUT: tokens, "
@@ -204,6 +205,9 @@ class Workload:
                  advice: Callable[[Request], str] | None = None, shots: int | None = None):
         self.spec, self.name, self.description = spec, spec.kind, description
         self.tokenizer, self.context_length, self.shots = tokenizer, context_length, shots
+        # The user's prompts file by its contents (impl.files.content_digest): edited at the same
+        # path it is another workload. None for the built-in workloads, which the code defines.
+        self.digest = content_digest([Path(spec.source).expanduser()]) if spec.kind == "jsonl" else None
         self._size, self._make, self._scorer, self._advice = size, make, scorer, advice
 
     def __len__(self) -> int:
