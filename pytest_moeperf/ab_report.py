@@ -14,6 +14,7 @@ from pytest_moeperf.ab_summary import MARGIN, METRICS, QS, SPEED_METRIC, failure
 from pytest_moeperf.baselines import atomic_write_bytes
 from pytest_moeperf.stats import SMALL_SAMPLE
 
+SCHEMA = "pytest-moeperf/ab-report/1"
 PROVENANCE_HEADS = {"requests": "requests (with warm-up)"}
 FILES = {
     "json": "ab-report.json",
@@ -61,7 +62,7 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
         if kind not in written and kind not in ("json", "markdown"):
             (out / name).unlink(missing_ok=True)
     # The rows and every per-request record too: a reader can redo any statistic from the file.
-    doc = {"schema": "pytest-moeperf/ab-report/1", "summary": summary,
+    doc = {"schema": SCHEMA, "summary": summary,
            "figures": {k: p.name for k, p in written.items()},
            "arms": result.get("arms", []), "prompts": result.get("prompts", []), "requests": result.get("requests", [])}
     path = out / FILES["json"]
@@ -71,6 +72,30 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
     atomic_write_bytes(path, markdown(summary, {k: p.name for k, p in written.items()}).encode())
     written["markdown"] = path
     return written
+
+
+def write_unfinished_ab_report(out_dir, run: dict) -> None:
+    """What the folder holds while a ladder runs: whatever stops it before its report is written (a
+    usage error found in the workload or a row, a kill), the previous run's report and figures are
+    gone and the folder says this run did not finish. `run`: when, and at which commit."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for kind, name in FILES.items():
+        if kind not in ("json", "markdown"):
+            (out / name).unlink(missing_ok=True)
+    doc = {"schema": SCHEMA, "status": "did not finish", "run": run}
+    atomic_write_bytes(out / FILES["json"], (json.dumps(_jsonable(doc), indent=1) + "\n").encode())
+    atomic_write_bytes(out / FILES["markdown"], (
+        "# A/B ladder: did not finish\n\n" + f"- run: {_run_line(run)}\n\n"
+        "The run was stopped, killed or refused (a usage error) before its report was written: no figure "
+        "here. Its terminal output says why.\n").encode())
+
+
+def _run_line(run: dict) -> str:
+    parts = [f"commit {run.get('commit', '-')}", f"started {run.get('started', '-')}"]
+    if run.get("finished"):
+        parts.append(f"report written {run['finished']}")
+    return ", ".join(parts)
 
 
 def _values(result: dict, key: str) -> dict[str, list[float]]:
@@ -113,12 +138,16 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     cmp = {c["arm"]: c for c in summary["comparisons"]}
     n_max = max((s["n_requests"] for s in summary["arms"]), default=0)
     lines = [f"# A/B ladder: {w.get('name', 'workload')}", ""]
+    if summary.get("run"):
+        lines.append(f"- run: {_run_line(summary['run'])}")
     lines += [f"- device: {summary['device'] or '-'}"]
     model = summary.get("model")
     if model:
         lines.append(f"- model: {model['name']} (`{model['spec']}`), {model['dtype']} weights, {model['experts']} "
                      f"experts, tokenizer {model['tokenizer']}")
-    lines += [f"- workload: {w.get('name', '-')}, {w.get('n_requests', '-')} requests, {w.get('shots', 0)}-shot",
+    digest = f" (contents {w['digest']})" if w.get("digest") else ""
+    lines += [f"- workload: {w.get('name', '-')}{digest}, {w.get('n_requests', '-')} requests, "
+              f"{w.get('shots', 0)}-shot",
               f"- reference arm: `{ref}` (every ratio is arm / {ref}, per request)"]
     if not summary["complete"]:
         failure = summary.get("failure")

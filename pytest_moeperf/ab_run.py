@@ -113,7 +113,8 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.data.text import TokenizerError, tokenizer_for
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
     from impl.serve import ArmError, build_arms, run_ladder, where_failed
-    from pytest_moeperf.ab_report import write_ab_report
+    from pytest_moeperf.ab_report import write_ab_report, write_unfinished_ab_report
+    from pytest_moeperf.report import now
     from pytest_moeperf.ab_summary import failure_place, summarize_ab
     from pytest_moeperf.host_load import Meter
     opts = session.options
@@ -121,6 +122,11 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     problem = report_folder_problem(Path(report_dir), opts.named("moe_ab_report"))
     if problem:  # found before anything is served, not after
         _usage_exit(problem)
+    run = {k: v for k, v in session.run_header().items() if k in ("commit", "started")}
+    try:
+        write_unfinished_ab_report(report_dir, run)
+    except OSError as e:  # a folder the checks above could not see is unwritable (/proc, a full disk)
+        _usage_exit(f"{opts.named('moe_ab_report')} {report_dir}: cannot be written ({e})")
     reserve = max((r.config.k for r in rows if r.config.speculative), default=0)
     try:
         tokenizer = tokenizer_for(opts.model, model.config.vocab_size)
@@ -179,6 +185,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
         arms = [a for a in arms if a.name not in dropped]
         host_load = meter.take()
         result = {
+            "run": {**run, "finished": now()},
             "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
                          "digest": workload.digest, "details": {"description": workload.description}},
             "device": session.device.describe(),

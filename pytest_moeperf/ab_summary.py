@@ -314,7 +314,8 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
         s["partial"] = s["n_requests"] < max_n
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
-    return {"workload": result.get("workload") or {}, "device": result.get("device"), "model": result.get("model"),
+    return {"run": result.get("run"), "workload": result.get("workload") or {}, "device": result.get("device"),
+            "model": result.get("model"),
             "complete": bool(result.get("complete", False)), "dropped": dict(result.get("dropped") or {}),
             "host": result.get("host"), "failure": failure,
             "reference": ref,

@@ -174,6 +174,33 @@ def test_a_workload_the_model_cannot_serve_stops_the_session_once_as_a_usage_err
     assert f"usage error: --moe-workload jsonl:{prompts}" in out and "more than the model's context" in out
 
 
+def test_a_run_that_stops_before_its_report_leaves_no_earlier_report_behind(pytester):
+    """Before: a usage error found in the workload left the previous run's report and figures in the
+    folder, undated, as if they were this run's."""
+    old = pytester.mkdir("ab")
+    (old / "ab-report.md").write_text("# A/B ladder: arith\n\nthe previous run's verdicts\n")
+    (old / "ab-ladder.png").write_bytes(b"old figure")
+    prompts = pytester.path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "word " * 400, "max_tokens": 8}) + "\n" for _ in range(4)))
+    result, report = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+                          "--moe-ladder", "baseline;+fp8-head")
+    _usage_exit(result)
+    assert sorted(p.name for p in old.iterdir()) == ["ab-report.json", "ab-report.md"]
+    md = (old / "ab-report.md").read_text()
+    assert md.startswith("# A/B ladder: did not finish") and "- run: commit " in md and "started 20" in md
+    assert report["status"] == "did not finish" and set(report["run"]) == {"commit", "started"}
+
+
+def test_a_report_folder_that_refuses_files_is_a_usage_error_before_serving(pytester, monkeypatch):
+    """A folder whose permissions look writable but whose writes fail (/proc, a full disk) is found
+    when the did-not-finish report is written, before any request is served."""
+    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", "synthetic:8:4",
+                     "--moe-ladder", "baseline;+fp8-head", "--moe-ab-report", "/proc/moeperf-ab")
+    out = _usage_exit(result)
+    assert "usage error: --moe-ab-report /proc/moeperf-ab: cannot be written" in out
+    assert "moeperf ladder:" not in out  # nothing served
+
+
 @pytest.mark.parametrize("lines, outcome", [(4, "served"), (2, "too few")])
 def test_without_a_request_count_a_small_prompts_file_is_served_whole(pytester, lines, outcome):
     """The default count (60 on a CPU) is capped by the file's size; a file of fewer prompts than a

@@ -559,3 +559,12 @@ def test_the_report_lists_each_prompt_once_and_the_outputs_compared(tmp_path, fu
     md = written["markdown"].read_text()
     assert "Outputs token for token as baseline's: 113 of 120 requests; the others' first different token is at " \
            "index 3 (median)." in md
+
+
+def test_the_report_says_when_and_at_which_commit_it_was_measured(tmp_path, full):
+    r = dict(full, run={"commit": "0123456789ab+changes", "started": "2026-12-05T14:00:00+00:00",
+                        "finished": "2026-12-05T14:05:00+00:00"})
+    written = write_ab_report(r, tmp_path)
+    assert ("- run: commit 0123456789ab+changes, started 2026-12-05T14:00:00+00:00, report written "
+            "2026-12-05T14:05:00+00:00") in written["markdown"].read_text()
+    assert json.loads(written["json"].read_text())["summary"]["run"]["commit"] == "0123456789ab+changes"
