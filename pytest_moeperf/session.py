@@ -249,6 +249,8 @@ class MoePerfSession:
                 lines.append(f"froze {len(metrics)} metric(s) for {short_key(store.fingerprint)} into {path}")
         for error in self.worker_errors:
             lines.append(f"infrastructure error: {error}")
+        if self.freeze and not any(metrics for _, metrics in self._stores()):
+            lines.append("nothing was frozen: no figure was measured" + (" before the run stopped" if interrupted else ""))
         missing = self.unmeasured() if self.options.bench else []
         if missing and self.freeze:  # say which figures the freeze did not renew (stopped part-way, -k, -x)
             why = "the run stopped part-way: " if interrupted else ""
@@ -268,8 +270,10 @@ class MoePerfSession:
         if self.options.report is not None and self.options.bench:
             # Written whenever the gate ran; the plugin wrote a stub saying "did not finish" at
             # start-up, so a nightly job never publishes the last run's report.
-            outcome = {"status": "stopped part-way" if interrupted else "complete",
-                       "outcome": "FAIL" if self.failed_tests or self.run_failures() or self.worker_errors else "PASS",
+            failed = self.failed_tests or self.run_failures() or self.worker_errors
+            # A run stopped part-way passes nothing: what it did not measure was not judged.
+            verdict = "FAIL" if failed else "STOPPED: no verdict (not every figure was measured)" if interrupted else "PASS"
+            outcome = {"status": "stopped part-way" if interrupted else "complete", "outcome": verdict,
                        "finished": report.now()}
             try:
                 json_path, md_path = report.write(self.options.report, self.results, {**self.header(), **outcome},

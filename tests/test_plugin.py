@@ -521,6 +521,29 @@ def test_b_not_reached(moe_gate):
                                  "test_stopped.py::test_b_not_reached::other_us*"])
 
 
+def test_a_run_stopped_before_any_figure_says_so_and_passes_nothing(pytester):
+    """Before: the report of a run stopped part-way read `outcome: PASS` over an empty table, and a
+    freeze stopped before its first figure said nothing of freezing."""
+    pytester.makepyfile(test_stopped="""
+import os, signal
+import pytest
+
+pytestmark = pytest.mark.moe_bench
+
+def test_a_stopped():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def test_b_never_runs(moe_gate):
+    moe_gate.check("latency_us", [100.0, 101.0, 99.0], unit="us", direction="lower", tolerance=0.1)
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-freeze",
+                                           "--moe-device", "cpu", "--moe-report", "out/report.json")
+    result.stdout.fnmatch_lines(["*nothing was frozen: no figure was measured before the run stopped*"])
+    header = json.loads((pytester.path / "out" / "report.json").read_text())["header"]
+    assert header["status"] == "stopped part-way" and header["outcome"].startswith("STOPPED: no verdict"), header
+    assert not (pytester.path / "baselines").exists() or not list((pytester.path / "baselines").glob("*.json"))
+
+
 def test_a_run_stopped_by_sigterm_still_freezes_what_it_measured(pytester):
     """`timeout` or a cancelled CI job sends SIGTERM: the session ends as on Ctrl-C, and the
     figure gated before the signal is frozen (a separate process: the signal is real)."""
