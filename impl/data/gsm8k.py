@@ -139,6 +139,13 @@ def normalize(text: str) -> str:
     return text.lower()
 
 
+def scorable(answer: str) -> bool:
+    """Whether a gold answer can ever be matched: it is one number, as the flexible extraction
+    reads numbers (text such as "6 apples" or "Paris" is never what an extraction returns)."""
+    got = extract_flexible(answer)
+    return got is not None and normalize(got) == normalize(answer)
+
+
 def extract_strict(text: str) -> str | None:
     m = STRICT.search(text)
     return m.group(1).strip() if m else None

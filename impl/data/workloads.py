@@ -433,6 +433,10 @@ def _check_record(record, where: str) -> None:
     answer = record.get("answer")
     if answer is not None and not isinstance(answer, str):
         raise WorkloadError(f"{where}: field 'answer' must be a string (write \"{answer}\"), got {kind(answer)}")
+    if answer is not None and not gsm8k.scorable(answer):
+        raise WorkloadError(f"{where}: field 'answer' {answer!r} is not a number: answers are scored as GSM8K's "
+                            "are, by the number the output ends with (or gives after '#### '), so only a number "
+                            "can ever match; leave 'answer' out for prompts scored by eye")
     mt = record.get("max_tokens")
     if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
         raise WorkloadError(f"{where}: field 'max_tokens' must be a positive integer, got {mt!r}")
