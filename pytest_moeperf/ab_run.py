@@ -37,14 +37,14 @@ def arm_entry(arm) -> dict:
     from impl.serve import provenance_problems
     prov = arm.provenance
     if prov is None:
-        return {"name": arm.name, "config": arm.config.spec_text(), "provenance": {}, "speculative":
-                arm.config.speculative, "greedy": arm.config.sampling.temperature == 0,
+        return {"name": arm.name, "config": arm.config.spec_text(), "runs_as": arm.runs_as(), "provenance": {},
+                "speculative": arm.config.speculative, "greedy": arm.config.sampling.temperature == 0,
                 "provenance_error": "the row served no request"}
     shown = prov.as_dict()
     shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
     shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
     problems = provenance_problems(arm.name, arm.config, prov)
-    return {"name": arm.name, "config": arm.config.spec_text(), "provenance": shown,
+    return {"name": arm.name, "config": arm.config.spec_text(), "runs_as": arm.runs_as(), "provenance": shown,
             "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative,
             "greedy": arm.config.sampling.temperature == 0}
 
@@ -54,8 +54,11 @@ def model_entry(model, spec, tokenizer) -> dict:
     the weights' dtype, the routed experts' format and the tokenizer that made the prompts' ids
     (the checkpoint's own, bytes, or none: token ids only)."""
     from impl.serve import expert_format
-    return {"name": model.config.name, "spec": str(spec),
-            "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    if model.embed_tokens.weight.device.type == "cpu":  # what a bf16 checkpoint's user would not expect
+        dtype += (" (a CPU computes every row in float32, whatever the checkpoint stores: bf16 matmuls are "
+                  "emulated there; `head=bf16` names the unquantized head)")
+    return {"name": model.config.name, "spec": str(spec), "dtype": dtype,
             "experts": expert_format(model),
             "tokenizer": f"{type(tokenizer).__name__} {tokenizer.name!r}, {tokenizer.vocab_size} ids"}
 

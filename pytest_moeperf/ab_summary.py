@@ -185,7 +185,7 @@ def _speed_verdict(r: dict | None, better: str) -> str:
     return up if lo > 1 else down if hi < 1 else "no detectable difference"
 
 
-def _compare(ref_name: str, arm_name: str, by_arm, margin: float) -> dict:
+def _compare(ref_name: str, arm_name: str, by_arm, margin: float, same_code: bool = False) -> dict:
     ref, arm = by_arm[ref_name], by_arm[arm_name]
     ids = sorted(set(ref) & set(arm), key=lambda i: (str(type(i)), i))
     ratios = {key: _ratio(ref, arm, ids, key) for key in METRICS}
@@ -200,8 +200,15 @@ def _compare(ref_name: str, arm_name: str, by_arm, margin: float) -> dict:
         "inconclusive": "answers inconclusive"}[acc["verdict"]]
     outputs = _outputs(ref, arm, ids)
     same = "" if outputs is None else f"; outputs identical in {outputs['identical']} of {outputs['n']}"
-    return {"arm": arm_name, "reference": ref_name, "n_paired": len(ids), "ratios": ratios,
-            "speed": speed, "accuracy": acc, "outputs": outputs, "verdict": f"{speed}; {answers}{same}"}
+    aa = f"A/A, the same code as {ref_name} on this device: " if same_code else ""
+    return {"arm": arm_name, "reference": ref_name, "n_paired": len(ids), "ratios": ratios, "same_code": same_code,
+            "speed": speed, "accuracy": acc, "outputs": outputs, "verdict": f"{aa}{speed}; {answers}{same}"}
+
+
+def _same_code(ref: dict, arm: dict) -> bool:
+    """Whether two rows run the same code on the run's device (their `runs_as` specs: e.g. +kernels
+    on a CPU is the baseline's gather MoE), whatever their names: their comparison is an A/A one."""
+    return ref.get("runs_as") is not None and ref.get("runs_as") == arm.get("runs_as")
 
 
 def _outputs(ref: dict, arm: dict, ids) -> dict | None:
@@ -295,7 +302,7 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     arms, by_arm = _check(result)
     ref = arms[0]["name"]
     summaries = [_arm_summary(a, list(by_arm[a["name"]].values())) for a in arms]
-    comparisons = [_compare(ref, a["name"], by_arm, margin) for a in arms[1:]]
+    comparisons = [_compare(ref, a["name"], by_arm, margin, _same_code(arms[0], a)) for a in arms[1:]]
     # What each rung adds: every arm after the second against the arm before it (the second's
     # step is its comparison with the first).
     steps = [{"arm": b["name"], "reference": a["name"],

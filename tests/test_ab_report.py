@@ -568,3 +568,15 @@ def test_the_report_says_when_and_at_which_commit_it_was_measured(tmp_path, full
     assert ("- run: commit 0123456789ab+changes, started 2026-12-05T14:00:00+00:00, report written "
             "2026-12-05T14:05:00+00:00") in written["markdown"].read_text()
     assert json.loads(written["json"].read_text())["summary"]["run"]["commit"] == "0123456789ab+changes"
+
+
+def test_rows_that_run_the_same_code_are_called_an_a_a_comparison():
+    """+kernels on a CPU runs the baseline's gather MoE; a row naming attention=torch there runs
+    the torch form the default runs too: their comparison is labelled, not read as a rung."""
+    r = synthetic(n=30)
+    for arm in r["arms"]:
+        arm["runs_as"] = "moe=gather" if arm["name"] in ("baseline", "+kernels") else arm["config"]
+    by_arm = {c["arm"]: c for c in summarize_ab(r)["comparisons"]}
+    assert by_arm["+kernels"]["same_code"] and by_arm["+kernels"]["verdict"].startswith(
+        "A/A, the same code as baseline on this device: ")
+    assert not by_arm["+fp8-head"]["same_code"] and not by_arm["+fp8-head"]["verdict"].startswith("A/A")

@@ -153,3 +153,13 @@ def test_a_preset_row_with_an_assumed_acceptance_keeps_its_name():
     """Labelled in every output (the Ling ladder's +mtp row)."""
     row = parse_row("+mtp=moe=gather,head=fp8,spec=mtp:3,accept=3.9", "cpu")
     assert row.name == "+mtp" and row.config.assumed_accept == 3.9
+
+
+def test_a_row_runs_as_the_code_its_device_takes():
+    """On a CPU the layer kernels' backends take the torch form for every call: naming
+    attention=torch or projection=cublas there runs what the default runs; on CUDA it does not."""
+    from impl.serve.configs import parse_row
+    plain, torch_layers = (parse_row(t, "cpu").config
+                           for t in ("moe=gather", "moe=gather,attention=torch,projection=cublas"))
+    assert plain.runs_as("cpu") == torch_layers.runs_as("cpu") == plain.spec_text()
+    assert plain.runs_as("cuda") != torch_layers.runs_as("cuda")

@@ -122,6 +122,10 @@ class Arm:
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def runs_as(self) -> str:
+        """The spec of the code this arm runs on its device (ServeConfig.runs_as)."""
+        return self.config.runs_as(self.device.type)
+
     def activate(self) -> None:
         """Switch the shared model to this arm: MoE and layer backends, head module, FP8 head backend."""
         model, config = self.model, self.config

@@ -177,6 +177,15 @@ class ServeConfig:
         """kind -> backend of the KDA/MLA layers' parts this row runs."""
         return {kind: getattr(self, kind) for kind in LAYER_DEFAULTS}
 
+    def runs_as(self, device_type: str) -> str:
+        """The spec of the code this row runs on a `device_type` device: on a CPU the KDA/MLA
+        layers' kernel backends take their torch form for every call, as attention=torch and
+        projection=cublas do, so those keys make no difference there. Two rows that run as the
+        same spec are an A/A comparison, whatever their names."""
+        if device_type == "cuda":
+            return self.spec_text()
+        return dataclasses.replace(self, **LAYER_DEFAULTS).spec_text()
+
     @property
     def speculative(self) -> bool:
         return self.spec == "mtp"
