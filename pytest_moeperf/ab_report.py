@@ -136,7 +136,6 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     ref = summary["reference"]
     w = summary["workload"]
     cmp = {c["arm"]: c for c in summary["comparisons"]}
-    n_max = max((s["n_requests"] for s in summary["arms"]), default=0)
     lines = [f"# A/B ladder: {w.get('name', 'workload')}", ""]
     if summary.get("run"):
         lines.append(f"- run: {_run_line(summary['run'])}")
@@ -177,7 +176,7 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
         c = cmp.get(s["name"])
         r = c["ratios"][SPEED_METRIC] if c else None
         name = f"⚠ **{s['name']}**" if s["flags"] else s["name"]
-        n = f"{s['n_requests']}" + (f" of {n_max}" if s["partial"] else "")
+        n = f"{s['n_requests']}" + (f" of {w['n_requests']}" if s["n_requests"] < w.get("n_requests", 0) else "")
         verdict = "reference" if c is None else c["verdict"]
         if s["flags"]:
             verdict = f"**FLAGGED**: {verdict}"

@@ -197,16 +197,19 @@ def parse_workload_option(value: str, rootpath: Path):
     line is a usage error, not an error in every ladder test. A GSM8K source that names no folder
     there (and does not start with ./ or ../) stays a hub id."""
     from impl.data.workloads import check_source, parse_workload
+    source, relative = None, False
     try:
         spec = parse_workload(value)
         source = spec.source
-        if source and not Path(source).expanduser().is_absolute() and (
-                spec.kind == "jsonl" or source.startswith(("./", "../")) or (rootpath / source).exists()):
+        relative = bool(source) and not Path(source).expanduser().is_absolute() and (
+            spec.kind == "jsonl" or source.startswith(("./", "../")) or (rootpath / source).exists())
+        if relative:
             spec = dataclasses.replace(spec, source=str(_under_root(source, rootpath)))
         check_source(spec)
         return spec
     except ValueError as e:
-        raise ValueError(f"--moe-workload: {e}") from None
+        rule = f" ({source!r} is relative: taken from rootdir {rootpath})" if relative else ""
+        raise ValueError(f"--moe-workload: {e}{rule}") from None
 
 
 def parse_count(flag: str, value: str | None, minimum: int, maximum: int | None = None) -> int | None:

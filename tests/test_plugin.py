@@ -269,7 +269,8 @@ def test_a_figure_frozen_under_another_configuration_is_not_compared(run, suite)
     (["--moe-samples", "2"], "--moe-samples must be at least 3"),
     (["--moe-head", "int4"], "--moe-head must be one of bf16, fp8, got 'int4'"),
     (["--moe-backend", "nope"], "--moe-backend: unknown moe backend 'nope'; available:"),
-    (["--moe-workload", "jsonl:missing.jsonl"], "--moe-workload: workload file */missing.jsonl does not exist"),
+    (["--moe-workload", "jsonl:missing.jsonl"], "--moe-workload: workload file */missing.jsonl does not exist "
+     "('missing.jsonl' is relative: taken from rootdir *)"),
     (["--moe-workload", "gsm8k:./no-such-folder"], "--moe-workload: GSM8K folder */no-such-folder does not exist"),
 ])
 def test_bad_options_are_usage_errors(run, args, message):
