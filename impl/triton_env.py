@@ -112,5 +112,30 @@ def device_name(device: torch.device) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TritonImportOrderError", "adopt_preimported_triton", "device_name",
-           "tl", "triton"]
+# The devices launch configs were tuned on, by what decides which tiles and launches are fastest
+# for a memory-bound kernel of this package: the multiprocessor design (compute capability) and
+# count, which set the programs in flight, the registers and shared memory each gets and the
+# waves. An untuned device with both the same takes that device's configs (an H100 SXM, 9.0 and
+# 132 SMs, the H200's: one GH100 die with other memory); any other device, the defaults.
+TUNED_ON = {"NVIDIA H200": ((9, 0), 132)}
+
+
+@functools.lru_cache(maxsize=None)
+def _properties(index: int) -> tuple[tuple[int, int], int]:
+    p = torch.cuda.get_device_properties(index)
+    return (p.major, p.minor), p.multi_processor_count
+
+
+def config_device(device: torch.device, tuned: frozenset[str]) -> str:
+    """Whose entries of a table of tuned configs (`tuned`: the device names it holds) `device`
+    takes: its own where it has some, else those of a device in TUNED_ON with its compute
+    capability and multiprocessor count, else its own name (which finds none: the defaults)."""
+    name = device_name(device)
+    if name in tuned or device.type != "cuda":
+        return name
+    mine = _properties(device.index if device.index is not None else torch.cuda.current_device())
+    return next((other for other in sorted(tuned) if TUNED_ON.get(other) == mine), name)
+
+
+__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TUNED_ON", "TritonImportOrderError", "adopt_preimported_triton",
+           "config_device", "device_name", "tl", "triton"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 __all__ = ["ANY_N", "DEVICE_DEFAULTS", "DOT_ROWS", "GENERIC", "INTERPRETER", "M_BUCKETS", "PATHS", "TUNED",
-           "GemvConfig", "lookup", "m_bucket"]
+           "TUNED_DEVICES", "GemvConfig", "lookup", "m_bucket"]
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 PATHS = ("split", "dot", "fma")
@@ -104,6 +104,10 @@ DEVICE_DEFAULTS: dict[tuple[int, str], GemvConfig] = {
     **{(b, _H200): _H200_SMALL_M for b in (1, 2, 4, 8)},
     (16, _H200): _H200_M16,
 }
+
+# The devices the tables above hold entries for: an untuned device may take a sibling's
+# (impl.triton_env.config_device).
+TUNED_DEVICES = frozenset(key[-1] for key in (*TUNED, *DEVICE_DEFAULTS))
 
 # Any CUDA device: tiles of 128 x 128 e4m3 (16 KiB) pipelined 4 deep (64 KiB of shared memory,
 # within what sm89 offers); a 150k vocabulary gives over a thousand programs.

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from impl.files import atomic_write_text
-from impl.triton_env import device_name
+from impl.triton_env import config_device
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 M_PAD = M_BUCKETS[-1]  # tokens per kernel call; larger batches run in chunks of M_PAD
@@ -118,10 +118,11 @@ def save_tuned(tuned: dict[tuple, MoELaunchConfig], path: Path = TUNED_PATH) -> 
 
 
 TUNED: dict[tuple, MoELaunchConfig] = load_tuned()
+TUNED_DEVICES = frozenset(k[-1] for k in TUNED)  # an untuned device may take a sibling's (config_device)
 
 
 def lookup(experts: int, hidden: int, intermediate: int, top_k: int, m: int, fmt: str,
            device: torch.device) -> MoELaunchConfig:
-    key = (experts, hidden, intermediate, top_k, m_bucket(m), fmt, device_name(device))
+    key = (experts, hidden, intermediate, top_k, m_bucket(m), fmt, config_device(device, TUNED_DEVICES))
     # A shape nobody tuned gets the defaults (every shape of the fuzz suite runs with them).
     return TUNED.get(key) or MoELaunchConfig()

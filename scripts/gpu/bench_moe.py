@@ -33,7 +33,8 @@ import torch.nn.functional as F
 import triton
 
 from impl.model.config import get_config
-from impl.moe.configs import TUNED_PATH, MoELaunchConfig, device_name, lookup, m_bucket, save_tuned
+from impl.moe.configs import TUNED_PATH, MoELaunchConfig, lookup, m_bucket, save_tuned
+from impl.triton_env import device_name
 from impl import backends
 from impl.moe.gather import moe_gather
 from impl.moe.humming import humming_layer
@@ -190,6 +191,11 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
         contenders["triton (ours), experts only"] = [experts_only(x) for x in xs]
     except Exception as e:  # a contender that cannot be set up is reported, the others still run
         log(f"experts only: {type(e).__name__}: {e}")
+    if tuned_cfg is None and plan(m, cfg.top_k, gu, dn, DEV).config != MoELaunchConfig():
+        # What the committed config (this device's, or a sibling's: impl.triton_env.config_device)
+        # gains over the defaults an untuned device runs.
+        contenders["triton (ours), untuned defaults"] = [lambda x=x: layer_call(block, cfg, x, MoELaunchConfig())
+                                                         for x in xs]
     if split_buffers(xs[0], plan(m, cfg.top_k, gu, dn, DEV, tuned_cfg)) is not None:
         contenders["triton (ours), x split in own launch"] = [lambda x=x: ours(x, False) for x in xs]
     if routing_variants:

@@ -1,0 +1,49 @@
+"""Which device's tuned launch configs a CUDA device takes (impl.triton_env.config_device): its own,
+else those of a tuned device with its compute capability and multiprocessor count (an H100 SXM
+takes the H200's), else none. Devices are simulated: names and properties are patched in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from impl import triton_env
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Make cuda:0 read as the device named, with the given (capability, SMs)."""
+    def as_(name: str, props: tuple):
+        monkeypatch.setattr(triton_env, "device_name", lambda device: name)
+        monkeypatch.setattr(triton_env, "_properties", lambda index: props)
+        return torch.device("cuda", 0)
+    return as_
+
+
+@pytest.mark.parametrize("name, props, takes", [
+    ("NVIDIA H200", ((9, 0), 132), "NVIDIA H200"),
+    ("NVIDIA H100 80GB HBM3", ((9, 0), 132), "NVIDIA H200"),  # one GH100 die, other memory
+    ("NVIDIA H100 PCIe", ((9, 0), 114), "NVIDIA H100 PCIe"),  # fewer SMs: other waves, so the defaults
+    ("NVIDIA L40S", ((8, 9), 142), "NVIDIA L40S"),
+])
+def test_an_untuned_device_takes_a_tuned_siblings_configs(gpu, name, props, takes):
+    assert triton_env.config_device(gpu(name, props), frozenset({"NVIDIA H200"})) == takes
+
+
+def test_a_device_tuned_itself_keeps_its_own_configs(gpu):
+    device = gpu("NVIDIA H100 80GB HBM3", ((9, 0), 132))
+    assert triton_env.config_device(device, frozenset({"NVIDIA H200", "NVIDIA H100 80GB HBM3"})) == \
+        "NVIDIA H100 80GB HBM3"
+
+
+def test_the_moe_mla_and_head_tables_take_the_h200s_entries_on_an_h100(gpu):
+    from impl.head.fp8_gemv import launch_config as head_launch
+    from impl.model.mla_decode import TUNED as MLA_TUNED, launch_config as mla_launch
+    from impl.moe.configs import MoELaunchConfig, lookup
+    device = gpu("NVIDIA H100 80GB HBM3", ((9, 0), 132))
+    assert lookup(512, 2560, 768, 8, 1, "mxfp4", device) != MoELaunchConfig()
+    assert mla_launch(device) == MLA_TUNED["NVIDIA H200"]
+    if not triton_env.INTERPRET:  # under the interpreter the head takes its interpreter config
+        assert head_launch(157184, 2560, 1, device)[1] == "exact"
+    other = gpu("NVIDIA H100 PCIe", ((9, 0), 114))
+    assert lookup(512, 2560, 768, 8, 1, "mxfp4", other) == MoELaunchConfig()
