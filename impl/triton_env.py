@@ -126,16 +126,16 @@ def _properties(index: int) -> tuple[tuple[int, int], int]:
     return (p.major, p.minor), p.multi_processor_count
 
 
-def config_device(device: torch.device, tuned: frozenset[str]) -> str:
-    """Whose entries of a table of tuned configs (`tuned`: the device names it holds) `device`
-    takes: its own where it has some, else those of a device in TUNED_ON with its compute
-    capability and multiprocessor count, else its own name (which finds none: the defaults)."""
+def config_devices(device: torch.device) -> tuple[str, ...]:
+    """The device names whose tuned launch configs `device` takes, in order: its own, then each
+    device in TUNED_ON with its compute capability and multiprocessor count. A table looks a key
+    up under each in turn, so a device tuned for some shapes keeps a sibling's for the others."""
     name = device_name(device)
-    if name in tuned or device.type != "cuda":
-        return name
+    if device.type != "cuda":
+        return (name,)
     mine = _properties(device.index if device.index is not None else torch.cuda.current_device())
-    return next((other for other in sorted(tuned) if TUNED_ON.get(other) == mine), name)
+    return (name, *sorted(other for other, props in TUNED_ON.items() if props == mine and other != name))
 
 
 __all__ = ["ASM", "FP32_MATH", "INTERPRET", "TUNED_ON", "TritonImportOrderError", "adopt_preimported_triton",
-           "config_device", "device_name", "tl", "triton"]
+           "config_devices", "device_name", "tl", "triton"]

@@ -229,7 +229,7 @@ def test_the_committed_tuned_configs_load():
 def test_32_bit_rows_take_the_smallest_tile_of_the_devices_config(monkeypatch):
     from impl.model import mla_decode
     tuned = MLADecodeConfig(splits=132, min_chunk_rows=64, block_rows=64, num_warps=4, num_stages=3)
-    monkeypatch.setattr(mla_decode, "config_device", lambda device, tuned: "some-gpu")
+    monkeypatch.setattr(mla_decode, "config_devices", lambda device: ("some-gpu",))
     monkeypatch.setitem(mla_decode.TUNED, "some-gpu", tuned)
     cuda = torch.device("cuda", 0)
     assert mla_decode.launch_config(cuda, 2) == tuned

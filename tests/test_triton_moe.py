@@ -24,6 +24,7 @@ from impl.moe.shared import SharedExpert
 from impl.moe.triton_backend import moe_triton
 from impl.moe.triton_slots import slots_from_routing
 from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
+from impl.triton_env import device_name
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 RTOL = 1e-2 if DEVICE.type == "cuda" else 1e-5
@@ -226,7 +227,7 @@ def test_lookup_falls_back_for_untuned_shapes_and_uses_tuned_ones(monkeypatch):
     monkeypatch.setattr(configs, "TUNED", {})
     assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) == MoELaunchConfig()
     tuned = MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=64, down_block_k=64)
-    monkeypatch.setitem(configs.TUNED, (8, 64, 32, 2, 4, "bf16", configs.device_name(DEVICE)), tuned)
+    monkeypatch.setitem(configs.TUNED, (8, 64, 32, 2, 4, "bf16", device_name(DEVICE)), tuned)
     assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) is tuned  # M=3 falls in the M=4 bucket
     assert lookup(8, 64, 32, 2, 5, "bf16", DEVICE) == MoELaunchConfig()  # another bucket
     assert lookup(8, 64, 32, 2, 3, "mxfp4", DEVICE) == MoELaunchConfig()  # another format
@@ -525,7 +526,7 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
     tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True, l2_prefetch=True)
     for bucket in (1, 2):
         monkeypatch.setitem(configs.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
-                                            bucket, fmt, configs.device_name(DEVICE)), tuned)
+                                            bucket, fmt, device_name(DEVICE)), tuned)
     ours, oracle = (random_moe_block(cfg, fmt, DEVICE, backend, seed=5, dtype=torch.float32)
                     for backend in ("triton", "reference"))
     for tokens in (1, 2):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 __all__ = ["ANY_N", "DEVICE_DEFAULTS", "DOT_ROWS", "GENERIC", "INTERPRETER", "M_BUCKETS", "PATHS", "TUNED",
-           "TUNED_DEVICES", "GemvConfig", "lookup", "m_bucket"]
+           "GemvConfig", "lookup", "m_bucket"]
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 PATHS = ("split", "dot", "fma")
@@ -105,10 +105,6 @@ DEVICE_DEFAULTS: dict[tuple[int, str], GemvConfig] = {
     (16, _H200): _H200_M16,
 }
 
-# The devices the tables above hold entries for: an untuned device may take a sibling's
-# (impl.triton_env.config_device).
-TUNED_DEVICES = frozenset(key[-1] for key in (*TUNED, *DEVICE_DEFAULTS))
-
 # Any CUDA device: tiles of 128 x 128 e4m3 (16 KiB) pipelined 4 deep (64 KiB of shared memory,
 # within what sm89 offers); a 150k vocabulary gives over a thousand programs.
 GENERIC: dict[int, GemvConfig] = {b: GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4,
@@ -117,15 +113,21 @@ GENERIC: dict[int, GemvConfig] = {b: GemvConfig(block_n=128, block_k=128, num_wa
 INTERPRETER = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=1, path="split", block_m=8)
 
 
-def lookup(n: int, k: int, m: int, device_name: str, interpreter: bool = False) -> tuple[GemvConfig, str]:
-    """The configuration for an [m, k] x [n, k]^T call on `device_name`, and the rule that chose it."""
+def lookup(n: int, k: int, m: int, device_names: str | tuple[str, ...],
+           interpreter: bool = False) -> tuple[GemvConfig, str]:
+    """The configuration for an [m, k] x [n, k]^T call on a device whose tuned configs are those of
+    `device_names` in order (impl.triton_env.config_devices: its own, then a sibling's), and the
+    rule that chose it (naming the sibling whose entry it took)."""
     if interpreter:
         return INTERPRETER, "interpreter"
+    names = (device_names,) if isinstance(device_names, str) else device_names
     b = m_bucket(m)
-    if (n, k, b, device_name) in TUNED:
-        return TUNED[(n, k, b, device_name)], "exact"
-    if (ANY_N, k, b, device_name) in TUNED:
-        return TUNED[(ANY_N, k, b, device_name)], "hidden"
-    if (b, device_name) in DEVICE_DEFAULTS:
-        return DEVICE_DEFAULTS[(b, device_name)], "device"
+    for i, name in enumerate(names):
+        on = "" if i == 0 else f" (tuned on {name})"
+        if (n, k, b, name) in TUNED:
+            return TUNED[(n, k, b, name)], "exact" + on
+        if (ANY_N, k, b, name) in TUNED:
+            return TUNED[(ANY_N, k, b, name)], "hidden" + on
+        if (b, name) in DEVICE_DEFAULTS:
+            return DEVICE_DEFAULTS[(b, name)], "device" + on
     return GENERIC[b], "generic"

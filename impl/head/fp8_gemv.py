@@ -46,9 +46,9 @@ import functools
 
 import torch
 
-from impl.head.configs import DOT_ROWS, TUNED_DEVICES, GemvConfig, lookup
+from impl.head.configs import DOT_ROWS, GemvConfig, lookup
 from impl.quant.fp8 import dequantize_fp8
-from impl.triton_env import FP32_MATH, INTERPRET, config_device, tl, triton
+from impl.triton_env import FP32_MATH, INTERPRET, config_devices, tl, triton
 
 __all__ = ["ACTIVATION_DTYPES", "OUTPUT_DTYPES", "fp8_gemv", "fp8_gemv_kernel", "fp8_gemv_reference",
            "kernel_path", "launch_config"]
@@ -199,7 +199,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 def launch_config(n: int, k: int, m: int, device: torch.device) -> tuple[GemvConfig, str]:
     """The configuration `fp8_gemv` uses for this call, and the lookup rule that chose it."""
-    return lookup(n, k, m, config_device(device, TUNED_DEVICES), interpreter=INTERPRET)
+    return lookup(n, k, m, config_devices(device), interpreter=INTERPRET)
 
 
 def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> None:

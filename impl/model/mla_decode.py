@@ -37,7 +37,7 @@ import torch
 
 from impl.files import atomic_write_text
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
-from impl.triton_env import FP32_MATH, config_device, device_name, tl, triton
+from impl.triton_env import FP32_MATH, config_devices, device_name, tl, triton
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def launch_config(device: torch.device, element_size: int = 2) -> MLADecodeConfi
     16-row tiles at 4 warps in two stages still spilled 120 bytes a thread on the H200."""
     if device.type != "cuda":
         return INTERPRETER
-    cfg = TUNED.get(config_device(device, frozenset(TUNED)), DEFAULT_CONFIG)
+    cfg = next((TUNED[name] for name in config_devices(device) if name in TUNED), DEFAULT_CONFIG)
     if element_size > 2:
         cfg = dataclasses.replace(cfg, block_rows=16, num_stages=1, num_warps=max(cfg.num_warps, 8))
     return cfg

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from impl.files import atomic_write_text
-from impl.triton_env import config_device
+from impl.triton_env import config_devices
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 M_PAD = M_BUCKETS[-1]  # tokens per kernel call; larger batches run in chunks of M_PAD
@@ -118,11 +118,12 @@ def save_tuned(tuned: dict[tuple, MoELaunchConfig], path: Path = TUNED_PATH) -> 
 
 
 TUNED: dict[tuple, MoELaunchConfig] = load_tuned()
-TUNED_DEVICES = frozenset(k[-1] for k in TUNED)  # an untuned device may take a sibling's (config_device)
 
 
 def lookup(experts: int, hidden: int, intermediate: int, top_k: int, m: int, fmt: str,
            device: torch.device) -> MoELaunchConfig:
-    key = (experts, hidden, intermediate, top_k, m_bucket(m), fmt, config_device(device, TUNED_DEVICES))
-    # A shape nobody tuned gets the defaults (every shape of the fuzz suite runs with them).
-    return TUNED.get(key) or MoELaunchConfig()
+    shape = (experts, hidden, intermediate, top_k, m_bucket(m), fmt)
+    # This device's config, or a sibling's (config_devices); a shape nobody tuned gets the
+    # defaults (every shape of the fuzz suite runs with them).
+    return next((TUNED[(*shape, name)] for name in config_devices(device) if (*shape, name) in TUNED),
+                MoELaunchConfig())

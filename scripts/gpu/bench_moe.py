@@ -192,7 +192,7 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     except Exception as e:  # a contender that cannot be set up is reported, the others still run
         log(f"experts only: {type(e).__name__}: {e}")
     if tuned_cfg is None and plan(m, cfg.top_k, gu, dn, DEV).config != MoELaunchConfig():
-        # What the committed config (this device's, or a sibling's: impl.triton_env.config_device)
+        # What the committed config (this device's, or a sibling's: impl.triton_env.config_devices)
         # gains over the defaults an untuned device runs.
         contenders["triton (ours), untuned defaults"] = [lambda x=x: layer_call(block, cfg, x, MoELaunchConfig())
                                                          for x in xs]
