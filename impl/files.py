@@ -1,11 +1,9 @@
 """Files written whole or not at all: a tuned-config table, a baseline or a report is replaced by
 renaming a finished temporary file beside it, so a reader (or a run stopped part-way) sees the
-old file or the new one, never half of one. And files named by their contents (`content_digest`):
-what a frozen figure was measured on."""
+old file or the new one, never half of one."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
@@ -51,34 +49,3 @@ def unwritable_ancestor(path: Path) -> Path | None:
         return nearest
     return None
 
-
-# Files up to this size are hashed whole; a larger one (a checkpoint shard) by its size and its
-# first and last EDGE_BYTES: a retrained or re-quantized shard changes those too, and reading a
-# 100 GB checkpoint whole at every run would cost minutes.
-WHOLE_BYTES = 16 << 20
-EDGE_BYTES = 1 << 20
-
-
-def content_digest(paths) -> str:
-    """12 hex digits of sha256 over each file's name, size and bytes (see WHOLE_BYTES), in the
-    order given: what a figure measured on these files is frozen under, so that a file replaced at
-    the same path is not gated against figures of its predecessor."""
-    h = hashlib.sha256()
-    for path in paths:
-        path = Path(path)
-        size = path.stat().st_size
-        h.update(f"{path.name}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            if size <= WHOLE_BYTES:
-                h.update(f.read())
-            else:
-                h.update(f.read(EDGE_BYTES))
-                f.seek(size - EDGE_BYTES)
-                h.update(f.read(EDGE_BYTES))
-    return h.hexdigest()[:12]
-
-
-def folder_digest(folder) -> str:
-    """content_digest of the regular files directly in `folder` (a checkpoint: its config, index,
-    tokenizer and shards), by name."""
-    return content_digest(sorted(p for p in Path(folder).iterdir() if p.is_file()))

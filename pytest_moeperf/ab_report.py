@@ -142,8 +142,9 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     lines += [f"- device: {summary['device'] or '-'}"]
     model = summary.get("model")
     if model:
-        lines.append(f"- model: {model['name']} (`{model['spec']}`), {model['dtype']} weights, {model['experts']} "
-                     f"experts, tokenizer {model['tokenizer']}")
+        note = f" ({model['note']})" if model.get("note") else ""
+        lines.append(f"- model: {model['name']} (`{model['spec']}`), {model['dtype']} weights{note}, "
+                     f"{model['experts']} experts, tokenizer {model['tokenizer']}")
     digest = f" (contents {w['digest']})" if w.get("digest") else ""
     lines += [f"- workload: {w.get('name', '-')}{digest}, {w.get('n_requests', '-')} requests, "
               f"{w.get('shots', 0)}-shot",
@@ -176,7 +177,7 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
         c = cmp.get(s["name"])
         r = c["ratios"][SPEED_METRIC] if c else None
         name = f"⚠ **{s['name']}**" if s["flags"] else s["name"]
-        n = f"{s['n_requests']}" + (f" of {w['n_requests']}" if s["n_requests"] < w.get("n_requests", 0) else "")
+        n = f"{s['n_requests']}" + (f" of {w.get('n_requests', '-')}" if s["partial"] else "")
         verdict = "reference" if c is None else c["verdict"]
         if s["flags"]:
             verdict = f"**FLAGGED**: {verdict}"

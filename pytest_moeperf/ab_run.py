@@ -37,16 +37,24 @@ def arm_entry(arm) -> dict:
     from impl.serve import provenance_problems
     prov = arm.provenance
     if prov is None:
-        return {"name": arm.name, "config": arm.config.spec_text(), "runs_as": arm.runs_as(), "provenance": {},
-                "speculative": arm.config.speculative, "greedy": arm.config.sampling.temperature == 0,
-                "provenance_error": "the row served no request"}
+        return {"name": arm.name, "config": arm.config.spec_text(), **_outputs_entry(arm), "provenance": {},
+                "speculative": arm.config.speculative, "provenance_error": "the row served no request"}
     shown = prov.as_dict()
     shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
     shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
     problems = provenance_problems(arm.name, arm.config, prov)
-    return {"name": arm.name, "config": arm.config.spec_text(), "runs_as": arm.runs_as(), "provenance": shown,
-            "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative,
-            "greedy": arm.config.sampling.temperature == 0}
+    return {"name": arm.name, "config": arm.config.spec_text(), **_outputs_entry(arm), "provenance": shown,
+            "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
+
+
+def _outputs_entry(arm) -> dict:
+    """What decides whether a row's outputs should be another row's token for token: the code it
+    runs on its device, whether it decodes greedily, its head's arithmetic (an FP8 head changes the
+    logits by design) and whether its acceptance is assumed (its tokens are then not the model's)."""
+    c = arm.config
+    return {"runs_as": arm.runs_as(), "greedy": c.sampling.greedy,
+            "head": "bf16" if c.head == "bf16" else f"fp8:{c.head_backend}:{c.head_scales}",
+            "assumed": c.assumed_accept is not None}
 
 
 def model_entry(model, spec, tokenizer) -> dict:
@@ -54,13 +62,14 @@ def model_entry(model, spec, tokenizer) -> dict:
     the weights' dtype, the routed experts' format and the tokenizer that made the prompts' ids
     (the checkpoint's own, bytes, or none: token ids only)."""
     from impl.serve import expert_format
-    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    entry = {"name": model.config.name, "spec": str(spec),
+             "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+             "experts": expert_format(model),
+             "tokenizer": f"{type(tokenizer).__name__} {tokenizer.name!r}, {tokenizer.vocab_size} ids"}
     if model.embed_tokens.weight.device.type == "cpu":  # what a bf16 checkpoint's user would not expect
-        dtype += (" (a CPU computes every row in float32, whatever the checkpoint stores: bf16 matmuls are "
-                  "emulated there; `head=bf16` names the unquantized head)")
-    return {"name": model.config.name, "spec": str(spec), "dtype": dtype,
-            "experts": expert_format(model),
-            "tokenizer": f"{type(tokenizer).__name__} {tokenizer.name!r}, {tokenizer.vocab_size} ids"}
+        entry["note"] = ("a CPU computes every row in float32, whatever the checkpoint stores (bf16 matmuls are "
+                         "emulated there); `head=bf16` names the unquantized head")
+    return entry
 
 
 def prompt_entry(request) -> dict:

@@ -147,12 +147,12 @@ def _arm_summary(arm: dict, records: list[dict]) -> dict:
     prov = arm.get("provenance") or {}
     out = {
         "name": arm["name"], "config": arm.get("config"), "speculative": bool(arm.get("speculative")),
-        "greedy": arm.get("greedy", True),
+        "greedy": arm.get("greedy", True), "head": arm.get("head"), "assumed": bool(arm.get("assumed")),
         "provenance": prov, "provenance_error": arm.get("provenance_error"),
         "n_requests": len(records),
         "output_tokens": sum(r.get("output_tokens") or 0 for r in records),
-        # Requests that ran to their max_tokens (no EOS, no stop string): for a scored answer, what
-        # the model wrote after it may be what the scorer reads.
+        # Requests that ran to their max_tokens (no EOS, no stop string), and those of them with an
+        # answer: there what the model wrote after the answer may be what the scorer reads.
         "length_stops": sum(r.get("stop_reason") == "length" for r in records),
         "scored_length_stops": sum(r.get("stop_reason") == "length" for r in records if r.get("correct") is not None),
         "metrics": {key: _metric_summary([r[key] for r in records if r.get(key) is not None]) for key in METRICS},
@@ -235,7 +235,15 @@ def failure_place(failure: dict, markdown: bool = False) -> str:
     return f"request `{request}`" if markdown else f"request {request!r}"
 
 
-def _flags(s: dict, cmp: dict | None, reference_greedy: bool = True) -> list[str]:
+def _same_outputs_expected(s: dict, ref: dict) -> bool:
+    """Whether a row's outputs should be the reference row's token for token, up to rounding: both
+    greedy, neither with its acceptance assumed, the same head arithmetic (an FP8 head against a
+    bf16 one changes the logits by design, and on a random-weight model every output with them)."""
+    return (s["greedy"] and ref["greedy"] and not s["assumed"] and not ref["assumed"]
+            and s["head"] == ref["head"])
+
+
+def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
     flags = []
     if s["provenance_error"]:
         flags.append(f"provenance error: {s['provenance_error']}")
@@ -267,7 +275,7 @@ def _flags(s: dict, cmp: dict | None, reference_greedy: bool = True) -> list[str
             flags.append(f"slower than {cmp['reference']}: decode tokens/s x{r['ratio']:.3f} "
                          f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]")
         o = cmp["outputs"]
-        if o is not None and s["greedy"] and reference_greedy and 2 * o["identical"] < o["n"]:
+        if o is not None and _same_outputs_expected(s, ref) and 2 * o["identical"] < o["n"]:
             flags.append(f"greedy outputs differ from {cmp['reference']}'s in {o['n'] - o['identical']} of {o['n']} "
                          f"requests (the first different token at index {o['first_difference_p50']:g}, median): "
                          "check that the row computes what the reference does")
@@ -282,20 +290,22 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     """The numbers of the report: per-arm summaries and each arm's paired comparison with the first.
 
     result: {"workload": {...}, "device": str, "arms": [{"name", "config", "provenance",
-    "provenance_error", "speculative"}, ...] (ladder order; the first is the reference),
-    "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s",
-    "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps",
-    "correct", "strict_correct", "flexible_correct", "text"}, ...], "complete": bool, optionally
+    "provenance_error", "speculative", and what decides whether its outputs should be the
+    reference's: "runs_as", "greedy", "head", "assumed"}, ...] (ladder order; the first is the
+    reference), "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s",
+    "latency_s", "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position",
+    "verify_steps", "correct", "strict_correct", "flexible_correct", "text", "output_ids"}, ...],
+    "complete": bool, optionally "run" (commit and times), "model", "prompts" (each request once),
     "dropped": {row name: why it was left out (impl.serve.runner)}, "host": the host's CPU
     contention while serving (pytest_moeperf.ab_run.host_entry), passed through as it is, and
     "failure": the row that stopped the run ({"row", "request", "kind", "error"}), whose comparison
     then has no verdict and which is flagged}.
     Missing figures are None (TPOT of a 1-token output; accuracy of a synthetic workload).
 
-    Returns {"workload", "device", "complete", "reference", "arms": [per-arm summary],
-    "comparisons": [one per arm after the first: "ratios" (geometric mean of B_i / A_i with a 95%
-    BCa interval over requests, per figure), "speed", "accuracy" (paired_accuracy as a dict, or
-    None), "verdict"], "steps": [each arm after the second against the arm before it: "arm",
+    Returns {"run", "workload", "device", "model", "complete", "reference", "arms": [per-arm
+    summary], "comparisons": [one per arm after the first: "ratios" (geometric mean of B_i / A_i
+    with a 95% BCa interval over requests, per figure), "speed", "accuracy" (paired_accuracy as a
+    dict, or None), "outputs" (identical outputs, _outputs), "same_code" (an A/A pair), "verdict"], "steps": [each arm after the second against the arm before it: "arm",
     "reference", "ratios" as above], "flagged": {arm: [reason, ...]}}. Per-arm figures are means with 95% BCa
     intervals and p50/p90/p99, in the record's units (seconds, tokens/s).
     """
@@ -307,18 +317,19 @@ def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
     # step is its comparison with the first).
     steps = [{"arm": b["name"], "reference": a["name"],
               "ratios": _compare(a["name"], b["name"], by_arm, margin)["ratios"]} for a, b in zip(arms[1:], arms[2:])]
-    max_n = max((s["n_requests"] for s in summaries), default=0)
+    # A row is partial below the workload's size (below the longest row's, for results without one).
+    total = (result.get("workload") or {}).get("n_requests") or max((s["n_requests"] for s in summaries), default=0)
     failure = result.get("failure")
     for c in comparisons:  # a comparison with a row that failed part-way gets no verdict
         if failure and failure["row"] in (c["arm"], c["reference"]):
             c["speed"] = c["verdict"] = f"{failure['kind']} part-way: no verdict"
     flagged = {}
     for i, s in enumerate(summaries):
-        s["flags"] = _flags(s, comparisons[i - 1] if i else None, summaries[0]["greedy"])
+        s["flags"] = _flags(s, comparisons[i - 1] if i else None, summaries[0])
         if failure and s["name"] == failure["row"]:
             s["flags"].insert(0, f"{failure['kind']} on {failure_place(failure)} ({failure['error']}): the run "
                                  "stopped there, and its figures are those of the requests before")
-        s["partial"] = s["n_requests"] < max_n
+        s["partial"] = s["n_requests"] < total
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
     return {"run": result.get("run"), "workload": result.get("workload") or {}, "device": result.get("device"),

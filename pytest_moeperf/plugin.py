@@ -208,7 +208,8 @@ def parse_workload_option(value: str, rootpath: Path):
         check_source(spec)
         return spec
     except ValueError as e:
-        rule = f" ({source!r} is relative: taken from rootdir {rootpath})" if relative else ""
+        missing = relative and "does not exist" in str(e)
+        rule = f" ({source!r} is relative: taken from rootdir {rootpath})" if missing else ""
         raise ValueError(f"--moe-workload: {e}{rule}") from None
 
 
@@ -498,6 +499,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 session.device.torch_device
             except ValueError as e:
                 raise pytest.UsageError(str(e)) from None
+        try:  # read once here: an unreadable file is a usage error, not an error in every gated test
+            session.checkpoint_digest
+        except OSError as e:
+            raise pytest.UsageError(f"--moe-model {options.model}: cannot read the checkpoint to name what its "
+                                    f"figures are frozen under: {e}") from None
         _stop_on_sigterm()
     if options.ladder is not None:  # checked with or without --moe-bench: a typo waits for no run
         try:

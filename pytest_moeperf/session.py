@@ -131,7 +131,7 @@ class MoePerfSession:
     def checkpoint_digest(self) -> str | None:
         """impl.files.folder_digest of the model's folder, when --moe-model names one (a preset or an
         embedded checkpoint is named by the code)."""
-        from impl.files import folder_digest
+        from impl.digests import folder_digest
         path = Path(self.options.model)
         return folder_digest(path) if path.is_absolute() and path.is_dir() else None  # parse_model: folders absolute
 
@@ -249,8 +249,9 @@ class MoePerfSession:
                 lines.append(f"froze {len(metrics)} metric(s) for {short_key(store.fingerprint)} into {path}")
         for error in self.worker_errors:
             lines.append(f"infrastructure error: {error}")
-        if self.freeze and not any(metrics for _, metrics in self._stores()):
-            lines.append("nothing was frozen: no figure was measured" + (" before the run stopped" if interrupted else ""))
+        if self.freeze and not self.results:  # (figures measured but refused say so below)
+            when = " before the run stopped" if interrupted else ""
+            lines.append(f"nothing was frozen: no figure was measured{when}")
         missing = self.unmeasured() if self.options.bench else []
         if missing and self.freeze:  # say which figures the freeze did not renew (stopped part-way, -k, -x)
             why = "the run stopped part-way: " if interrupted else ""
@@ -272,7 +273,8 @@ class MoePerfSession:
             # start-up, so a nightly job never publishes the last run's report.
             failed = self.failed_tests or self.run_failures() or self.worker_errors
             # A run stopped part-way passes nothing: what it did not measure was not judged.
-            verdict = "FAIL" if failed else "STOPPED: no verdict (not every figure was measured)" if interrupted else "PASS"
+            verdict = ("FAIL" if failed else "STOPPED: no verdict (not every figure was measured)" if interrupted
+                       else "PASS")
             outcome = {"status": "stopped part-way" if interrupted else "complete", "outcome": verdict,
                        "finished": report.now()}
             try:

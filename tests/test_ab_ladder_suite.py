@@ -81,8 +81,8 @@ def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_fi
     # The report names the tokenizer that made the prompts (the checkpoint's own, not bytes) and the weights.
     model = report["summary"]["model"]
     assert model["tokenizer"].startswith(f"HFTokenizer '{ckpt.name}'") and model["spec"] == str(ckpt), model
-    assert (model["dtype"].split()[0], model["experts"]) == ("float32", "fp32"), model
-    assert "a CPU computes every row in float32" in model["dtype"], model
+    assert (model["dtype"], model["experts"]) == ("float32", "fp32"), model
+    assert "a CPU computes every row in float32" in model["note"], model
     assert f"tokenizer {model['tokenizer']}" in (pytester.path / "ab" / "ab-report.md").read_text()
     records = report["requests"]
     assert len(records) == 6 and {r["arm"] for r in records} == {"a", "b"}
@@ -192,13 +192,27 @@ def test_a_run_that_stops_before_its_report_leaves_no_earlier_report_behind(pyte
     assert report["status"] == "did not finish" and set(report["run"]) == {"commit", "started"}
 
 
-def test_a_report_folder_that_refuses_files_is_a_usage_error_before_serving(pytester, monkeypatch):
-    """A folder whose permissions look writable but whose writes fail (/proc, a full disk) is found
-    when the did-not-finish report is written, before any request is served."""
-    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", "synthetic:8:4",
-                     "--moe-ladder", "baseline;+fp8-head", "--moe-ab-report", "/proc/moeperf-ab")
+FULL_DISK = ONE_THREAD + '''
+import errno
+import pytest_moeperf.ab_report as ab_report
+
+
+def _full(path, data):
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+ab_report.atomic_write_bytes = _full
+'''
+
+
+def test_a_report_folder_that_refuses_files_is_a_usage_error_before_serving(pytester):
+    """A folder whose permissions look writable but whose writes fail (a full disk, /proc) is found
+    when the did-not-finish report is written, before any request is served. Before: the whole
+    ladder ran, and only then was its report NOT written."""
+    result, _ = _run(pytester, FULL_DISK, "--moe-model", "tiny", "--moe-workload", "synthetic:8:4",
+                     "--moe-ladder", "baseline;+fp8-head")
     out = _usage_exit(result)
-    assert "usage error: --moe-ab-report /proc/moeperf-ab: cannot be written" in out
+    assert "usage error: --moe-ab-report" in out and "cannot be written" in out and "No space left" in out, out
     assert "moeperf ladder:" not in out  # nothing served
 
 
@@ -213,6 +227,14 @@ def test_without_a_request_count_a_small_prompts_file_is_served_whole(pytester, 
     if outcome == "served":
         assert result.ret == 0, result.stdout.str()[-3000:]
         assert report["summary"]["workload"]["n_requests"] == 4 and len(report["requests"]) == 8
+        # What the report holds to check the outputs by, and what decides whether they should agree.
+        assert [p["prompt"] for p in report["prompts"]] == [f"{i} + {i} =" for i in range(4)]
+        assert all({"output_ids", "strict_answer", "flexible_answer"} <= set(r) for r in report["requests"])
+        base, fp8 = report["arms"]
+        assert (base["runs_as"], base["greedy"], base["head"], base["assumed"]) == (base["config"], True, "bf16", False)
+        assert fp8["head"].startswith("fp8:") and report["summary"]["workload"]["digest"]
+        md = (pytester.path / "ab" / "ab-report.md").read_text()
+        assert f"(contents {report['summary']['workload']['digest']})" in md
         result.stdout.fnmatch_lines([f"A/B ladder report: {pytester.path / 'ab' / 'ab-report.md'} (every request*"])
     else:
         assert "2 request(s); the ladder's speed figures are medians of per-request ratios and need at least 3" \
@@ -295,7 +317,7 @@ def test_figures_frozen_on_a_prompts_file_are_not_gated_against_another_file_at_
         return pytester.runpytest_subprocess(
             "-p", "no:cacheprovider", "--moe-bench", "--moe-baselines", str(baselines), "--moe-model", "tiny",
             "--moe-workload", f"jsonl:{prompts}", "--moe-ladder", "baseline;+fp8-head", "-k", "speed", "-rs",
-            *extra, "test_ab_ladder.py", timeout=600)
+            "--moe-host-stall", "off", *extra, "test_ab_ladder.py", timeout=600)  # the freeze must not be refused
 
     write("")
     frozen = run("--moe-freeze")

@@ -580,3 +580,17 @@ def test_rows_that_run_the_same_code_are_called_an_a_a_comparison():
     assert by_arm["+kernels"]["same_code"] and by_arm["+kernels"]["verdict"].startswith(
         "A/A, the same code as baseline on this device: ")
     assert not by_arm["+fp8-head"]["same_code"] and not by_arm["+fp8-head"]["verdict"].startswith("A/A")
+
+
+def test_outputs_an_fp8_head_or_assumed_acceptance_changes_are_not_flagged():
+    """An FP8 head changes the logits by design (on a random-weight model, every output), and an
+    assumed-acceptance row's tokens are not the model's: their differences are reported, not
+    flagged; a row with the reference's head whose outputs differ still is."""
+    r = _with_outputs(synthetic(n=40, scored=False), {"+kernels": 40, "+fp8-head": 40, "+mtp": 40})
+    heads = {"baseline": "bf16", "+kernels": "bf16", "+fp8-head": "fp8:fp8-triton:row", "+mtp": "bf16"}
+    for arm in r["arms"]:
+        arm["head"] = heads[arm["name"]]
+        arm["assumed"] = arm["name"] == "+mtp"
+    s = summarize_ab(r)
+    assert all(c["outputs"]["identical"] == 0 for c in s["comparisons"])
+    assert set(s["flagged"]) == {"+kernels"}

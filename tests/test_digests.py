@@ -1,4 +1,4 @@
-"""What a frozen figure was measured on, by content (impl.files.content_digest, folder_digest): a
+"""What a frozen figure was measured on, by content (impl.digests.content_digest, folder_digest): a
 prompts file or checkpoint replaced at the same path is told apart, an unchanged one is not, and a
 run's configuration names a checkpoint folder's digest (a preset's name stands for itself)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from impl import files
+from impl import digests
 from pytest_moeperf.session import MoePerfSession, Options
 
 
@@ -15,32 +15,32 @@ def test_a_file_is_named_by_its_contents_not_its_path(tmp_path):
     b.parent.mkdir()
     a.write_text('{"prompt": "1 + 1 ="}\n')
     b.write_text('{"prompt": "1 + 1 ="}\n')
-    first = files.content_digest([a])
-    assert first == files.content_digest([b]) and len(first) == 12
+    first = digests.content_digest([a])
+    assert first == digests.content_digest([b]) and len(first) == 12
     a.write_text('{"prompt": "1 + 2 ="}\n')
-    assert files.content_digest([a]) != first
+    assert digests.content_digest([a]) != first
 
 
 def test_a_large_shard_is_named_by_its_size_and_edges(tmp_path, monkeypatch):
     """A shard past WHOLE_BYTES is read at its first and last EDGE_BYTES only (a 100 GB checkpoint
     is not read whole at every run): a change there, or in its size, is seen."""
-    monkeypatch.setattr(files, "WHOLE_BYTES", 64)
-    monkeypatch.setattr(files, "EDGE_BYTES", 16)
+    monkeypatch.setattr(digests, "WHOLE_BYTES", 64)
+    monkeypatch.setattr(digests, "EDGE_BYTES", 16)
     shard = tmp_path / "model.safetensors"
     data = bytearray(range(200))
     shard.write_bytes(bytes(data))
-    first = files.content_digest([shard])
+    first = digests.content_digest([shard])
     for at in (3, 190):
         changed = bytearray(data)
         changed[at] ^= 1
         shard.write_bytes(bytes(changed))
-        assert files.content_digest([shard]) != first, at
+        assert digests.content_digest([shard]) != first, at
     shard.write_bytes(bytes(data) + b"\0")
-    assert files.content_digest([shard]) != first
+    assert digests.content_digest([shard]) != first
     changed = bytearray(data)
     changed[100] ^= 1  # the middle: not read
     shard.write_bytes(bytes(changed))
-    assert files.content_digest([shard]) == first
+    assert digests.content_digest([shard]) == first
 
 
 def _options(model: str) -> Options:
@@ -54,7 +54,10 @@ def test_a_checkpoint_folder_is_part_of_what_its_figures_are_frozen_under(tmp_pa
     (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
     (folder / "model.safetensors").write_bytes(b"weights")
     before = MoePerfSession(_options(str(folder))).run_config
-    assert before["checkpoint"] == files.folder_digest(folder)
+    assert before["checkpoint"] == digests.folder_digest(folder)
     (folder / "model.safetensors").write_bytes(b"retrained")
-    assert MoePerfSession(_options(str(folder))).run_config["checkpoint"] != before["checkpoint"]
+    retrained = MoePerfSession(_options(str(folder))).run_config["checkpoint"]
+    assert retrained != before["checkpoint"]
+    (folder / "README.md").write_text("notes beside the weights")  # not what the figures depend on
+    assert MoePerfSession(_options(str(folder))).run_config["checkpoint"] == retrained
     assert "checkpoint" not in MoePerfSession(_options("tiny-gsm")).run_config

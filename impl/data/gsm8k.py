@@ -143,7 +143,7 @@ def scorable(answer: str) -> bool:
     """Whether a gold answer can ever be matched: it is one number, as the flexible extraction
     reads numbers (text such as "6 apples" or "Paris" is never what an extraction returns)."""
     got = extract_flexible(answer)
-    return got is not None and normalize(got) == normalize(answer)
+    return got is not None and normalize(got) == normalize(answer) and any(c.isdigit() for c in answer)
 
 
 def extract_strict(text: str) -> str | None:

@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from impl.data import arith, gsm8k
 from impl.data.text import Tokenizer, VocabularyError
-from impl.files import content_digest
+from impl.digests import content_digest
 
 KINDS = ("arith", "gsm8k", "synthetic", "jsonl")
 USAGE = ("arith | gsm8k | gsm8k:FOLDER | gsm8k:HUB_ID | synthetic | synthetic:IN:OUT (IN, OUT: tokens, "
@@ -202,12 +202,13 @@ class Workload:
     def __init__(self, spec: WorkloadSpec, description: str, size: int, tokenizer: Tokenizer,
                  context_length: int, make: Callable[[], Iterator[Request]],
                  scorer: Callable[[Request, str], dict] | None,
-                 advice: Callable[[Request], str] | None = None, shots: int | None = None):
+                 advice: Callable[[Request], str] | None = None, shots: int | None = None,
+                 digest: str | None = None):
         self.spec, self.name, self.description = spec, spec.kind, description
         self.tokenizer, self.context_length, self.shots = tokenizer, context_length, shots
-        # The user's prompts file by its contents (impl.files.content_digest): edited at the same
-        # path it is another workload. None for the built-in workloads, which the code defines.
-        self.digest = content_digest([Path(spec.source).expanduser()]) if spec.kind == "jsonl" else None
+        # A prompts file by its contents (impl.digests): edited at the same path it is another
+        # workload. None for the built-in workloads, which the code defines.
+        self.digest = digest
         self._size, self._make, self._scorer, self._advice = size, make, scorer, advice
 
     def __len__(self) -> int:
@@ -476,7 +477,7 @@ def _jsonl(spec, tok: Tokenizer, context: int, n) -> Workload:
 
     has_answers = any(a is not None for a in rows["answer"])
     return Workload(spec, f"jsonl: {n} prompts from {path}", n, tok, context, make,
-                    _score_jsonl if has_answers else None, advice=advice)
+                    _score_jsonl if has_answers else None, advice=advice, digest=content_digest([path]))
 
 
 def load_workload(spec: str | WorkloadSpec, tokenizer: Tokenizer, context_length: int, n: int | None = None,

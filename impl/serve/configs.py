@@ -74,6 +74,9 @@ EXPERT_FORMATS = ("auto", *backends.WEIGHT_FORMATS)
 HEADS = ("bf16", "fp8")
 HEAD_SCALES = ("row", "tensor")
 SPECULATION = ("off", "mtp")
+# Per layer part, the built-in backends that run the same code on a CPU (the kernel backends take
+# their torch form there): rows differing only among them are an A/A comparison (`runs_as`).
+CPU_ALIKE = {"attention": ("triton", "torch"), "projection": ("gemv", "cublas")}
 KEYS = ("moe", "experts", "head", "head_scales", *LAYER_DEFAULTS, "spec", "accept", "temperature", "top_k",
         "top_p", "seed")
 
@@ -184,7 +187,9 @@ class ServeConfig:
         same spec are an A/A comparison, whatever their names."""
         if device_type == "cuda":
             return self.spec_text()
-        return dataclasses.replace(self, **LAYER_DEFAULTS).spec_text()
+        same = {kind: LAYER_DEFAULTS[kind] for kind, name in self.layer_backends().items()
+                if name in CPU_ALIKE[kind]}  # a user's own layer backend may run otherwise
+        return dataclasses.replace(self, **same).spec_text()
 
     @property
     def speculative(self) -> bool:
