@@ -163,3 +163,14 @@ def test_a_row_runs_as_the_code_its_device_takes():
                            for t in ("moe=gather", "moe=gather,attention=torch,projection=cublas"))
     assert plain.runs_as("cpu") == torch_layers.runs_as("cpu") == plain.spec_text()
     assert plain.runs_as("cuda") != torch_layers.runs_as("cuda")
+
+
+def test_a_users_own_layer_backend_is_not_taken_for_the_default_on_a_cpu(monkeypatch):
+    """Only the built-in kernel backends take their torch form on a CPU; a backend of the user's
+    own may run otherwise, so a row naming it is not an A/A pair with the default."""
+    from impl import backends
+    from impl.serve.configs import parse_row
+    monkeypatch.setitem(backends._registry, ("attention", "mine"),
+                        backends.Backend("attention", "mine", lambda module, *a, **k: None, "a user's own"))
+    mine = parse_row("moe=gather,attention=mine", "cpu").config
+    assert mine.runs_as("cpu") != parse_row("moe=gather", "cpu").config.runs_as("cpu")
