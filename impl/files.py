@@ -48,4 +48,3 @@ def unwritable_ancestor(path: Path) -> Path | None:
     if nearest is not None and not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
         return nearest
     return None
-

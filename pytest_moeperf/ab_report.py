@@ -58,9 +58,7 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
         path = out / FILES[kind]
         atomic_write_bytes(path, png)
         written[kind] = path
-    for kind, name in FILES.items():
-        if kind not in written and kind not in ("json", "markdown"):
-            (out / name).unlink(missing_ok=True)
+    _remove_figures(out, keep=written)
     # The rows and every per-request record too: a reader can redo any statistic from the file.
     doc = {"schema": SCHEMA, "summary": summary,
            "figures": {k: p.name for k, p in written.items()},
@@ -80,15 +78,20 @@ def write_unfinished_ab_report(out_dir, run: dict) -> None:
     gone and the folder says this run did not finish. `run`: when, and at which commit."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for kind, name in FILES.items():
-        if kind not in ("json", "markdown"):
-            (out / name).unlink(missing_ok=True)
+    _remove_figures(out)
     doc = {"schema": SCHEMA, "status": "did not finish", "run": run}
     atomic_write_bytes(out / FILES["json"], (json.dumps(_jsonable(doc), indent=1) + "\n").encode())
     atomic_write_bytes(out / FILES["markdown"], (
         "# A/B ladder: did not finish\n\n" + f"- run: {_run_line(run)}\n\n"
         "The run was stopped, killed or refused (a usage error) before its report was written: no figure "
         "here. Its terminal output says why.\n").encode())
+
+
+def _remove_figures(out: Path, keep=()) -> None:
+    """Remove the figures of an earlier report from `out`, but those of kinds in `keep`."""
+    for kind, name in FILES.items():
+        if kind not in keep and kind not in ("json", "markdown"):
+            (out / name).unlink(missing_ok=True)
 
 
 def _run_line(run: dict) -> str:

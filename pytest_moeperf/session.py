@@ -129,7 +129,7 @@ class MoePerfSession:
 
     @cached_property
     def checkpoint_digest(self) -> str | None:
-        """impl.files.folder_digest of the model's folder, when --moe-model names one (a preset or an
+        """impl.digests.folder_digest of the model's folder, when --moe-model names one (a preset or an
         embedded checkpoint is named by the code)."""
         from impl.digests import folder_digest
         path = Path(self.options.model)
