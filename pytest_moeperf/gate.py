@@ -3,7 +3,9 @@
 Verdicts: "pass"; "regression" (the test fails); "refreeze" (better beyond tolerance: the test
 passes with a warning so the improvement is recorded rather than silently absorbed);
 "no-baseline" (skipped, saying how to freeze; under --moe-strict it fails); "frozen" (recorded
-under --moe-freeze); "host-contended" (below: not judged, or not frozen).
+under --moe-freeze); "host-contended" (below: not judged, or not frozen); "reported" (a figure
+given `Reported` instead of a tolerance: shown with its reason, never judged, frozen or looked up,
+because its level moves between machines more than a change worth catching).
 
 Which frozen figure: an absolute figure only the one frozen on this exact fingerprint; a
 `portable` one (a ratio measured side by side in one run, or a count such as an accept length)
@@ -46,6 +48,19 @@ class HostContendedWarning(UserWarning):
     """A figure was not judged (or not frozen): the host's CPUs were contended while it was measured."""
 
 
+@dataclass(frozen=True)
+class Reported:
+    """In place of a tolerance: a figure measured and shown beside the gate table but never
+    judged, frozen or looked up; `reason` says why (its spread across machines) and what gates
+    instead."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not self.reason.strip():
+            raise ValueError("Reported needs a reason: why the figure is not gated, and what gates instead")
+
+
 @dataclass
 class GateResult:
     metric_id: str
@@ -77,7 +92,7 @@ class GateResult:
 MIN_SAMPLES = 3  # what a bootstrap interval of a ratio of medians is taken from (--moe-samples' minimum too)
 
 
-def _check_input(metric_id: str, samples: list[float], direction: str, tolerance: float) -> None:
+def _check_input(metric_id: str, samples: list[float], direction: str, tolerance: "float | Reported") -> None:
     """What the gate cannot judge, or a baseline file could not hold, refused before it is
     recorded: a freeze must never write a figure its next run refuses to load."""
     if len(samples) < MIN_SAMPLES:
@@ -85,8 +100,12 @@ def _check_input(metric_id: str, samples: list[float], direction: str, tolerance
                          "to take an interval (one measurement cannot tell a change from noise)")
     if direction not in DIRECTIONS:
         raise ValueError(f"metric {metric_id!r}: direction must be one of {DIRECTIONS}, got {direction!r}")
-    if not (math.isfinite(tolerance) and 0 < tolerance < 1):
-        raise ValueError(f"metric {metric_id!r}: tolerance must be a fraction in (0, 1), got {tolerance!r}")
+    if isinstance(tolerance, Reported):
+        return
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
+            math.isfinite(tolerance) and 0 < tolerance < 1):
+        raise ValueError(f"metric {metric_id!r}: tolerance must be a fraction in (0, 1) or Reported(reason), "
+                         f"got {tolerance!r}")
 
 
 def _check_freezable(result: GateResult) -> None:
@@ -153,10 +172,11 @@ class Gate:
                 f"re-measured at {load.describe() if load else 'an unmeasured host load'}")
         return samples, load, note
 
-    def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: float,
+    def check(self, metric: str, samples, *, unit: str, direction: str, tolerance: "float | Reported",
               config: dict | None = None, remeasure: Callable[[], list[float]] | None = None,
               portable: bool = False, host_load: HostLoad | None = None) -> GateResult:
-        """Gate `samples` (in `unit`); `remeasure`, if given, takes fresh samples to confirm a
+        """Gate `samples` (in `unit`) at `tolerance` (a fraction; `Reported(reason)`: shown, never
+        judged); `remeasure`, if given, takes fresh samples to confirm a
         regression before failing (timings on shared machines). `portable`: the figure does not
         depend on the machine's speed (a ratio of two series measured side by side, a count), so
         a figure frozen on another machine of this device's class may gate it. `host_load`: the
@@ -169,9 +189,11 @@ class Gate:
             raise ValueError(f"metric {metric_id!r} was already checked in this run: one figure, one check "
                              "(give each figure its own name)")
         config = {**self.session.run_config, **(config or {})}
+        reported = isinstance(tolerance, Reported)
         result = GateResult(metric_id, metric, unit, direction, statistics.median(samples),
-                            tolerance=tolerance, samples=samples, portable=portable, config=config)
-        if not self.session.freeze:
+                            tolerance=None if reported else tolerance, samples=samples, portable=portable,
+                            config=config)
+        if not (self.session.freeze or reported):
             found = self.session.store.lookup(result.metric_id, config, portable)
             if found.match is not None and (found.match.metric.unit, found.match.metric.direction) != (unit, direction):
                 frozen = found.match.metric
@@ -183,6 +205,10 @@ class Gate:
             load = host_load
             result.host_loads.append(load.as_dict())
         result.host_load = None if load is None else load.as_dict()
+        if reported:  # shown with its reason: not judged, not frozen, not looked up
+            result.verdict, result.message = "reported", f"{metric}: {tolerance.reason}"
+            self._publish(result)
+            return result
         if self.session.freeze:
             if self._contended(load):
                 note = f"measured at {load.describe()}"
@@ -285,7 +311,7 @@ class Gate:
                           f"{result.scope} baseline{_frozen_when(frozen)}) -> {cmp.verdict}")
 
     def check_ratio(self, metric: str, measure: Callable[[], tuple[list[float], list[float]]], *,
-                    direction: str, tolerance: float, config: dict | None = None) -> GateResult:
+                    direction: str, tolerance: "float | Reported", config: dict | None = None) -> GateResult:
         """Gate the per-round ratio of two series measured side by side (interleaved);
         `measure()` returns (numerator, denominator) and is called again to confirm a regression.
         Such a ratio is portable: the machine's speed cancels in it."""

@@ -630,6 +630,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     terminalreporter.write_sep("=", "moeperf gate")
     if session.results:
         terminalreporter.write_line(report.table(session.results))
+        for line in report.legend(session.results):
+            terminalreporter.write_line(line)
     if session.options.trust:
         terminalreporter.write_sep("-", "gate-trust evaluations")
         terminalreporter.write_line(report.trust_table(session.results))

@@ -64,6 +64,22 @@ def table(results) -> str:
     return _aligned(COLUMNS, rows(results))
 
 
+def legend(results) -> list[str]:
+    """What the table's rows can and cannot say, for the kinds of figure this run has: each
+    REPORTED figure's reason, and the reach of absolute CPU timings."""
+    lines = [f"REPORTED, not gated: {r.message}" for r in results if r.verdict == "reported"]
+    absolute = [r for r in results if not r.portable and r.host_load is not None and r.verdict != "reported"]
+    if absolute:
+        tolerances = sorted({r.tolerance for r in absolute if r.tolerance is not None})
+        at = f" at +-{', '.join(f'{t:.0%}' for t in tolerances)}" if tolerances else ""
+        lines.append(f"Absolute CPU figures ({', '.join(sorted({r.metric for r in absolute}))}) are judged only on "
+                     f"the exact fingerprint they were frozen on{at}: a shared CPU host's speed moves such figures "
+                     "by tens of percent from one process to the next, so they catch a slowdown larger than that "
+                     "drift and their tolerance, not one of 10-25%; ratios timed side by side in one run (unit x) "
+                     "catch those.")
+    return lines
+
+
 def trust_table(results) -> str:
     """Per timed figure of a gate-trust run: how often each verdict came out."""
     return _aligned(TRUST_COLUMNS, trust_rows(results))
@@ -93,6 +109,8 @@ def markdown(results, header: dict, run_failures: list[str] = (), failed_tests: 
         head += [f"**{len(failed_tests)} test(s) failed:** " + ", ".join(f"`{t}`" for t in failed_tests), ""]
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
+    notes = legend(results)
+    lines += [""] + [f"- {line}" for line in notes] if notes else []
     return "\n".join(head + lines) + "\n"
 
 

@@ -196,7 +196,7 @@ class MoePerfSession:
         missing = self.unmeasured()
         if missing:
             problems.append(f"{len(missing)} frozen figure(s) not measured")
-        if not any(r.verdict not in ("no-baseline", "frozen") for r in self.results):
+        if not any(r.verdict not in ("no-baseline", "frozen", "reported") for r in self.results):
             problems.append("no figure was compared with a frozen one")
         contended = self.contended()
         if contended:
@@ -219,12 +219,13 @@ class MoePerfSession:
 
     def counts(self) -> str:
         """How many figures were compared, and under which key, or had no baseline."""
-        by = {v: sum(r.verdict == v for r in self.results) for v in ("no-baseline", "frozen")}
+        by = {v: sum(r.verdict == v for r in self.results) for v in ("no-baseline", "frozen", "reported")}
         scopes = {s: sum(r.scope == s for r in self.results if r.verdict not in by) for s in ("exact", "class")}
         compared = sum(scopes.values())
         line = (f"{compared} figure(s) compared ({scopes['exact']} against this device's fingerprint, "
                 f"{scopes['class']} against its class), {by['no-baseline']} without a baseline")
         line += f", {by['frozen']} frozen" if by["frozen"] else ""
+        line += f", {by['reported']} reported, not gated (see below)" if by["reported"] else ""
         contended = len(self.contended())
         if contended:
             line += f", {contended} {'NOT FROZEN' if self.freeze else 'NOT JUDGED'} (host contended)"
