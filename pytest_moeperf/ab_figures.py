@@ -29,7 +29,7 @@ def _png(fig) -> bytes:
 def _colors(n):
     from matplotlib import colormaps
 
-    # tab10 without its red: red is kept for flagged arms' outlines.
+    # tab10 without its red: red is kept for flagged rows' outlines.
     cmap = colormaps["tab10"]
     palette = [cmap(i) for i in (0, 1, 2, 4, 5, 6, 7, 8, 9)]
     return [palette[i % len(palette)] for i in range(n)]
@@ -66,7 +66,7 @@ def _title(summary: dict) -> str:
 
 def _bars(ax, summary, key, scale, unit, colors, cmp):
     label, _, _, better = METRICS[key]
-    arms = summary["arms"]
+    arms = summary["rows"]
     xs = range(len(arms))
     top = 0.0
     for x, s, col in zip(xs, arms, colors):
@@ -93,9 +93,9 @@ def _bars(ax, summary, key, scale, unit, colors, cmp):
 
 
 def _ladder_png(summary) -> bytes:
-    arms = summary["arms"]
+    arms = summary["rows"]
     colors = _colors(len(arms))
-    cmp = {c["arm"]: c for c in summary["comparisons"]}
+    cmp = {c["row"]: c for c in summary["comparisons"]}
     fig = _new_figure(max(9.0, 2.4 * len(arms)), 4.6)
     ax1, ax2 = fig.subplots(1, 2)
     _bars(ax1, summary, "decode_tokens_per_s", 1.0, "tok/s", colors, cmp)
@@ -105,7 +105,7 @@ def _ladder_png(summary) -> bytes:
 
 
 def _latency_png(summary, values) -> bytes:
-    arms = summary["arms"]
+    arms = summary["rows"]
     colors = _colors(len(arms))
     fig = _new_figure(max(9.0, 2.4 * len(arms)), 4.6)
     axes = fig.subplots(1, 2)
@@ -136,32 +136,36 @@ def _latency_png(summary, values) -> bytes:
 
 
 def _accept_png(summary) -> bytes | None:
-    spec = [(i, s) for i, s in enumerate(summary["arms"]) if s["accept_length"] is not None]
+    spec = [(i, s) for i, s in enumerate(summary["rows"]) if s["accept_length"] is not None]
     if not spec:
         return None
-    colors = _colors(len(summary["arms"]))
+    colors = _colors(len(summary["rows"]))
     fig = _new_figure(10.0, 4.4)
     ax1, ax2 = fig.subplots(1, 2)
     # Every possible length, 1 .. k + 1, so that a collapse to 1 shows against the empty rest.
-    longest = max(max(int(k) for k in s["accept_length"]["histogram"]) for _, s in spec)
-    longest = max(longest, 1 + max(s["accept_length"]["drafts_per_step"] or 0 for _, s in spec))
+    # A server reports totals, not each step's length: its row has no histogram.
+    per_step = [(j, (i, s)) for j, (i, s) in enumerate(spec) if s["accept_length"]["histogram"] is not None]
+    longest = max([int(k) for _, (_, s) in per_step for k in s["accept_length"]["histogram"]]
+                  + [1 + (s["accept_length"]["drafts_per_step"] or 0) for _, s in spec])
     lengths = list(range(1, longest + 1))
     width = 0.8 / len(spec)
     for j, (i, s) in enumerate(spec):
         a = s["accept_length"]
-        total = a["verify_steps"]
-        frac = [a["histogram"].get(str(k), 0) / total for k in lengths]
-        xs = [k - 0.4 + width * (j + 0.5) for k in lengths]
-        ax1.bar(xs, frac, width=width, color=colors[i], edgecolor="red" if s["flags"] else "black",
-                linewidth=1.5 if s["flags"] else 0.5, hatch="//" if s["flags"] else None,
-                label=f"{_short(s['name'])} (mean {a['mean']:.2f}{', FLAGGED' if s['flags'] else ''})")
+        label = f"{_short(s['name'])} (mean {a['mean']:.2f}{', FLAGGED' if s['flags'] else ''})"
+        if a["histogram"] is not None:
+            frac = [a["histogram"].get(str(k), 0) / a["verify_steps"] for k in lengths]
+            xs = [k - 0.4 + width * (j + 0.5) for k in lengths]
+            ax1.bar(xs, frac, width=width, color=colors[i], edgecolor="red" if s["flags"] else "black",
+                    linewidth=1.5 if s["flags"] else 0.5, hatch="//" if s["flags"] else None, label=label)
+        else:
+            ax1.axvline(a["mean"], color=colors[i], linestyle="--", label=f"{label}: totals only, mean shown")
         per = a["acceptance_per_position"]
         if per:
             ax2.plot(range(1, len(per) + 1), per, marker="o", color=colors[i], label=_short(s["name"]))
     ax1.set_xticks(lengths)
     ax1.set_xlabel("tokens committed per verify step (accepted drafts + bonus)")
     ax1.set_ylabel("fraction of verify steps")
-    ax1.set_ylim(0, 1.18 * max(p.get_height() for p in ax1.patches))
+    ax1.set_ylim(0, 1.18 * max([p.get_height() for p in ax1.patches] + [1 / 1.18]))
     ax1.set_title("Accept-length histogram", fontsize=10)
     ax1.legend(fontsize=8, loc="upper right")
     ax1.grid(axis="y", alpha=0.3)
@@ -181,7 +185,7 @@ def _accept_png(summary) -> bytes | None:
 
 
 def _accuracy_png(summary) -> bytes | None:
-    arms = summary["arms"]
+    arms = summary["rows"]
     if all(s["accuracy"] is None for s in arms):
         return None
     colors = _colors(len(arms))

@@ -1,6 +1,7 @@
-"""The report of an A/B configuration ladder, written as JSON (the summary, and every record),
-Markdown and PNG figures, each file atomically: `write_ab_report(result, out_dir) -> {kind: Path}`.
-The numbers come from pytest_moeperf.ab_summary, the figures from pytest_moeperf.ab_figures.
+"""The report of an A/B configuration ladder, written as JSON (the summary, and every request),
+Markdown and PNG figures, each file atomically: `write_ab_report(result, summary, out_dir) ->
+{kind: Path}`. The numbers come from pytest_moeperf.ab_summary (computed once by the caller), the
+figures from pytest_moeperf.ab_figures.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import math
 from pathlib import Path
 
 from pytest_moeperf.ab_figures import render_figures
-from pytest_moeperf.ab_summary import MARGIN, METRICS, QS, SPEED_METRIC, failure_place, summarize_ab
+from impl.serve.result import Failure, LadderResult
+from pytest_moeperf.ab_summary import METRICS, QS, SPEED_METRIC
 from pytest_moeperf.baselines import atomic_write_bytes
 from pytest_moeperf.stats import SMALL_SAMPLE
 
@@ -42,15 +44,15 @@ def _jsonable(x):
     return str(x)
 
 
-def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, Path]:
-    """Write ab-report.json, ab-report.md and the figures into out_dir, each atomically.
+def write_ab_report(result: LadderResult, summary: dict, out_dir) -> dict[str, Path]:
+    """Write ab-report.json, ab-report.md and the figures into out_dir, each atomically; `summary`
+    is ab_summary.summarize_ab(result).
 
     Returns {kind: path} for what was written: "json", "markdown", "ladder", "latency", and
-    "accept" (only with a speculative arm that reported accept lengths) and "accuracy" (only when
+    "accept" (only with a speculative row that reported acceptance) and "accuracy" (only when
     some answers were scored). A figure of an earlier report in the same folder that this one has
     no data for is removed, so the folder never shows a figure of another run.
     """
-    summary = summarize_ab(result, margin)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
@@ -59,10 +61,10 @@ def write_ab_report(result: dict, out_dir, margin: float = MARGIN) -> dict[str, 
         atomic_write_bytes(path, png)
         written[kind] = path
     _remove_figures(out, keep=written)
-    # The rows and every per-request record too: a reader can redo any statistic from the file.
-    doc = {"schema": SCHEMA, "summary": summary,
-           "figures": {k: p.name for k, p in written.items()},
-           "arms": result.get("arms", []), "prompts": result.get("prompts", []), "requests": result.get("requests", [])}
+    # The rows and every request too: a reader can redo any statistic from the file.
+    full = result.as_json()
+    doc = {"schema": SCHEMA, "summary": summary, "figures": {k: p.name for k, p in written.items()},
+           "rows": full["rows"], "prompts": full["prompts"], "requests": full["requests"]}
     path = out / FILES["json"]
     atomic_write_bytes(path, (json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n").encode())
     written["json"] = path
@@ -101,11 +103,12 @@ def _run_line(run: dict) -> str:
     return ", ".join(parts)
 
 
-def _values(result: dict, key: str) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {a["name"]: [] for a in result["arms"]}
-    for r in result["requests"]:
-        if r.get(key) is not None:
-            out[r["arm"]].append(float(r[key]))
+def _values(result: LadderResult, key: str) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {r.name: [] for r in result.rows}
+    for r in result.requests:
+        value = getattr(r, key)
+        if value is not None:
+            out[r.row].append(float(value))
     return out
 
 
@@ -138,7 +141,7 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     """The Markdown report of `summarize_ab`'s summary; `figures`: {kind: file name beside it}."""
     ref = summary["reference"]
     w = summary["workload"]
-    cmp = {c["arm"]: c for c in summary["comparisons"]}
+    cmp = {c["row"]: c for c in summary["comparisons"]}
     lines = [f"# A/B ladder: {w.get('name', 'workload')}", ""]
     if summary.get("run"):
         lines.append(f"- run: {_run_line(summary['run'])}")
@@ -151,13 +154,13 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     digest = f" (contents {w['digest']})" if w.get("digest") else ""
     lines += [f"- workload: {w.get('name', '-')}{digest}, {w.get('n_requests', '-')} requests, "
               f"{w.get('shots', 0)}-shot",
-              f"- reference arm: `{ref}` (every ratio is arm / {ref}, per request)"]
+              f"- reference row: `{ref}` (every ratio is row / {ref}, per request)"]
     if not summary["complete"]:
         failure = summary.get("failure")
         why = "" if not failure else (f" Row `{failure['row']}` {failure['kind']} on "
-                                      f"{failure_place(failure, markdown=True)}: {failure['error']}.")
+                                      f"{Failure(**failure).place(markdown=True)}: {failure['error']}.")
         lines.append(f"- **PARTIAL RESULT: the run stopped part-way.**{why} Arms may hold different numbers of "
-                     "requests; paired figures use only the requests present in both arms.")
+                     "requests; paired figures use only the requests present in both rows.")
     host = summary.get("host")
     if host and host.get("contended"):
         lines.append(f"- **HOST-CONTENDED**: {host['description']}, over the threshold of {host['threshold']:.0%}: "
@@ -169,10 +172,10 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     for name, why in summary.get("dropped", {}).items():
         lines.append(f"- **row `{name}` dropped**: {why}")
     if summary["flagged"]:
-        lines.append(f"- **{len(summary['flagged'])} arm(s) flagged** (marked ⚠ below)")
+        lines.append(f"- **{len(summary['flagged'])} row(s) flagged** (marked ⚠ below)")
     lines += ["", "## Ladder", ""]
     rows = []
-    for s in summary["arms"]:
+    for s in summary["rows"]:
         m = s["metrics"]
         tps, lat = m["decode_tokens_per_s"], m["latency_s"]
         acc = s["accept_length"]
@@ -193,43 +196,43 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
             "-" if a is None else f"{100 * a['accuracy']:.1f}% {_ci(a['ci'], '.1f', 100)}",
             "-" if r is None else f"x{r['ratio']:.3f} {_ci(r['ci'], '.3f')}",
             verdict])
-    lines += _table(["arm", "requests", "decode tok/s (95% CI)", "TPOT p50/p90/p99 (ms)",
+    lines += _table(["row", "requests", "decode tok/s (95% CI)", "TPOT p50/p90/p99 (ms)",
                      "TTFT p50/p90/p99 (ms)", "latency mean (s)", "accept length", "accuracy (95% CI)",
                      f"tok/s vs {ref} (95% CI)", "verdict"], rows)
-    scored = [s for s in summary["arms"] if s.get("strict_accuracy") and s.get("flexible_accuracy")]
+    scored = [s for s in summary["rows"] if s.get("strict_accuracy") and s.get("flexible_accuracy")]
     if scored:  # both extractions, where the workload scores both (gsm8k, jsonl answers)
         lines += ["", "Accuracy by answer extraction (the table's column is the workload's own score: strict for "
                   "gsm8k, flexible for jsonl): " + "; ".join(
                       f"`{s['name']}` strict {100 * s['strict_accuracy']['accuracy']:.1f}%, flexible "
                       f"{100 * s['flexible_accuracy']['accuracy']:.1f}%" for s in scored)]
-    for s in summary["arms"]:
+    for s in summary["rows"]:
         v = s.get("verify_step_s")
         if v is not None:
             lines += ["", f"- `{s['name']}`: {1e3 * v['mean']:.3g} ms a verify step {_ci(v['ci'], '.3g', 1e3)} "
                       f"(drafts, verify pass, commit; p50 {1e3 * v['p50']:.3g} ms)"]
     if summary["flagged"]:
         lines += ["", "### Flags", ""]
-        for arm, reasons in summary["flagged"].items():
-            lines += [f"- ⚠ **{arm}**: " + "; ".join(reasons)]
-    lines += ["", "Per-arm figures are means with a 95% interval (BCa bootstrap; Student's t below "
+        for name, reasons in summary["flagged"].items():
+            lines += [f"- ⚠ **{name}**: " + "; ".join(reasons)]
+    lines += ["", "Per-row figures are means with a 95% interval (BCa bootstrap; Student's t below "
               f"{SMALL_SAMPLE} requests, where resampling sees too few values), or percentiles. Ratios are the "
-              "geometric mean of the per-request ratios arm / reference with such an interval over requests; "
+              "geometric mean of the per-request ratios row / reference with such an interval over requests; "
               "\"faster\"/\"slower\" means that interval for decode tokens/s excludes 1. "
               f"Accuracy: Wilson intervals; the paired difference has Tango's score interval, exact McNemar "
               f"test, and equivalence by two one-sided tests at +-{100 * summary['accuracy_margin']:g} points."]
     if figures:
         lines += ["", "## Figures", ""]
-        captions = {"ladder": "Decode throughput and TPOT per arm (means, 95% intervals)",
-                    "latency": "TTFT and TPOT distributions per arm",
-                    "accept": "Accept lengths and acceptance per draft position (speculative arms)",
-                    "accuracy": "Accuracy per arm (Wilson 95% intervals)"}
+        captions = {"ladder": "Decode throughput and TPOT per row (means, 95% intervals)",
+                    "latency": "TTFT and TPOT distributions per row",
+                    "accept": "Accept lengths and acceptance per draft position (speculative rows)",
+                    "accuracy": "Accuracy per row (Wilson 95% intervals)"}
         for kind in ("ladder", "latency", "accept", "accuracy"):
             if kind in figures:
                 lines += [f"![{captions[kind]}]({figures[kind]})", ""]
     if summary["comparisons"]:
         lines += ["", f"## Paired comparisons against {ref}", ""]
     for c in summary["comparisons"]:
-        lines += [f"### {c['arm']} vs {ref} ({c['n_paired']} paired requests)", ""]
+        lines += [f"### {c['row']} vs {ref} ({c['n_paired']} paired requests)", ""]
         rows = []
         for key, (label, unit, _, better) in METRICS.items():
             r = c["ratios"][key]
@@ -243,10 +246,10 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
             lines += [f"Outputs token for token as {ref}'s: {o['identical']} of {o['n']} requests{differ}.", ""]
         a = c["accuracy"]
         if a is None:
-            lines += ["No scored answers on both arms: accuracy not compared.", ""]
+            lines += ["No scored answers on both rows: accuracy not compared.", ""]
             continue
         lines += [f"McNemar table ({a['n']} questions answered by both):", ""]
-        lines += _table(["", f"{c['arm']} right", f"{c['arm']} wrong"],
+        lines += _table(["", f"{c['row']} right", f"{c['row']} wrong"],
                         [[f"{ref} right", a["both_right"], a["a_only"]],
                          [f"{ref} wrong", a["b_only"], a["both_wrong"]]]) + [""]
         lines += [f"- accuracy {100 * a['accuracy_a']:.2f}% -> {100 * a['accuracy_b']:.2f}%, difference "
@@ -259,24 +262,24 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
                   f"{100 * a['mdd']:.2f} points", ""]
     if summary.get("steps"):
         lines += ["", "## Each rung against the one before it", "",
-                  "Paired as above, each arm / the arm listed before it in the ladder: what that rung adds.", ""]
+                  "Paired as above, each row / the row listed before it in the ladder: what that rung adds.", ""]
         rows = []
         for c in summary["steps"]:
             for key, (label, unit, _, better) in METRICS.items():
                 r = c["ratios"][key]
-                rows.append([f"{c['arm']} / {c['reference']}", f"{label} ({better} is better)",
+                rows.append([f"{c['row']} / {c['reference']}", f"{label} ({better} is better)",
                              "-" if r is None else r["n"], "-" if r is None else f"x{r['ratio']:.4f}",
                              "-" if r is None else _ci(r["ci"], ".4f")])
         lines += _table(["rung", "figure", "pairs", "ratio", "95% CI"], rows)
     lines += ["", "## Provenance", ""]
     keys = []  # what provenance recorded, past the columns already shown (its own "speculative")
-    for s in summary["arms"]:
+    for s in summary["rows"]:
         keys += [k for k in s["provenance"] if k not in keys and k != "speculative"]
     rows = [[s["name"], f"`{s['config']}`" if s["config"] else "-", "yes" if s["speculative"] else "no",
              *[_f(s["provenance"].get(k), "") if not isinstance(s["provenance"].get(k), bool)
                else str(s["provenance"][k]) for k in keys],
-             f"⚠ {s['provenance_error']}" if s["provenance_error"] else "-"] for s in summary["arms"]]
+             f"⚠ {s['provenance_error']}" if s["provenance_error"] else "-"] for s in summary["rows"]]
     # Provenance counts every request the row served, its warm-up requests too.
     heads = [PROVENANCE_HEADS.get(k, k) for k in keys]
-    lines += _table(["arm", "config", "speculative", *heads, "provenance error"], rows)
+    lines += _table(["row", "config", "speculative", *heads, "provenance error"], rows)
     return "\n".join(lines) + "\n"

@@ -3,6 +3,8 @@ write the report (also when a request fails part-way); then the paired figures t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import sys
 import traceback
@@ -12,49 +14,30 @@ from typing import NoReturn
 
 import pytest
 
+from impl.serve.result import Failure, LadderResult, LadderStopped
+
 WARMUP = 2  # requests per row before timing: graphs captured, every compile of a first shape done
 # The speed figures are medians of per-request paired ratios; below three there is no median to gate.
 MIN_REQUESTS = 3
 
 
-@dataclass
+@dataclass(frozen=True)
 class LadderRun:
-    result: dict  # pytest_moeperf.ab_report's input
-    summary: dict  # ab_summary.summarize_ab(result)
+    result: LadderResult  # what every row served (impl.serve.result)
+    summary: dict  # ab_summary.summarize_ab(result), computed once for the report, verdicts and gate
     report: dict  # what write_ab_report wrote
-    records: dict  # arm name -> {request id: record}
     # The host's CPU contention while the rows were served (host_load.Meter; None on a GPU, whose
     # timings do not wait for the host's CPUs): the speed figures are judged and frozen by it.
     host_load: object = None
 
+    @functools.cached_property
+    def by_row(self) -> dict:
+        """{row: {request id: ServedRequest}}."""
+        return self.result.by_row()
+
 
 def _progress(line: str) -> None:
     print(f"\nmoeperf ladder: {line}", file=sys.stderr, end="")
-
-
-def arm_entry(arm) -> dict:
-    """A row as the report takes it: its spec, what ran, and what of it contradicts the name."""
-    from impl.serve import provenance_problems
-    prov = arm.provenance
-    if prov is None:
-        return {"name": arm.name, "config": arm.config.spec_text(), **_outputs_entry(arm), "provenance": {},
-                "speculative": arm.config.speculative, "provenance_error": "the row served no request"}
-    shown = prov.as_dict()
-    shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
-    shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
-    problems = provenance_problems(arm.name, arm.config, prov)
-    return {"name": arm.name, "config": arm.config.spec_text(), **_outputs_entry(arm), "provenance": shown,
-            "provenance_error": "; ".join(problems) or None, "speculative": arm.config.speculative}
-
-
-def _outputs_entry(arm) -> dict:
-    """What decides whether a row's outputs should be another row's token for token: the code it
-    runs on its device, whether it decodes greedily, its head's arithmetic (an FP8 head changes the
-    logits by design) and whether its acceptance is assumed (its tokens are then not the model's)."""
-    c = arm.config
-    return {"runs_as": arm.runs_as(), "greedy": c.sampling.greedy,
-            "head": "bf16" if c.head == "bf16" else f"fp8:{c.head_backend}:{c.head_scales}",
-            "assumed": c.assumed_accept is not None}
 
 
 def model_entry(model, spec, tokenizer) -> dict:
@@ -77,14 +60,6 @@ def prompt_entry(request) -> dict:
     asked and what a right answer is, so its outputs can be checked by eye."""
     return {"request_id": request.request_id, "prompt": request.prompt, "prompt_tokens": len(request.prompt_ids),
             "answer": request.answer, "max_tokens": request.max_tokens, "stop": list(request.stop)}
-
-
-def _failure(error: Exception, where: tuple, kind: str) -> dict:
-    """Where a row stopped the ladder ("refused": a backend's Unsupported; "failed": an error of the
-    row's code), as the report shows it."""
-    cause = error.__cause__ if isinstance(error.__cause__, Exception) and kind == "refused" else error
-    row, request = where or (None, None)
-    return {"row": row, "request": request, "kind": kind, "error": f"{type(cause).__name__}: {cause}"}
 
 
 def host_entry(load, threshold: float | None) -> dict:
@@ -124,10 +99,11 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.data.gsm8k import GSM8KError
     from impl.data.text import TokenizerError, tokenizer_for
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
-    from impl.serve import ArmError, build_arms, run_ladder, where_failed
+    from impl.serve import ArmError, Ladder, LadderStopped
+    from pytest_moeperf.endpoints.rows import ServerRow
     from pytest_moeperf.ab_report import write_ab_report, write_unfinished_ab_report
     from pytest_moeperf.report import now
-    from pytest_moeperf.ab_summary import failure_place, summarize_ab
+    from pytest_moeperf.ab_summary import summarize_ab
     from pytest_moeperf.host_load import Meter
     opts = session.options
     workload_opt, ladder_opt = opts.named("moe_workload"), opts.named("moe_ladder")
@@ -139,7 +115,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
         write_unfinished_ab_report(report_dir, run)
     except OSError as e:  # a folder the checks above could not see is unwritable (/proc, a full disk)
         _usage_exit(f"{opts.named('moe_ab_report')} {report_dir}: cannot be written ({e})")
-    reserve = max((r.config.k for r in rows if r.config.speculative), default=0)
+    reserve = max((_drafts(r) for r in rows), default=0)
     try:
         tokenizer = tokenizer_for(opts.model, model.config.vocab_size)
         workload = load_workload(workload_spec, tokenizer, model.config.max_seq_len - reserve, n=n, shots=opts.shots)
@@ -161,65 +137,101 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     by_id = {r.request_id: r for r in requests}
     restore = (model.moe_backend, model.lm_head)
     try:
-        arms = build_arms(model, rows, tokenizer=tokenizer)
+        rows = _build_rows(model, rows, tokenizer, session, Path(report_dir))
     except ArmError as e:
         _usage_exit(f"{ladder_opt}: {e}")
-    records: list[dict] = []
 
-    def scored(record: dict) -> None:
-        request = by_id[record["request_id"]]
-        record.update(workload.score(request, record["text"]))  # marks and the answers each extraction read
+    def scored(served):  # marks and the answers each extraction read
+        return dataclasses.replace(served, marks=workload.score(by_id[served.request_id], served.text))
 
-    dropped: dict[str, str] = {}
+    ladder = Ladder(rows, requests, warmup=warmup, check=False, optional=optional, progress=_progress,
+                    stop_on_error=opts.server_errors == "stop")
     complete = False
-    failure: dict | None = None  # the row that stopped the run, where, and why (in the report)
+    failure = None  # the row that stopped the run, where, and why (in the report)
     meter = Meter(enabled=not session.device.is_cuda)
     try:
         try:
+            _same_model(rows, model, opts)
             with meter.measuring():
-                run_ladder(arms, requests, on_record=scored, progress=_progress, records=records, warmup=warmup,
-                           check=False, optional=optional, dropped=dropped)
-        except ArmError as e:  # a row's backend refused the workload: the report below keeps what ran
-            failure = _failure(e, where_failed(e), "refused")
-            _usage_exit(f"{ladder_opt}: {e}")
-        except Exception as e:
-            if where_failed(e) is None:
-                raise
+                ladder.run(on_request=scored)
+        except LadderStopped as e:
+            failure = e.failure
+            if failure.kind == "refused":  # a row's backend refused the workload: the report below keeps what ran
+                _usage_exit(f"{ladder_opt}: {e}")
             # A row's code failed: named once, its traceback printed once (not once a test).
-            failure = _failure(e, where_failed(e), "failed")
-            _progress("".join(traceback.format_exception(e)))
-            pytest.fail(f"row {failure['row']!r} failed on {failure_place(failure)}: {failure['error']} (the A/B "
-                        f"report in {report_dir} holds the {len(records)} record(s) served before)", pytrace=False)
+            _progress("".join(traceback.format_exception(e.__cause__ or e)))
+            pytest.fail(f"row {failure.row!r} failed {failure.at()}: {failure.error} (the A/B report in "
+                        f"{report_dir} holds the {len(e.served)} record(s) served before)", pytrace=False)
         complete = True
     finally:
         model.set_moe_backend(restore[0])
         model.set_head(restore[1])
-        arms = [a for a in arms if a.name not in dropped]
+        for row in rows:
+            if isinstance(row, ServerRow):
+                row.stop()
         host_load = meter.take()
-        result = {
-            "run": {**run, "finished": now()},
-            "workload": {"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
-                         "digest": workload.digest, "details": {"description": workload.description}},
-            "device": session.device.describe(),
-            "model": model_entry(model, opts.model, tokenizer),
-            "arms": [arm_entry(a) for a in arms],
-            "requests": records,
-            "prompts": [prompt_entry(r) for r in requests],
-            "complete": complete,
-            "dropped": dropped,
-            "host": host_entry(host_load, opts.host_stall),
-            "failure": failure,
-        }
+        result = LadderResult(
+            rows=tuple(r.entry() for r in rows if r.name not in ladder.dropped),
+            requests=tuple(ladder.served),
+            workload={"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
+                      "digest": workload.digest, "details": {"description": workload.description}},
+            device=session.device.describe(), model=model_entry(model, opts.model, tokenizer), complete=complete,
+            run={**run, "finished": now()}, prompts=tuple(prompt_entry(r) for r in requests),
+            dropped=dict(ladder.dropped), host=host_entry(host_load, opts.host_stall), failure=failure)
+        summary = summarize_ab(result, margin=opts.margin)
         try:
-            report = write_ab_report(result, report_dir, margin=opts.margin)
+            report = write_ab_report(result, summary, report_dir)
             session.ab_reports.append(report["markdown"])
         except OSError as e:  # the gate still judges what was served; the run fails at its end, saying why
             report = {"markdown": f"NOT WRITTEN ({e})"}
             session.write_errors.append(f"the A/B report was NOT written: {report_dir}: {e}")
-    arm_records = {a.name: {r["request_id"]: r for r in records if r["arm"] == a.name} for a in arms}
-    summary = summarize_ab(result, margin=opts.margin)
     session.ab_verdicts += verdict_lines(summary)
-    return LadderRun(result, summary, report, arm_records, host_load)
+    return LadderRun(result, summary, report, host_load)
+
+
+def _drafts(row) -> int:
+    """Drafts a step of a ladder row (0: not speculative): positions it writes past its last token."""
+    config = getattr(row, "config", None)
+    return (config.k if config.speculative else 0) if config is not None else row.speculative
+
+
+def _build_rows(model, rows, tokenizer, session, report_dir: Path) -> list:
+    """The rows the runner interleaves: this engine's arms (impl.serve.engine.EngineRow) on
+    `model`, and servers (pytest_moeperf.endpoints.rows.ServerRow), their logs beside the report."""
+    from impl.model.build import EMBEDDED
+    from impl.serve import EngineRow, build_arms
+    from impl.serve.configs import Row
+    from pytest_moeperf.endpoints.rows import ServerRow
+    local = [r for r in rows if isinstance(r, Row)]
+    arms = {a.name: EngineRow(a) for a in build_arms(model, local, tokenizer=tokenizer)} if local else {}
+    spec = session.options.model
+    folder = str(EMBEDDED.get(spec, Path(spec)))
+    return [arms[r.name] if isinstance(r, Row) else
+            ServerRow(r, tokenizer=tokenizer, log_dir=report_dir, model=folder, rootdir=session.rootdir or Path.cwd())
+            for r in rows]
+
+
+def _same_model(rows, model, opts) -> None:
+    """Start the server rows and refuse a ladder whose rows serve different models (unless
+    --moe-allow-different-models): their outputs and answers could not be compared. A server's
+    model is where it loaded it from (`root`), else the id it serves it under."""
+    from impl.model.build import EMBEDDED
+    from pytest_moeperf.endpoints.rows import ServerRow
+    servers = [r for r in rows if isinstance(r, ServerRow)]
+    for row in servers:
+        try:
+            row.prepare()
+        except Exception as e:  # a server that would not start or answer: the row's failure, named
+            raise LadderStopped(Failure(row.name, None, "failed", f"{type(e).__name__}: {e}"), (), {}) from e
+    if opts.allow_different_models or not servers:
+        return
+    served = {r.name: r.info.root or r.info.model for r in servers}
+    if len(servers) < len(rows):  # this engine's rows serve --moe-model
+        served["this engine"] = str(EMBEDDED.get(opts.model, Path(opts.model)))
+    if len({str(Path(v).resolve()) if Path(v).exists() else v for v in served.values()}) > 1:
+        raise LadderStopped(Failure(servers[0].name, None, "refused", "the rows serve different models: " + "; ".join(
+            f"{k}: {v}" for k, v in served.items()) + " (--moe-allow-different-models to compare them anyway)"),
+            (), {})
 
 
 def verdict_lines(summary: dict) -> list[str]:
@@ -231,25 +243,21 @@ def verdict_lines(summary: dict) -> list[str]:
     for c in summary["comparisons"]:
         r = c["ratios"]["decode_tokens_per_s"]
         speed = "-" if r is None else f"x{r['ratio']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"
-        flag = " (FLAGGED: see the report)" if c["arm"] in summary["flagged"] else ""
-        lines.append(f"A/B {workload}: {c['arm']} vs {c['reference']}: decode tok/s {speed}, {c['verdict']}{flag}")
+        flag = " (FLAGGED: see the report)" if c["row"] in summary["flagged"] else ""
+        lines.append(f"A/B {workload}: {c['row']} vs {c['reference']}: decode tok/s {speed}, {c['verdict']}{flag}")
     return lines
-
-
-def arm(ladder: LadderRun, name: str) -> dict:
-    return next(a for a in ladder.result["arms"] if a["name"] == name)
 
 
 def row_config(ladder: LadderRun, row: str, reference: str | None = None) -> dict:
     """What each gated figure of a row depends on: both rows' specs, the workload, its size."""
-    ref = arm(ladder, reference) if reference else ladder.result["arms"][0]
-    return {"row": arm(ladder, row)["config"], "reference": ref["config"], **workload_key(ladder)}
+    ref = ladder.result.row(reference) if reference else ladder.result.rows[0]
+    return {"row": ladder.result.row(row).config, "reference": ref.config, **workload_key(ladder)}
 
 
 def workload_key(ladder: LadderRun) -> dict:
     """What the ladder's gated figures depend on of its workload: its name and size, and the
     prompts file's contents (a file edited at the same path is another workload)."""
-    w = ladder.result["workload"]
+    w = ladder.result.workload
     key = {"workload": w["name"], "requests": w["n_requests"]}
     if w.get("digest"):
         key["prompts"] = w["digest"]
@@ -257,16 +265,16 @@ def workload_key(ladder: LadderRun) -> dict:
 
 
 def paired(ladder: LadderRun, row: str, key: str, reference: str | None = None) -> list[float]:
-    """Per request, the row's `key` over the reference row's (default: the first row), on the
-    requests both have it for."""
-    mine, ref = ladder.records[row], ladder.records[reference or ladder.result["arms"][0]["name"]]
-    return [mine[i][key] / ref[i][key] for i in mine if i in ref
-            and mine[i][key] is not None and ref[i][key] is not None and ref[i][key] > 0 and mine[i][key] > 0]
+    """Per request, the row's figure `key` (a ServedRequest attribute) over the reference row's
+    (default: the first row), on the requests both have it for."""
+    mine, ref = ladder.by_row[row], ladder.by_row[reference or ladder.result.rows[0].name]
+    pairs = [(getattr(mine[i], key), getattr(ref[i], key)) for i in mine if i in ref]
+    return [a / b for a, b in pairs if a is not None and b is not None and a > 0 and b > 0]
 
 
 def fail_on_provenance(ladder: LadderRun, row: str) -> None:
     """The row ran what its name says (impl.serve.provenance): else the test fails naming the part."""
-    error = arm(ladder, row)["provenance_error"]
+    error = ladder.result.row(row).provenance_error
     if error:
         pytest.fail(f"row {row!r}: {error} (report: {ladder.report['markdown']})", pytrace=False)
 

@@ -1,10 +1,11 @@
-"""The numbers of an A/B configuration ladder: per-arm summaries and each arm's paired
-comparison with the first arm (`summarize_ab`), for the report and for the suites to gate.
+"""The numbers of an A/B configuration ladder: per-row summaries and each row's paired
+comparison with the first row (`summarize_ab`), for the report and for the suites to gate.
 
-Input: the serving engine's result (see `summarize_ab`): the arms in ladder order, one record per
-(arm, request), arms interleaved request by request. Every comparison is paired: it uses only the
-request ids present in both arms (a run stopped part-way leaves some arms with fewer), and for
-each figure only the pairs where both records carry it (a 1-token output has no TPOT).
+Input: a ladder's result (impl.serve.result.LadderResult): the rows in ladder order, one served
+request per (row, request), rows interleaved request by request. Every comparison is paired: it
+uses only the request ids present in both rows (a run stopped part-way leaves some rows with
+fewer), and for each figure only the pairs where both requests carry it (a 1-token output has no
+TPOT). A failed request (its `error`) has no figures and is counted apart.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import asdict
+
+from impl.serve.result import SCORE_KEYS, LadderResult, RowEntry, ServedRequest
 
 from pytest_moeperf.stats import (
     CONFIDENCE, mean_interval, paired_accuracy, paired_ratio, percentiles, wilson_interval,
@@ -28,7 +31,7 @@ METRICS = {
 # Which ratio decides "faster" / "slower": decode throughput, the figure the ladder is about.
 SPEED_METRIC = "decode_tokens_per_s"
 QS = (50, 90, 99)
-ACCURACY_KEYS = ("correct", "strict_correct", "flexible_correct")
+ACCURACY_KEYS = SCORE_KEYS
 # A speculative arm whose mean accept length is below this is flagged. A draft that is never
 # accepted commits exactly 1 token per verify step (the bonus); the draft reading the head's FP8
 # bytes as bf16 lands there. 1.5 is half a draft token accepted per step, far below what a working
@@ -37,61 +40,7 @@ ACCEPT_LENGTH_FLOOR = 1.5
 MARGIN = 0.01  # accuracy equivalence margin (+-1 point), paired_accuracy's default
 
 
-# --- input checks ------------------------------------------------------------------------------
-
-def _check(result) -> tuple[list[dict], dict[str, dict[object, dict]]]:
-    """The arms and {arm: {request_id: record}}, or a ValueError saying what is wrong."""
-    if not isinstance(result, dict):
-        raise ValueError(f"result must be a dict, got {type(result).__name__}")
-    arms = result.get("arms")
-    if not isinstance(arms, list) or not arms:
-        raise ValueError("result['arms'] must be a non-empty list of arms in ladder order")
-    names = []
-    for i, arm in enumerate(arms):
-        if not isinstance(arm, dict) or not isinstance(arm.get("name"), str) or not arm["name"]:
-            raise ValueError(f"result['arms'][{i}] must be a dict with a non-empty 'name'")
-        names.append(arm["name"])
-    dup = [n for n, c in Counter(names).items() if c > 1]
-    if dup:
-        raise ValueError(f"arm names must be unique; repeated: {', '.join(dup)}")
-    requests = result.get("requests")
-    if not isinstance(requests, list):
-        raise ValueError("result['requests'] must be a list of per-request records")
-    by_arm: dict[str, dict[object, dict]] = {n: {} for n in names}
-    for i, rec in enumerate(requests):
-        where = f"result['requests'][{i}]"
-        if not isinstance(rec, dict):
-            raise ValueError(f"{where} must be a dict")
-        arm = rec.get("arm")
-        if arm not in by_arm:
-            raise ValueError(f"{where} names arm {arm!r}, which is not in result['arms'] ({', '.join(names)})")
-        rid = rec.get("request_id")
-        if rid is None:
-            raise ValueError(f"{where} (arm {arm!r}) has no request_id")
-        if rid in by_arm[arm]:
-            raise ValueError(f"arm {arm!r} has two records for request_id {rid!r}")
-        where = f"arm {arm!r} request {rid!r}"
-        for key in METRICS:
-            v = rec.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or v <= 0):
-                raise ValueError(f"{where}: {key} = {v!r}; it must be a positive finite number or None")
-        for key in ACCURACY_KEYS:
-            v = rec.get(key)
-            if v is not None and not isinstance(v, bool):
-                raise ValueError(f"{where}: {key} = {v!r}; it must be True, False or None")
-        for key in ("accept_lengths", "accepted_per_position"):
-            v = rec.get(key)
-            if v is not None and (not isinstance(v, (list, tuple))
-                                  or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
-                raise ValueError(f"{where}: {key} must be a list of non-negative integers or None")
-        if rec.get("accept_lengths") and min(rec["accept_lengths"]) < 1:
-            raise ValueError(f"{where}: an accept length below 1 (every verify step commits at least the bonus token)")
-        by_arm[arm][rid] = rec
-    return arms, by_arm
-
-
-# --- per-arm summaries -------------------------------------------------------------------------
+# --- per-row summaries -------------------------------------------------------------------------
 
 def _metric_summary(values: list[float]) -> dict | None:
     if not values:
@@ -101,8 +50,8 @@ def _metric_summary(values: list[float]) -> dict | None:
             **{f"p{q}": v for q, v in percentiles(values, QS).items()}}
 
 
-def _accuracy_summary(records, key) -> dict | None:
-    marks = [r[key] for r in records if r.get(key) is not None]
+def _accuracy_summary(served: list[ServedRequest], key) -> dict | None:
+    marks = [r.mark(key) for r in served if r.mark(key) is not None]
     if not marks:
         return None
     k = sum(marks)
@@ -110,65 +59,67 @@ def _accuracy_summary(records, key) -> dict | None:
     return {"n": len(marks), "correct": k, "accuracy": k / len(marks), "ci": [lo, hi]}
 
 
-def _accept_summary(records, drafts_per_step) -> dict | None:
-    lengths = [x for r in records for x in (r.get("accept_lengths") or ())]
-    if not lengths:
+def _accept_summary(served: list[ServedRequest], drafts_per_step) -> dict | None:
+    """Accept length over every verify step (tokens committed per step), acceptance per draft
+    position, and the histogram of lengths where the rows report them per step."""
+    counts = [r.acceptance for r in served if r.acceptance is not None and r.acceptance.verify_steps]
+    if not counts:
         return None
-    per_pos, steps = None, 0
-    with_pos = [r for r in records if r.get("accepted_per_position") is not None]
-    if with_pos:
-        k = max(len(r["accepted_per_position"]) for r in with_pos)
-        counts = [0] * k
-        for r in with_pos:
-            for j, c in enumerate(r["accepted_per_position"]):
-                counts[j] += c
-            # verify_steps when given, else one verify step per accept length
-            steps += r["verify_steps"] if r.get("verify_steps") is not None else len(r.get("accept_lengths") or ())
-        per_pos = [c / steps for c in counts] if steps else None
+    steps = sum(a.verify_steps for a in counts)
+    with_pos = [a for a in counts if a.per_position is not None]
+    k = max((len(a.per_position) for a in with_pos), default=0)
+    pos_steps = sum(a.verify_steps for a in with_pos)
+    per_pos = ([sum(a.per_position[j] for a in with_pos if j < len(a.per_position)) / pos_steps for j in range(k)]
+               if pos_steps else None)
+    lengths = [n for a in counts for n in (a.lengths or ())]
     hist = Counter(lengths)
-    return {"mean": sum(lengths) / len(lengths), "verify_steps": len(lengths),
-            "histogram": {str(k): hist[k] for k in sorted(hist)},
-            "acceptance_per_position": per_pos,
-            "drafts_per_step": drafts_per_step or (len(per_pos) if per_pos else max(lengths) - 1)}
+    return {"mean": (sum(a.accepted for a in counts) + steps) / steps, "verify_steps": steps,
+            "histogram": {str(n): hist[n] for n in sorted(hist)} if all(a.lengths is not None for a in counts)
+            else None,
+            "acceptance_per_position": per_pos, "drafts_per_step": drafts_per_step or k or None,
+            "sources": sorted({a.source for a in counts})}
 
 
-def verify_step_s(record: dict) -> float | None:
+def verify_step_s(served: ServedRequest) -> float | None:
     """A speculative request's time per verify step (k drafts, the verify pass, the commit): its
     decode time (latency - TTFT) over its verify steps; None without verify steps. Against a
     plain row's TPOT it is the cost of speculation in plain steps, which the accept length must
     beat for the row to be faster."""
-    steps = record.get("verify_steps")
-    if not steps or record.get("latency_s") is None or record.get("ttft_s") is None:
+    a = served.acceptance
+    if a is None or not a.verify_steps or served.latency_s is None or served.ttft_s is None:
         return None
-    return (record["latency_s"] - record["ttft_s"]) / steps
+    return (served.latency_s - served.ttft_s) / a.verify_steps
 
 
-def _arm_summary(arm: dict, records: list[dict]) -> dict:
-    prov = arm.get("provenance") or {}
+def _row_summary(row: RowEntry, served: list[ServedRequest]) -> dict:
+    prov = row.provenance or {}
+    ok = [r for r in served if r.error is None]
     out = {
-        "name": arm["name"], "config": arm.get("config"), "speculative": bool(arm.get("speculative")),
-        "greedy": arm.get("greedy", True), "head": arm.get("head"), "assumed": bool(arm.get("assumed")),
-        "provenance": prov, "provenance_error": arm.get("provenance_error"),
-        "n_requests": len(records),
-        "output_tokens": sum(r.get("output_tokens") or 0 for r in records),
+        "name": row.name, "config": row.config, "speculative": row.speculative,
+        "greedy": row.greedy, "head": row.head, "assumed": row.assumed, "server": row.server,
+        "provenance": dict(prov), "provenance_error": row.provenance_error,
+        "n_requests": len(served), "failed_requests": len(served) - len(ok),
+        "output_tokens": sum(r.output_tokens for r in ok),
         # Requests that ran to their max_tokens (no EOS, no stop string), and those of them with an
         # answer: there what the model wrote after the answer may be what the scorer reads.
-        "length_stops": sum(r.get("stop_reason") == "length" for r in records),
-        "scored_length_stops": sum(r.get("stop_reason") == "length" for r in records if r.get("correct") is not None),
-        "metrics": {key: _metric_summary([r[key] for r in records if r.get(key) is not None]) for key in METRICS},
-        "accept_length": _accept_summary(records, prov.get("drafts_per_step")) if arm.get("speculative") else None,
-        "verify_step_s": (_metric_summary([v for v in map(verify_step_s, records) if v is not None])
-                          if arm.get("speculative") else None),
+        "length_stops": sum(r.stop_reason == "length" for r in ok),
+        "scored_length_stops": sum(r.stop_reason == "length" for r in ok if r.mark("correct") is not None),
+        "metrics": {key: _metric_summary([v for v in (getattr(r, key) for r in ok) if v is not None])
+                    for key in METRICS},
+        "accept_length": _accept_summary(ok, prov.get("drafts_per_step")) if row.speculative else None,
+        "verify_step_s": (_metric_summary([v for v in map(verify_step_s, ok) if v is not None])
+                          if row.speculative else None),
     }
     for key in ACCURACY_KEYS:
-        out["accuracy" if key == "correct" else key.replace("_correct", "_accuracy")] = _accuracy_summary(records, key)
+        out["accuracy" if key == "correct" else key.replace("_correct", "_accuracy")] = _accuracy_summary(ok, key)
     return out
 
 
-# --- comparisons against the first arm ---------------------------------------------------------
+# --- comparisons against the first row ---------------------------------------------------------
 
-def _ratio(ref: dict, arm: dict, ids, key) -> dict | None:
-    pairs = [(ref[i][key], arm[i][key]) for i in ids if ref[i].get(key) is not None and arm[i].get(key) is not None]
+def _ratio(ref: dict, row: dict, ids, key) -> dict | None:
+    pairs = [(a, b) for a, b in ((getattr(ref[i], key), getattr(row[i], key)) for i in ids)
+             if a is not None and b is not None]
     if not pairs:
         return None
     ratio, lo, hi = paired_ratio([p[0] for p in pairs], [p[1] for p in pairs], CONFIDENCE)
@@ -185,54 +136,50 @@ def _speed_verdict(r: dict | None, better: str) -> str:
     return up if lo > 1 else down if hi < 1 else "no detectable difference"
 
 
-def _compare(ref_name: str, arm_name: str, by_arm, margin: float, same_code: bool = False) -> dict:
-    ref, arm = by_arm[ref_name], by_arm[arm_name]
-    ids = sorted(set(ref) & set(arm), key=lambda i: (str(type(i)), i))
-    ratios = {key: _ratio(ref, arm, ids, key) for key in METRICS}
+def _compare(ref_name: str, name: str, by_row, margin: float, same_code: bool = False) -> dict:
+    ref, row = by_row[ref_name], by_row[name]
+    ids = sorted(set(ref) & set(row), key=lambda i: (str(type(i)), i))
+    ratios = {key: _ratio(ref, row, ids, key) for key in METRICS}
     speed = _speed_verdict(ratios[SPEED_METRIC], METRICS[SPEED_METRIC][3])
-    acc_ids = [i for i in ids if ref[i].get("correct") is not None and arm[i].get("correct") is not None]
+    acc_ids = [i for i in ids if ref[i].mark("correct") is not None and row[i].mark("correct") is not None]
     acc = None
     if acc_ids:
-        acc = asdict(paired_accuracy([ref[i]["correct"] for i in acc_ids], [arm[i]["correct"] for i in acc_ids],
-                                     margin=margin))
+        acc = asdict(paired_accuracy([ref[i].mark("correct") for i in acc_ids],
+                                     [row[i].mark("correct") for i in acc_ids], margin=margin))
     answers = "no accuracy data" if acc is None else {
         "equivalent": "answers equivalent", "different": "answers differ",
         "inconclusive": "answers inconclusive"}[acc["verdict"]]
-    outputs = _outputs(ref, arm, ids)
+    outputs = _outputs(ref, row, ids)
     same = "" if outputs is None else f"; outputs identical in {outputs['identical']} of {outputs['n']}"
     aa = f"A/A, the same code as {ref_name} on this device: " if same_code else ""
-    return {"arm": arm_name, "reference": ref_name, "n_paired": len(ids), "ratios": ratios, "same_code": same_code,
+    return {"row": name, "reference": ref_name, "n_paired": len(ids), "ratios": ratios, "same_code": same_code,
             "speed": speed, "accuracy": acc, "outputs": outputs, "verdict": f"{aa}{speed}; {answers}{same}"}
 
 
-def _same_code(ref: dict, arm: dict) -> bool:
+def _same_code(ref: RowEntry, row: RowEntry) -> bool:
     """Whether two rows run the same code on the run's device (their `runs_as` specs: e.g. +kernels
     on a CPU is the baseline's gather MoE), whatever their names: their comparison is an A/A one."""
-    return ref.get("runs_as") is not None and ref.get("runs_as") == arm.get("runs_as")
+    return ref.runs_as is not None and ref.runs_as == row.runs_as
 
 
-def _outputs(ref: dict, arm: dict, ids) -> dict | None:
-    """How many paired requests came out token for token as the reference's, and where the others
-    first differ (the median index of the first different output token). The direct check of "the
-    same answers" where none can be scored (a random-weight model, prompts without answers); for
-    two greedy rows of the same arithmetic, every output is the same."""
-    pairs = [(ref[i]["output_ids"], arm[i]["output_ids"]) for i in ids
-             if ref[i].get("output_ids") is not None and arm[i].get("output_ids") is not None]
+def _outputs(ref: dict, row: dict, ids) -> dict | None:
+    """How many paired requests came out token for token as the reference's (by their ids, or by
+    their text where a row gives text only), and where the others first differ (the median index
+    of the first different token or character). The direct check of "the same answers" where none
+    can be scored (a random-weight model, prompts without answers); for two greedy rows of the
+    same arithmetic, every output is the same."""
+    def sequence(a: ServedRequest, b: ServedRequest):
+        if a.output_ids is not None and b.output_ids is not None:
+            return a.output_ids, b.output_ids
+        return a.text, b.text
+
+    pairs = [sequence(ref[i], row[i]) for i in ids if ref[i].error is None and row[i].error is None]
     if not pairs:
         return None
     firsts = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
               for a, b in pairs if a != b]
     return {"n": len(pairs), "identical": len(pairs) - len(firsts),
             "first_difference_p50": statistics.median(firsts) if firsts else None}
-
-
-def failure_place(failure: dict, markdown: bool = False) -> str:
-    """Where a row stopped the ladder, in words: on which request (its id as Python writes it, or
-    as Markdown code), or while preparing its steps (before its first request)."""
-    request = failure["request"]
-    if request is None:
-        return "preparing its steps"
-    return f"request `{request}`" if markdown else f"request {request!r}"
 
 
 def _same_outputs_expected(s: dict, ref: dict) -> bool:
@@ -249,6 +196,9 @@ def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
         flags.append(f"provenance error: {s['provenance_error']}")
     if s["n_requests"] == 0:
         flags.append("no requests recorded")
+    if s["failed_requests"]:
+        flags.append(f"{s['failed_requests']} of {s['n_requests']} request(s) failed (each one's error is in the "
+                     "report's JSON); its figures are those of the others")
     scored = s["accuracy"]["n"] if s["accuracy"] is not None else 0
     if scored and 2 * s["scored_length_stops"] > scored:
         flags.append(f"{s['scored_length_stops']} of {scored} scored answers ran to their max_tokens: the number "
@@ -261,14 +211,14 @@ def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
         acc = s["accept_length"]
         prov = s["provenance"]
         if acc is None and s["n_requests"]:
-            flags.append("speculative arm reported no accept lengths")
+            flags.append("speculative row reported no acceptance (no verify steps counted)")
         elif acc is not None and acc["mean"] < ACCEPT_LENGTH_FLOOR:
-            flags.append(f"mean accept length {acc['mean']:.2f} on a speculative arm (below {ACCEPT_LENGTH_FLOOR}): "
+            flags.append(f"mean accept length {acc['mean']:.2f} on a speculative row (below {ACCEPT_LENGTH_FLOOR}): "
                          "the drafts are almost never accepted")
         if prov.get("draft_shares_head") is False:
             flags.append("the draft does not share the target's head module")
         if prov.get("drafts_per_step") == 0:
-            flags.append("speculative arm drafts 0 tokens per step")
+            flags.append("speculative row drafts 0 tokens per step")
     if cmp is not None:
         r = cmp["ratios"][SPEED_METRIC]
         if cmp["speed"] == "slower":
@@ -286,56 +236,46 @@ def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
     return flags
 
 
-def summarize_ab(result: dict, margin: float = MARGIN) -> dict:
-    """The numbers of the report: per-arm summaries and each arm's paired comparison with the first.
+def summarize_ab(result: LadderResult, margin: float = MARGIN) -> dict:
+    """The numbers of the report: per-row summaries and each row's paired comparison with the first.
 
-    result: {"workload": {...}, "device": str, "arms": [{"name", "config", "provenance",
-    "provenance_error", "speculative", and what decides whether its outputs should be the
-    reference's: "runs_as", "greedy", "head", "assumed"}, ...] (ladder order; the first is the
-    reference), "requests": [{"arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s",
-    "latency_s", "tpot_s", "decode_tokens_per_s", "accept_lengths", "accepted_per_position",
-    "verify_steps", "correct", "strict_correct", "flexible_correct", "text", "output_ids"}, ...],
-    "complete": bool, optionally "run" (commit and times), "model", "prompts" (each request once),
-    "dropped": {row name: why it was left out (impl.serve.runner)}, "host": the host's CPU
-    contention while serving (pytest_moeperf.ab_run.host_entry), passed through as it is, and
-    "failure": the row that stopped the run ({"row", "request", "kind", "error"}), whose comparison
-    then has no verdict and which is flagged}.
-    Missing figures are None (TPOT of a 1-token output; accuracy of a synthetic workload).
+    `result`: impl.serve.result.LadderResult (rows in ladder order, the first the reference; a
+    `failure`'s row gets no verdict and is flagged). Missing figures are None (TPOT of a 1-token
+    output; accuracy of a synthetic workload).
 
-    Returns {"run", "workload", "device", "model", "complete", "reference", "arms": [per-arm
-    summary], "comparisons": [one per arm after the first: "ratios" (geometric mean of B_i / A_i
-    with a 95% BCa interval over requests, per figure), "speed", "accuracy" (paired_accuracy as a
-    dict, or None), "outputs" (identical outputs, _outputs), "same_code" (an A/A pair), "verdict"], "steps": [each arm after the second against the arm before it: "arm",
-    "reference", "ratios" as above], "flagged": {arm: [reason, ...]}}. Per-arm figures are means with 95% BCa
-    intervals and p50/p90/p99, in the record's units (seconds, tokens/s).
+    Returns {"run", "workload", "device", "model", "complete", "dropped", "host", "failure",
+    "reference", "rows": [per-row summary], "comparisons": [one per row after the first: "ratios"
+    (geometric mean of B_i / A_i with a 95% BCa interval over requests, per figure), "speed",
+    "accuracy" (paired_accuracy as a dict, or None), "outputs" (identical outputs, _outputs),
+    "same_code" (an A/A pair), "verdict"], "steps": [each row after the second against the row
+    before it: "row", "reference", "ratios" as above], "flagged": {row: [reason, ...]}}. Per-row
+    figures are means with 95% BCa intervals and p50/p90/p99, in seconds and tokens/s.
     """
-    arms, by_arm = _check(result)
-    ref = arms[0]["name"]
-    summaries = [_arm_summary(a, list(by_arm[a["name"]].values())) for a in arms]
-    comparisons = [_compare(ref, a["name"], by_arm, margin, _same_code(arms[0], a)) for a in arms[1:]]
-    # What each rung adds: every arm after the second against the arm before it (the second's
+    rows, by_row = result.rows, result.by_row()
+    ref = rows[0].name
+    summaries = [_row_summary(r, list(by_row[r.name].values())) for r in rows]
+    comparisons = [_compare(ref, r.name, by_row, margin, _same_code(rows[0], r)) for r in rows[1:]]
+    # What each rung adds: every row after the second against the row before it (the second's
     # step is its comparison with the first).
-    steps = [{"arm": b["name"], "reference": a["name"],
-              "ratios": _compare(a["name"], b["name"], by_arm, margin)["ratios"]} for a, b in zip(arms[1:], arms[2:])]
+    steps = [{"row": b.name, "reference": a.name, "ratios": _compare(a.name, b.name, by_row, margin)["ratios"]}
+             for a, b in zip(rows[1:], rows[2:])]
     # A row is partial below the workload's size (below the longest row's, for results without one).
-    total = (result.get("workload") or {}).get("n_requests") or max((s["n_requests"] for s in summaries), default=0)
-    failure = result.get("failure")
+    total = result.workload.get("n_requests") or max((s["n_requests"] for s in summaries), default=0)
+    failure = result.failure
     for c in comparisons:  # a comparison with a row that failed part-way gets no verdict
-        if failure and failure["row"] in (c["arm"], c["reference"]):
-            c["speed"] = c["verdict"] = f"{failure['kind']} part-way: no verdict"
+        if failure and failure.row in (c["row"], c["reference"]):
+            c["speed"] = c["verdict"] = f"{failure.kind} part-way: no verdict"
     flagged = {}
     for i, s in enumerate(summaries):
         s["flags"] = _flags(s, comparisons[i - 1] if i else None, summaries[0])
-        if failure and s["name"] == failure["row"]:
-            s["flags"].insert(0, f"{failure['kind']} on {failure_place(failure)} ({failure['error']}): the run "
+        if failure and s["name"] == failure.row:
+            s["flags"].insert(0, f"{failure.kind} {failure.at()} ({failure.error}): the run "
                                  "stopped there, and its figures are those of the requests before")
         s["partial"] = s["n_requests"] < total
         if s["flags"]:
             flagged[s["name"]] = s["flags"]
-    return {"run": result.get("run"), "workload": result.get("workload") or {}, "device": result.get("device"),
-            "model": result.get("model"),
-            "complete": bool(result.get("complete", False)), "dropped": dict(result.get("dropped") or {}),
-            "host": result.get("host"), "failure": failure,
-            "reference": ref,
-            "accuracy_margin": margin, "confidence": CONFIDENCE,
-            "arms": summaries, "comparisons": comparisons, "steps": steps, "flagged": flagged}
+    return {"run": result.run, "workload": dict(result.workload), "device": result.device,
+            "model": result.model, "complete": result.complete, "dropped": dict(result.dropped),
+            "host": result.host, "failure": None if failure is None else asdict(failure),
+            "reference": ref, "accuracy_margin": margin, "confidence": CONFIDENCE,
+            "rows": summaries, "comparisons": comparisons, "steps": steps, "flagged": flagged}

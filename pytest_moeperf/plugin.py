@@ -19,7 +19,7 @@ from pytest_moeperf import workers
 DEFAULTS = {"moe_device": "auto", "moe_model": "tiny-gsm", "moe_backend": "auto", "moe_head": "bf16",
             "moe_baselines": "baselines", "moe_samples": "10", "moe_trust": "", "moe_plant": "",
             "moe_ladder": "", "moe_workload": "arith", "moe_requests": "", "moe_shots": "", "moe_margin": "1",
-            "moe_expect": "",
+            "moe_expect": "", "moe_servers": "", "moe_server_errors": "stop",
             "moe_ab_report": "ab-report", "moe_host_stall": str(DEFAULT_STALL_THRESHOLD),
             "moe_host_wait": str(DEFAULT_WAIT_S)}
 # Requests a ladder row serves at most: every request is built and checked before the first is
@@ -70,6 +70,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "projection, spec, accept, temperature, top_k, top_p, seed; see impl/serve/configs.py) "
         "(default: baseline;+kernels;+fp8-head;+mtp "
         "on CUDA, baseline;+fp8-head;+mtp on CPU)", metavar="ROWS")
+    add("--moe-servers", "moe_servers", "a TOML file of server rows for the ladder (OpenAI-compatible servers: "
+        "a URL, or a command the plugin starts and stops; see pytest_moeperf/endpoints/servers.py); --moe-ladder may "
+        "then name them beside this engine's rows, and without it the ladder is the file's servers", metavar="FILE")
+    add("--moe-server-errors", "moe_server_errors", "what a server row's failed request does to the ladder: stop "
+        "(default) or continue (kept as failed, the run goes on)", metavar="stop|continue")
+    add("--moe-allow-different-models", "moe_allow_different_models", "let ladder rows serve different models "
+        "(refused by default: their outputs could not be compared)", action="store_true")
     add("--moe-workload", "moe_workload", "prompts of the ladder suite: arith, gsm8k[:FOLDER|HUB_ID], "
         "synthetic[:IN:OUT] or jsonl:FILE (prompt, optional answer and max_tokens) (default: arith)",
         metavar="WORKLOAD")
@@ -174,20 +181,38 @@ def parse_trust(value: str | None) -> int:
     return parse_count("--moe-trust", value, 1) or 0
 
 
-def parse_ladder_option(value: str | None, device: str) -> str | None:
-    """The ladder text as given (None: the device's default), after checking that every row
-    parses for `device`: an unknown preset, key, backend or a bad combination is a usage error, and
-    so is a single row (the suites compare every row with the first: nothing would be compared)."""
-    if not value:
+def parse_ladder_option(value: str | None, device: str, servers: tuple = ()) -> str | None:
+    """The ladder text as given (None: the device's default, or the servers' file), after checking
+    that every row parses for `device` (or names a server of `servers`, or is NAME=http://...): an
+    unknown preset, key, backend or a bad combination is a usage error, and so is a single row (the
+    suites compare every row with the first: nothing would be compared)."""
+    if not value and not servers:
         return None
-    from impl.serve.configs import parse_ladder
+    from pytest_moeperf.endpoints.servers import ladder_rows
     try:
-        rows = parse_ladder(value, device)
+        rows = ladder_rows(value or None, list(servers), device)
     except ValueError as e:
         raise ValueError(f"--moe-ladder: {e}") from None
     if len(rows) < 2:
-        raise ValueError(f"--moe-ladder {value!r}: one row; the ladder compares each row with its first, so give "
-                         "at least two (e.g. 'baseline;+fp8-head')")
+        raise ValueError(f"--moe-ladder {value or '(the --moe-servers file)'!r}: one row; the ladder compares each "
+                         "row with its first, so give at least two (e.g. 'baseline;+fp8-head')")
+    return value or None
+
+
+def parse_servers_option(value: str | None, rootpath: Path) -> tuple:
+    """The server rows of a --moe-servers file (relative: from rootdir), read and checked now."""
+    if not value:
+        return ()
+    from pytest_moeperf.endpoints.servers import load_servers
+    path = _under_root(value, rootpath)
+    if not path.is_file():
+        raise ValueError(f"--moe-servers {value}: no such file ({path}; a relative path is taken from rootdir)")
+    return tuple(load_servers(path))
+
+
+def parse_server_errors(value: str) -> str:
+    if value not in ("stop", "continue"):
+        raise ValueError(f"--moe-server-errors must be stop or continue, got {value!r}")
     return value
 
 
@@ -325,6 +350,9 @@ def parse_options(config: pytest.Config) -> Options:
         margin=_parsed(config, "moe_margin", parse_margin),
         expect=_parsed(config, "moe_expect", parse_expect),
         ab_report=_under_root(_option(config, "moe_ab_report"), root),
+        servers=_parsed(config, "moe_servers", parse_servers_option, root),
+        server_errors=_parsed(config, "moe_server_errors", parse_server_errors),
+        allow_different_models=bool(_option(config, "moe_allow_different_models")),
         host_stall=_parsed(config, "moe_host_stall", parse_host_stall),
         host_wait=_parsed(config, "moe_host_wait", parse_host_wait),
     )
@@ -505,9 +533,9 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--moe-model {options.model}: cannot read the checkpoint to name what its "
                                     f"figures are frozen under: {e}") from None
         _stop_on_sigterm()
-    if options.ladder is not None:  # checked with or without --moe-bench: a typo waits for no run
+    if options.ladder is not None or options.servers:  # checked with or without --moe-bench: a typo waits for no run
         try:
-            parse_ladder_option(options.ladder, session.device.torch_device.type)
+            parse_ladder_option(options.ladder, session.device.torch_device.type, options.servers)
         except ValueError as e:
             raise pytest.UsageError(_from_ini(config, "moe_ladder", str(e))) from None
     if not _is_worker(config):

@@ -41,6 +41,12 @@ class Options:
     # the gate then judges only against frozen figures): "faster", "not-slower" (EXPECTATIONS).
     expect: str | None = None
     ab_report: Path | None = None
+    # Server rows (pytest_moeperf.endpoints.servers.ServerDef) the ladder may name, from
+    # --moe-servers; whether a server's failed request stops the ladder ("stop") or is kept as
+    # failed while it goes on ("continue"); whether rows may serve different models.
+    servers: tuple = ()
+    server_errors: str = "stop"
+    allow_different_models: bool = False
     # A CPU timing measured while the host's CPU stall (host_load) exceeded host_stall (None: off)
     # is not judged a regression, nor frozen; the gate first waits up to host_wait s for quiet.
     host_stall: float | None = DEFAULT_STALL_THRESHOLD

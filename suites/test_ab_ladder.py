@@ -31,7 +31,6 @@ import pytest
 from impl.data.workloads import AtMost
 from pytest_moeperf.ab_run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
                                    run_suite_ladder, workload_key)
-from pytest_moeperf.ab_run import arm as arm_of
 from pytest_moeperf.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
@@ -42,9 +41,12 @@ CHUNKS = 10  # accuracy figures are gated over this many consecutive chunks of t
 
 
 def _rows(session):
-    from impl.serve.configs import parse_ladder
-    device = session.device.torch_device.type
-    return parse_ladder(session.options.ladder or _default_ladder(session, device), device)
+    """The ladder's rows: --moe-ladder's, else a --moe-servers file's servers, else the device's
+    default rows (pytest_moeperf.endpoints.servers.ladder_rows)."""
+    from pytest_moeperf.endpoints.servers import ladder_rows
+    device, opts = session.device.torch_device.type, session.options
+    text = opts.ladder or (None if opts.servers else _default_ladder(session, device))
+    return ladder_rows(text, list(opts.servers), device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +101,7 @@ def test_row_as_expected(ladder, row, moe_session):
     expect = moe_session.options.expect
     if expect is None:
         pytest.skip("no --moe-expect: the row's verdict is in the report and the terminal summary")
-    comparison = next(c for c in ladder.summary["comparisons"] if c["arm"] == row)
+    comparison = next(c for c in ladder.summary["comparisons"] if c["row"] == row)
     allowed = ("faster",) if expect == "faster" else ("faster", "no detectable difference")
     if comparison["speed"] not in allowed:
         r = comparison["ratios"]["decode_tokens_per_s"]
@@ -126,19 +128,20 @@ def test_row_speed(ladder, row, figure, key, direction, moe_gate, moe_device):
 def test_row_answers(ladder, row, moe_gate, moe_device):
     """Answers: not `different` from the first row's (exact McNemar), and the fraction scored
     alike gated per chunk of requests (as is the row's own accuracy)."""
-    comparison = next(c for c in ladder.summary["comparisons"] if c["arm"] == row)
+    comparison = next(c for c in ladder.summary["comparisons"] if c["row"] == row)
     acc = comparison.get("accuracy")
     if acc is None:
-        pytest.skip(f"workload {ladder.result['workload']['name']!r} has no answers to compare")
+        pytest.skip(f"workload {ladder.result.workload['name']!r} has no answers to compare")
+    reference = ladder.result.rows[0].name
     if acc["verdict"] == "different":
-        pytest.fail(f"row {row!r}: answers differ from {ladder.result['arms'][0]['name']!r}: accuracy "
+        pytest.fail(f"row {row!r}: answers differ from {reference!r}: accuracy "
                     f"{acc['accuracy_b']:.1%} vs {acc['accuracy_a']:.1%}, discordant {acc['a_only']} / {acc['b_only']} "
                     f"of {acc['n']}, exact McNemar p = {acc['p_value']:.3g}", pytrace=False)
-    mine, ref = ladder.records[row], ladder.records[ladder.result["arms"][0]["name"]]
-    ids = [i for i in mine if i in ref and mine[i].get("correct") is not None]
+    mine, ref = ladder.by_row[row], ladder.by_row[reference]
+    ids = [i for i in mine if i in ref and mine[i].mark("correct") is not None and ref[i].mark("correct") is not None]
     groups = accuracy_chunks(ids, CHUNKS)
     tol = tolerance_for("ab_accuracy", moe_device.torch_device)
-    moe_gate.check("ab_answers_alike", [statistics.fmean(mine[i]["correct"] == ref[i]["correct"] for i in c)
+    moe_gate.check("ab_answers_alike", [statistics.fmean(mine[i].mark("correct") == ref[i].mark("correct") for i in c)
                                      for c in groups],
                    unit="fraction", direction="higher", tolerance=tol, config=row_config(ladder, row), portable=True)
     print(f"\nrow {row}: {acc['verdict']} at a {acc['margin']:.0%} margin; accuracy {acc['accuracy_b']:.1%} vs "
@@ -150,22 +153,22 @@ def test_reference_accuracy(ladder, moe_gate, moe_device):
     """The first row's own accuracy, gated per chunk of requests: the workload still scores as
     frozen (a broken model, tokenizer or scorer moves every row at once, which the paired
     comparisons above cannot see)."""
-    name = ladder.result["arms"][0]["name"]
-    ids = [i for i, r in ladder.records[name].items() if r.get("correct") is not None]
+    reference = ladder.result.rows[0]
+    served = ladder.by_row[reference.name]
+    ids = [i for i, r in served.items() if r.mark("correct") is not None]
     if not ids:
-        pytest.skip(f"workload {ladder.result['workload']['name']!r} has no answers")
+        pytest.skip(f"workload {ladder.result.workload['name']!r} has no answers")
     groups = accuracy_chunks(ids, CHUNKS)
-    moe_gate.check("ab_reference_accuracy", [statistics.fmean(ladder.records[name][i]["correct"] for i in c)
-                                          for c in groups],
+    moe_gate.check("ab_reference_accuracy", [statistics.fmean(served[i].mark("correct") for i in c) for c in groups],
                    unit="fraction", direction="higher", tolerance=tolerance_for("ab_accuracy", moe_device.torch_device),
-                   config={"row": arm_of(ladder, name)["config"], **workload_key(ladder)}, portable=True)
+                   config={"row": reference.config, **workload_key(ladder)}, portable=True)
 
 
 def test_row_accept_length(ladder, row, moe_gate, moe_device):
-    arm = arm_of(ladder, row)
-    if not arm["speculative"]:
+    if not ladder.result.row(row).speculative:
         pytest.skip(f"row {row!r} does not speculate")
-    per_request = [statistics.fmean(r["accept_lengths"]) for r in ladder.records[row].values() if r["accept_lengths"]]
+    per_request = [r.acceptance.accept_length for r in ladder.by_row[row].values()
+                   if r.acceptance is not None and r.acceptance.verify_steps]
     if not per_request:
         pytest.fail(f"row {row!r}: no verify steps recorded", pytrace=False)
     moe_gate.check("ab_accept_length", per_request, unit="tokens/step", direction="higher",

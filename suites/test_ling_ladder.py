@@ -157,13 +157,13 @@ def _run_ladder(ling_session, moe_model, context):
     ladder = run_suite_ladder(ling_session, moe_model, rows, workload, opts.requests or AtMost(n),
                               Path(opts.ab_report) / f"ling-{context}", warmup=WARMUP,
                               optional=tuple(r.name for r in rows if r.config.moe == "humming"))
-    if ladder.result["dropped"]:  # the runner has released what a dropped row converted
-        _dropped[context] = "; ".join(f"{k}: {v}" for k, v in ladder.result["dropped"].items())
+    if ladder.result.dropped:  # the runner has released what a dropped row converted
+        _dropped[context] = "; ".join(f"{k}: {v}" for k, v in ladder.result.dropped.items())
     return ladder
 
 
 def _names(ladder) -> list[str]:
-    return [a["name"] for a in ladder.result["arms"]]
+    return [r.name for r in ladder.result.rows]
 
 
 def _served(ladder, row, context, first: int = 0) -> None:
@@ -202,17 +202,17 @@ def test_verify_cost(ling_ladder, moe_model, context, moe_gate, moe_device):
     paired. The row is faster only where its accept length beats this."""
     from pytest_moeperf.ab_summary import verify_step_s
     names = _names(ling_ladder)
-    spec = [a for a in ling_ladder.result["arms"] if a["speculative"]]
-    if not spec or names.index(spec[0]["name"]) == 0:
+    spec = [r for r in ling_ladder.result.rows if r.speculative]
+    if not spec or names.index(spec[0].name) == 0:
         pytest.skip(f"no speculative row after a plain one in {names}")
-    row, plain = spec[0]["name"], names[names.index(spec[0]["name"]) - 1]
-    k = spec[0]["provenance"]["drafts_per_step"]
-    mine, ref = ling_ladder.records[row], ling_ladder.records[plain]
-    costs = [verify_step_s(mine[i]) / ref[i]["tpot_s"] for i in mine
-             if i in ref and verify_step_s(mine[i]) and ref[i]["tpot_s"]]
+    row, plain = spec[0].name, names[names.index(spec[0].name) - 1]
+    k = spec[0].provenance["drafts_per_step"]
+    mine, ref = ling_ladder.by_row[row], ling_ladder.by_row[plain]
+    costs = [verify_step_s(mine[i]) / ref[i].tpot_s for i in mine
+             if i in ref and verify_step_s(mine[i]) and ref[i].tpot_s]
     if len(costs) < 3:
         pytest.fail(f"row {row!r}: {len(costs)} paired requests with verify steps: too few to gate", pytrace=False)
-    accept = next(s["accept_length"]["mean"] for s in ling_ladder.summary["arms"] if s["name"] == row)
+    accept = next(s["accept_length"]["mean"] for s in ling_ladder.summary["rows"] if s["name"] == row)
     cost = statistics.median(costs)
     print(f"\n{context}: a verify step of {row!r} costs {cost:.2f} plain steps of {plain!r} (median); at its "
           f"accept length {accept:.2f} that is x{accept / cost:.2f}; {_spec_bytes_line(moe_model.config, k, context)}")
@@ -235,22 +235,22 @@ def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate,
     how far it is from its bytes."""
     from impl.gpu_timing import copy_bandwidth
     from impl.model.roofline import Formats, meta_model, tpot_floor_s
-    from pytest_moeperf.ab_run import arm
     _served(ling_ladder, row, context)
     config = {r.name: r.config for r in _rows(ling_session)}[row]
     if not _bandwidth:
         _bandwidth.append(copy_bandwidth(moe_model.embed_tokens.weight.device, nbytes=1 << 30))
-    formats = Formats(experts=arm(ling_ladder, row)["provenance"]["expert_format"],
+    formats = Formats(experts=ling_ladder.result.row(row).provenance["expert_format"],
                       projections=ROW3_FORMATS.projections, head=config.head)
     shapes = meta_model(moe_model.config)
     floors, ratios = [], []
-    for rec in ling_ladder.records[row].values():
-        if not rec["tpot_s"] or rec["output_tokens"] < 2 or (config.k and not rec["verify_steps"]):
+    for rec in ling_ladder.by_row[row].values():
+        steps = rec.acceptance.verify_steps if rec.acceptance is not None else 0
+        if not rec.tpot_s or rec.output_tokens < 2 or (config.k and not steps):
             continue
-        committed = (rec["output_tokens"] - 1) / rec["verify_steps"] if config.k else 1.0
-        floors.append(tpot_floor_s(moe_model.config, rec["prompt_tokens"], rec["output_tokens"], formats,
+        committed = (rec.output_tokens - 1) / steps if config.k else 1.0
+        floors.append(tpot_floor_s(moe_model.config, rec.prompt_tokens, rec.output_tokens, formats,
                                    _bandwidth[0], drafts=config.k, committed_per_step=committed, model=shapes))
-        ratios.append(rec["tpot_s"] / floors[-1])
+        ratios.append(rec.tpot_s / floors[-1])
     if len(ratios) < 3:
         pytest.fail(f"row {row!r}: {len(ratios)} requests with a TPOT: too few to gate", pytrace=False)
     table = _row_floors.setdefault(context, {"workload": LING_WORKLOADS[context][0], "rows": {}})

@@ -141,15 +141,16 @@ def check_ladder_runs_unchanged(model, prompts: list[str], max_tokens: int) -> N
     provenance holds for every row and greedy +mtp serves exactly what +fp8-head serves."""
     from impl.serve.arm import build_arms
     from impl.serve.configs import parse_ladder
-    from impl.serve.provenance import check_provenance
-    from impl.serve.runner import run_ladder
+    from impl.serve.engine import EngineRow
+    from impl.serve.runner import Ladder
     from tests.test_serve_engine import ByteTokenizer, request
-    arms = build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
-    records = run_ladder(arms, [request(p, max_tokens, ignore_eos=True) for p in prompts])
-    for arm in arms:
-        check_provenance(arm.name, arm.config, arm.provenance)
-    by = {(r["arm"], r["request_id"]): r for r in records}
+    rows = [EngineRow(a) for a in build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
+                                             tokenizer=ByteTokenizer())]
+    served = Ladder(rows, [request(p, max_tokens, ignore_eos=True) for p in prompts]).run()
+    for row in rows:
+        row.check()
+    by = {(r.row, r.request_id): r for r in served}
     for p in prompts:
         rid = request(p).request_id
-        assert by["+mtp", rid]["text"] == by["+fp8-head", rid]["text"]
-        assert by["+mtp", rid]["output_tokens"] == max_tokens and by["+mtp", rid]["verify_steps"] > 0
+        assert by["+mtp", rid].text == by["+fp8-head", rid].text
+        assert by["+mtp", rid].output_tokens == max_tokens and by["+mtp", rid].acceptance.verify_steps > 0

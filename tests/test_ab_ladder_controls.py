@@ -164,7 +164,7 @@ def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
     alone is not enough on a loaded 2-core runner: with the other pytest-xdist worker busy one A/A
     run gave 0.909 (99.75% CI 0.826-0.999) over single requests."""
     tolerance = tolerance_for("ab_speed", "cpu")
-    by_arm = {arm: {r["request_id"]: r for r in report["requests"] if r["arm"] == arm} for arm in ("a", "b")}
+    by_arm = {arm: {r["request_id"]: r for r in report["requests"] if r["row"] == arm} for arm in ("a", "b")}
     ids = [i for i in by_arm["a"] if i in by_arm["b"]]
     misses = []
     for key in ("decode_tokens_per_s", "tpot_s", "ttft_s", "latency_s"):

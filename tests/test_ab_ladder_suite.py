@@ -35,20 +35,20 @@ def _one_thread():
 '''
 
 STOPS_AT_FIFTH = ONE_THREAD + '''
-import impl.serve.runner as runner
+from impl.serve.engine import EngineRow
 
-_serve = runner.run_request
+_serve = EngineRow.serve
 _calls = []
 
 
-def _stopping(arm, request):
+def _stopping(row, request):
     _calls.append(request.request_id)
     if len(_calls) == 2 * 2 + 5:  # two warm-up requests for each of the two rows, then five served
         raise RuntimeError("planted: the serving loop stops here")
-    return _serve(arm, request)
+    return _serve(row, request)
 
 
-runner.run_request = _stopping
+EngineRow.serve = _stopping
 '''
 
 
@@ -85,7 +85,7 @@ def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_fi
     assert "a CPU computes every row in float32" in model["note"], model
     assert f"tokenizer {model['tokenizer']}" in (pytester.path / "ab" / "ab-report.md").read_text()
     records = report["requests"]
-    assert len(records) == 6 and {r["arm"] for r in records} == {"a", "b"}
+    assert len(records) == 6 and {r["row"] for r in records} == {"a", "b"}
     for r in records:
         assert all(r[f] is not None for f in FIGURES), r
         assert r["ttft_s"] <= r["latency_s"] and r["output_tokens"] > 1
@@ -98,7 +98,7 @@ def test_the_default_ladder_leaves_out_mtp_for_a_checkpoint_without_a_nextn_laye
     ckpt = qwen3_checkpoint
     result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-requests", "3", "-k", "provenance")
     assert result.ret == 0, result.stdout.str()[-3000:] + result.stderr.str()[-2000:]
-    assert [a["name"] for a in report["arms"]] == ["baseline", "+fp8-head"]
+    assert [a["name"] for a in report["rows"]] == ["baseline", "+fp8-head"]
     result.stdout.fnmatch_lines(["A/B: the default ladder leaves out +mtp: model '*qwen3-moe' has no MTP (NEXTN) "
                                  "layer to draft with"])
 
@@ -230,7 +230,7 @@ def test_without_a_request_count_a_small_prompts_file_is_served_whole(pytester, 
         # What the report holds to check the outputs by, and what decides whether they should agree.
         assert [p["prompt"] for p in report["prompts"]] == [f"{i} + {i} =" for i in range(4)]
         assert all({"output_ids", "strict_answer", "flexible_answer"} <= set(r) for r in report["requests"])
-        base, fp8 = report["arms"]
+        base, fp8 = report["rows"]
         assert (base["runs_as"], base["greedy"], base["head"], base["assumed"]) == (base["config"], True, "bf16", False)
         assert fp8["head"].startswith("fp8:") and report["summary"]["workload"]["digest"]
         md = (pytester.path / "ab" / "ab-report.md").read_text()

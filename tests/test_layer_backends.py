@@ -153,21 +153,22 @@ def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     each run their backends (checked from provenance) and serve the same greedy text."""
     from impl.serve.arm import build_arms
     from impl.serve.configs import parse_ladder
-    from impl.serve.provenance import check_provenance
-    from impl.serve.runner import run_ladder
+    from impl.serve.engine import EngineRow
+    from impl.serve.runner import Ladder
     from tests.test_serve_engine import ByteTokenizer, request
-    arms = build_arms(ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas",
-                                         "cpu"), tokenizer=ByteTokenizer())
+    rows = [EngineRow(a) for a in build_arms(
+        ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas", "cpu"),
+        tokenizer=ByteTokenizer())]
     try:
-        records = run_ladder(arms, [request("Q: 12 + 30 =", 12, ignore_eos=True)])
+        served = Ladder(rows, [request("Q: 12 + 30 =", 12, ignore_eos=True)]).run()
     finally:
         ling.set_layer_backend("attention", "triton")
         ling.set_layer_backend("projection", "gemv")
-    for arm in arms:
-        check_provenance(arm.name, arm.config, arm.provenance)
-    assert (arms[0].provenance.backends("attention"), arms[0].provenance.backends("projection")) == ({"triton"},
+    for row in rows:
+        row.check()
+    assert (rows[0].provenance.backends("attention"), rows[0].provenance.backends("projection")) == ({"triton"},
                                                                                                       {"gemv"})
-    assert (arms[1].provenance.backends("attention"), arms[1].provenance.backends("projection")) == ({"torch"},
+    assert (rows[1].provenance.backends("attention"), rows[1].provenance.backends("projection")) == ({"torch"},
                                                                                                       {"cublas"})
-    texts = {r["arm"]: r["text"] for r in records}
+    texts = {r.row: r.text for r in served}
     assert texts["kernels"] == texts["torch"]

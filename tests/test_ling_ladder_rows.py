@@ -18,6 +18,7 @@ import torch
 
 from impl.model.config import get_config
 from impl.model.roofline import Formats, tpot_floor_s
+from impl.serve.result import Acceptance, LadderResult, RowEntry, ServedRequest
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "test_ling_ladder.py"
 ROWS = "kernels=moe=triton,head=bf16;+fp8-head=moe=triton,head=fp8;+mtp=moe=triton,head=fp8,spec=mtp:3,accept=3.9"
@@ -42,16 +43,27 @@ class Gate:
         self.checks.append((metric, list(samples), kw))
 
 
+def _acceptance(steps: int, committed: int, k: int = 3) -> Acceptance:
+    """`committed` tokens over `steps` verify steps of k drafts, the accepted drafts front-loaded."""
+    accepted = committed - steps
+    per_position = tuple(min(steps, max(0, accepted - j * steps)) for j in range(k))
+    return Acceptance(steps, accepted, per_position, source="by hand")
+
+
 def ladder():
     """Three requests a row of 40 prompt tokens: plain rows 8 output tokens, the speculative row 9
     (its 8 decoded tokens in 5, 4 or 3 verify steps)."""
-    arms = [{"name": n, "config": n, "provenance": {"expert_format": "mxfp4"}} for n in ("kernels", "+fp8-head", "+mtp")]
+    rows = tuple(RowEntry(n, n, speculative=n == "+mtp", provenance={"expert_format": "mxfp4"})
+                 for n in ("kernels", "+fp8-head", "+mtp"))
     tpot = {"kernels": 3e-3, "+fp8-head": 2.9e-3, "+mtp": 2.2e-3}
-    records = {n: {f"r/{i}": {"prompt_tokens": 40, "output_tokens": 9 if n == "+mtp" else 8,
-                              "tpot_s": tpot[n] * (1 + 0.01 * i),
-                              "verify_steps": 5 - i if n == "+mtp" else None}
-                   for i in range(3)} for n in tpot}
-    return SimpleNamespace(records=records, result={"arms": arms, "workload": {"name": "w", "n_requests": 3}})
+    served = []
+    for n in tpot:
+        for i in range(3):
+            out = 9 if n == "+mtp" else 8
+            served.append(ServedRequest(n, f"r/{i}", 40, out, 0.01, 0.01 + tpot[n] * (1 + 0.01 * i) * (out - 1),
+                                        acceptance=_acceptance(5 - i, out - 1) if n == "+mtp" else None))
+    result = LadderResult(rows, tuple(served), workload={"name": "w", "n_requests": 3})
+    return SimpleNamespace(result=result, by_row=result.by_row())
 
 
 @pytest.mark.parametrize("row,head,drafts", [("kernels", "bf16", 0), ("+fp8-head", "fp8", 0), ("+mtp", "fp8", 3)])
@@ -65,11 +77,11 @@ def test_each_request_is_gated_against_its_own_byte_floor(suite, tmp_path, row, 
     suite.test_row_floor(session, run, model, row, "1k", gate, SimpleNamespace(torch_device=torch.device("cpu")))
     formats = Formats(experts="mxfp4", projections="bf16", head=head)
     want = []
-    for rec in run.records[row].values():
-        committed = (rec["output_tokens"] - 1) / rec["verify_steps"] if drafts else 1.0
-        floor = tpot_floor_s(config, 40, rec["output_tokens"], formats, BANDWIDTH, drafts=drafts,
+    for rec in run.by_row[row].values():
+        committed = (rec.output_tokens - 1) / rec.acceptance.verify_steps if drafts else 1.0
+        floor = tpot_floor_s(config, 40, rec.output_tokens, formats, BANDWIDTH, drafts=drafts,
                              committed_per_step=committed)
-        want.append(rec["tpot_s"] / floor)
+        want.append(rec.tpot_s / floor)
     [(metric, samples, kw)] = gate.checks
     assert metric == "row_tpot_over_floor" and kw["direction"] == "lower"
     assert samples == pytest.approx(want, rel=1e-12)
@@ -78,6 +90,6 @@ def test_each_request_is_gated_against_its_own_byte_floor(suite, tmp_path, row, 
     assert f"| {row}" in (tmp_path / "rows-1k.md").read_text()
     if drafts:
         # Negative control: the speculative row's floor taken as one token a step is far off.
-        plain = [rec["tpot_s"] / tpot_floor_s(config, 40, rec["output_tokens"], formats, BANDWIDTH, drafts=3)
-                 for rec in run.records[row].values()]
+        plain = [rec.tpot_s / tpot_floor_s(config, 40, rec.output_tokens, formats, BANDWIDTH, drafts=3)
+                 for rec in run.by_row[row].values()]
         assert min(a / b for a, b in zip(samples, plain)) > 1.5

@@ -47,7 +47,7 @@ def _baseline_files(pytester) -> list:
 
 
 @pytest.mark.parametrize("case, problem", [
-    ("tolerance", "tolerance must be a fraction in (0, 1), got 0.0"),
+    ("tolerance", "tolerance must be a fraction in (0, 1) or Reported(reason), got 0.0"),
     ("nan", "cannot freeze samples ?nan, nan, nan?"),
     ("zero", "cannot freeze samples ?0.0, 0.0, 0.0?"),
     ("one", "1 sample(s); the gate needs at least 3"),

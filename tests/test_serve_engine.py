@@ -15,7 +15,8 @@ from impl.data.arith import take, text_of
 from impl.generate import generate
 from impl.serve.arm import build_arm
 from impl.serve.configs import parse_serve_config, resolve_preset
-from impl.serve.engine import RECORD_KEYS, _Output, run_request
+from impl.serve.engine import _Output
+from serving import serve
 
 MAX_TOKENS = 40
 
@@ -85,20 +86,20 @@ def test_greedy_rows_equal_plain_generate(model, prompts, head):
     for prompt in [*prompts, short]:
         ref = reference_text(model, plain, prompt, MAX_TOKENS)
         for arm in (plain, mtp, plain):  # interleaved: each request switches the model back
-            rec = run_request(arm, request(prompt, ignore_eos=True))
-            assert rec["text"] == ref, f"{arm.name} on {prompt[-30:]!r}"
-            assert rec["output_tokens"] == MAX_TOKENS and rec["stop_reason"] == "length"
-    rec = run_request(mtp, request(prompts[0], ignore_eos=True))
-    assert rec["verify_steps"] == len(rec["accept_lengths"]) >= 1
+            rec = serve(arm, request(prompt, ignore_eos=True))
+            assert rec.text == ref, f"{arm.name} on {prompt[-30:]!r}"
+            assert rec.output_tokens == MAX_TOKENS and rec.stop_reason == "length"
+    rec = serve(mtp, request(prompts[0], ignore_eos=True))
+    assert rec.acceptance.verify_steps == len(rec.acceptance.lengths) >= 1
     # Tokens committed per verify step: the first token comes from the prefill, the last step may
     # run past max_tokens (its surplus is discarded).
-    assert MAX_TOKENS - 1 <= sum(rec["accept_lengths"]) <= MAX_TOKENS - 1 + 3
-    assert all(1 <= a <= 4 for a in rec["accept_lengths"])
-    per_pos = rec["accepted_per_position"]
-    assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)
-    assert sum(per_pos) == sum(a - 1 for a in rec["accept_lengths"])
+    assert MAX_TOKENS - 1 <= sum(rec.acceptance.lengths) <= MAX_TOKENS - 1 + 3
+    assert all(1 <= a <= 4 for a in rec.acceptance.lengths)
+    per_pos = rec.acceptance.per_position
+    assert len(per_pos) == 3 and list(per_pos) == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == sum(a - 1 for a in rec.acceptance.lengths)
     # The trained checkpoint accepts most drafts (3.88 tokens per step at k=3 on its eval).
-    assert sum(rec["accept_lengths"]) / rec["verify_steps"] > 2.5
+    assert sum(rec.acceptance.lengths) / rec.acceptance.verify_steps > 2.5
 
 
 def test_the_fp8_head_changes_logits_not_only_flags(model, prompts):
@@ -114,20 +115,19 @@ def test_the_fp8_head_changes_logits_not_only_flags(model, prompts):
 def test_metrics_are_consistent(model, prompts):
     for spec in ("moe=gather", "+mtp"):
         arm = arm_of(model, spec)
-        rec = run_request(arm, request(prompts[0], 24, ignore_eos=True))
-        assert set(rec) == set(RECORD_KEYS)
-        assert rec["arm"] == arm.name and rec["prompt_tokens"] == len(prompts[0])
-        assert 0 < rec["ttft_s"] <= rec["latency_s"]
-        n = rec["output_tokens"]
-        assert rec["tpot_s"] == pytest.approx((rec["latency_s"] - rec["ttft_s"]) / (n - 1))
-        assert rec["decode_tokens_per_s"] == pytest.approx((n - 1) / (rec["latency_s"] - rec["ttft_s"]))
-        one = run_request(arm, request(prompts[0], 1))
-        assert one["output_tokens"] == 1 and one["tpot_s"] is None and one["decode_tokens_per_s"] is None
-        assert one["latency_s"] == pytest.approx(one["ttft_s"], abs=0.05) and one["stop_reason"] == "length"
+        rec = serve(arm, request(prompts[0], 24, ignore_eos=True))
+        assert rec.row == arm.name and rec.prompt_tokens == len(prompts[0])
+        assert 0 < rec.ttft_s <= rec.latency_s
+        n = rec.output_tokens
+        assert rec.tpot_s == pytest.approx((rec.latency_s - rec.ttft_s) / (n - 1))
+        assert rec.decode_tokens_per_s == pytest.approx((n - 1) / (rec.latency_s - rec.ttft_s))
+        one = serve(arm, request(prompts[0], 1))
+        assert one.output_tokens == 1 and one.tpot_s is None and one.decode_tokens_per_s is None
+        assert one.latency_s == pytest.approx(one.ttft_s, abs=0.05) and one.stop_reason == "length"
         if arm.decoder is not None:
-            assert one["verify_steps"] == 0 and one["accept_lengths"] == []
+            assert one.acceptance.verify_steps == 0 and one.acceptance.lengths == ()
         else:
-            assert one["verify_steps"] is None and one["accept_lengths"] is None
+            assert one.acceptance is None
 
 
 @pytest.mark.parametrize("spec", ["moe=gather", "moe=gather,head=fp8,spec=mtp:3"])
@@ -138,21 +138,21 @@ def test_stop_string_and_eos(model, prompts, spec):
     # completes it (byte-level: its last byte), the text stops before it.
     stop = ref[12:15]
     at = ref.find(stop)
-    rec = run_request(arm, request(prompts[1], stop=("never there", stop)))
-    assert (rec["stop_reason"], rec["text"], rec["output_tokens"]) == ("stop", ref[:at], at + len(stop))
+    rec = serve(arm, request(prompts[1], stop=("never there", stop)))
+    assert (rec.stop_reason, rec.text, rec.output_tokens) == ("stop", ref[:at], at + len(stop))
     # EOS: the first newline of the continuation, counted as an output token, not in the text.
     eos_arm = arm_of(model, spec, ByteTokenizer(eos_id=ord("\n")))
     nl = ref.index("\n")
-    rec = run_request(eos_arm, request(prompts[1]))
-    assert (rec["stop_reason"], rec["text"], rec["output_tokens"]) == ("eos", ref[:nl], nl + 1)
-    rec = run_request(eos_arm, request(prompts[1], ignore_eos=True))
-    assert (rec["stop_reason"], rec["text"], rec["output_tokens"]) == ("length", ref, MAX_TOKENS)
+    rec = serve(eos_arm, request(prompts[1]))
+    assert (rec.stop_reason, rec.text, rec.output_tokens) == ("eos", ref[:nl], nl + 1)
+    rec = serve(eos_arm, request(prompts[1], ignore_eos=True))
+    assert (rec.stop_reason, rec.text, rec.output_tokens) == ("length", ref, MAX_TOKENS)
     # A stop string that completes before the EOS wins; one only after it does not.
-    rec = run_request(eos_arm, request(prompts[1], stop=(ref[:2],)))
-    assert (rec["stop_reason"], rec["output_tokens"]) == ("stop", 2)
+    rec = serve(eos_arm, request(prompts[1], stop=(ref[:2],)))
+    assert (rec.stop_reason, rec.output_tokens) == ("stop", 2)
     later = next(ref[j:j + 3] for j in range(nl + 1, len(ref) - 3) if ref.find(ref[j:j + 3]) == j)
-    rec = run_request(eos_arm, request(prompts[1], stop=(later,)))
-    assert (rec["stop_reason"], rec["output_tokens"]) == ("eos", nl + 1)
+    rec = serve(eos_arm, request(prompts[1], stop=(later,)))
+    assert (rec.stop_reason, rec.output_tokens) == ("eos", nl + 1)
 
 
 def test_arith_requests_stop_where_their_answer_ends(model, prompts):
@@ -167,12 +167,12 @@ def test_arith_requests_stop_where_their_answer_ends(model, prompts):
         assert n is not None and ref.index(END) < n - 1  # a newline before the answer's end
         req = WorkloadRequest("a", prompts[0], list(prompts[0].encode("ascii")), None, 120, stop=(END,),
                               stop_from=ARITH_STOP_FROM)
-        rec = run_request(arm, req)
-        assert (rec["stop_reason"], rec["output_tokens"], rec["text"]) == ("stop", n, ref[:n - len(END)])
+        rec = serve(arm, req)
+        assert (rec.stop_reason, rec.output_tokens, rec.text) == ("stop", n, ref[:n - len(END)])
         # The stand-in request (no stop_index method) gets the same from its stop_from field.
-        rec = run_request(arm, StopFromRequest("b", prompts[0], list(prompts[0].encode("ascii")), None, 120,
+        rec = serve(arm, StopFromRequest("b", prompts[0], list(prompts[0].encode("ascii")), None, 120,
                                                stop=(END,), stop_from=ARITH_STOP_FROM))
-        assert (rec["stop_reason"], rec["output_tokens"]) == ("stop", n)
+        assert (rec.stop_reason, rec.output_tokens) == ("stop", n)
 
 
 @dataclass(frozen=True)
@@ -217,22 +217,22 @@ def test_sampled_rows_follow_their_seed(model, prompts):
     texts = {}
     for a in (arm, mtp):
         for rid in ("r1", "r2"):
-            texts[a.name, rid] = [run_request(a, request(prompts[0], 48, rid=rid, ignore_eos=True))["text"]
+            texts[a.name, rid] = [serve(a, request(prompts[0], 48, rid=rid, ignore_eos=True)).text
                                   for _ in range(2)]
     for key, (first, again) in texts.items():
         assert first == again, f"{key}: the same request and seed sampled different text"
     # Different requests draw from different streams; a different seed too.
     assert texts[arm.name, "r1"][0] != texts[arm.name, "r2"][0]
     other = arm_of(model, spec.replace("seed=7", "seed=8"))
-    assert run_request(other, request(prompts[0], 48, rid="r1", ignore_eos=True))["text"] != texts[arm.name, "r1"][0]
+    assert serve(other, request(prompts[0], 48, rid="r1", ignore_eos=True)).text != texts[arm.name, "r1"][0]
 
 
 def test_request_errors_name_the_request(model, prompts):
     arm = arm_of(model, "+mtp")
     with pytest.raises(ValueError, match=r"request 'big'.*context of 384"):
-        run_request(arm, request(prompts[0], 384, rid="big"))
+        serve(arm, request(prompts[0], 384, rid="big"))
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
-        run_request(arm, request(prompts[0], 0, rid="zero"))
+        serve(arm, request(prompts[0], 0, rid="zero"))
 
 
 def test_arms_refuse_what_the_model_cannot_run(model):
@@ -249,8 +249,8 @@ def test_an_assumed_acceptance_row_serves_at_its_stated_mean():
     model = build_model("tiny", seed=3)
     for accept, length in (("1", 1), ("4", 4)):
         arm = arm_of(model, f"+mtp,accept={accept}")
-        rec = run_request(arm, request("12+30=", 33, ignore_eos=True))
-        assert set(rec["accept_lengths"][:-1]) == {length}, accept  # the last step may be cut by the length
+        rec = serve(arm, request("12+30=", 33, ignore_eos=True))
+        assert set(rec.acceptance.lengths[:-1]) == {length}, accept  # the last step may be cut by the length
 
 
 def test_assumed_acceptance_draws_follow_the_request_seed():
@@ -262,7 +262,7 @@ def test_assumed_acceptance_draws_follow_the_request_seed():
     arm = arm_of(model, "+mtp,accept=2.5,seed=11")
 
     def lengths(rid):
-        return run_request(arm, request("12+30=", 60, rid=rid, ignore_eos=True))["accept_lengths"]
+        return serve(arm, request("12+30=", 60, rid=rid, ignore_eos=True)).acceptance.lengths
 
     first = lengths("a")
     other = lengths("b")
@@ -277,8 +277,8 @@ def test_a_model_without_a_tokenizer_serves_ids_with_no_text():
     from impl.model.build import build_model
     model = build_model("tiny", seed=3)
     arm = arm_of(model, "+mtp,accept=3.9", tokenizer=NoTokenizer(model.config.vocab_size, "tiny"))
-    rec = run_request(arm, request("12+30=", 20, ignore_eos=True))
-    assert rec["text"] == "" and rec["output_tokens"] == 20
+    rec = serve(arm, request("12+30=", 20, ignore_eos=True))
+    assert rec.text == "" and rec.output_tokens == 20
 
 
 def test_a_prompt_past_the_graphed_buckets_takes_its_own_positions(model):

@@ -12,9 +12,10 @@ from impl.data.arith import take, text_of
 from impl.generate import generate
 from impl.serve.arm import build_arm, build_arms
 from impl.serve.configs import PRESETS, parse_ladder, parse_serve_config
-from impl.serve.engine import run_request
+from impl.serve.engine import EngineRow
 from impl.serve.provenance import ProvenanceError, check_provenance, unshared_head_arm
-from impl.serve.runner import run_ladder
+from impl.serve.runner import Ladder
+from serving import engine_row, serve
 from tests.test_serve_engine import ByteTokenizer, request
 
 pytestmark = pytest.mark.gpu
@@ -36,17 +37,18 @@ def prompts():
 
 def test_presets_run_the_kernels_from_graphs(models, prompts):
     model = models["bfloat16"]
-    arms = build_arms(model, parse_ladder(",".join(PRESETS), "cuda"), tokenizer=ByteTokenizer())
-    records = run_ladder(arms, [request(p, N, ignore_eos=True) for p in prompts])
+    arms = [EngineRow(a) for a in build_arms(model, parse_ladder(",".join(PRESETS), "cuda"),
+                                             tokenizer=ByteTokenizer())]
+    served = Ladder(arms, [request(p, N, ignore_eos=True) for p in prompts]).run()
     for arm in arms:
-        check_provenance(arm.name, arm.config, arm.provenance)
+        arm.check()
         prov = arm.provenance
         assert prov.graphs, f"{arm.name}: steps did not replay from CUDA graphs"
         assert prov.backends("moe") == {"gather" if arm.name == "baseline" else "triton"}
-    by = {(r["arm"], r["request_id"]): r for r in records}
+    by = {(r.row, r.request_id): r for r in served}
     for p in prompts:
         rid = request(p).request_id
-        texts = {a.name: by[a.name, rid]["text"] for a in arms}
+        texts = {a.name: by[a.name, rid].text for a in arms}
         print(f"\n{rid!r}: " + "; ".join(f"{a.name} {by[a.name, rid]['decode_tokens_per_s']:.0f} tok/s "
                                          f"ttft {1e3 * by[a.name, rid]['ttft_s']:.2f} ms" for a in arms))
         assert texts["+mtp"][:24] == texts["+fp8-head"][:24]
@@ -59,12 +61,12 @@ def test_greedy_rows_equal_generate_on_the_device(models, prompts):
     for p in [*prompts, "Q: 1"]:
         plain.activate()
         ref = text_of(generate(model, torch.tensor(list(p.encode())), N).new_tokens[0].cpu())
-        got = [run_request(a, request(p, N, ignore_eos=True))["text"] for a in (plain, mtp, plain)]
+        got = [serve(a, request(p, N, ignore_eos=True)).text for a in (plain, mtp, plain)]
         assert got[0] == got[2] == ref
         # fp32 on the GPU: the verify pass over k+1 positions and a one-token decode step reduce in
         # different orders, so only a near-tie could part them; none does on these prompts.
         assert got[1] == ref, f"MTP and plain part at {next(i for i, (a, b) in enumerate(zip(got[1], ref)) if a != b)}"
-    assert mtp.provenance.graphs and mtp.provenance.verify_steps > 0
+    assert engine_row(mtp).provenance.graphs and engine_row(mtp).provenance.verify_steps > 0
 
 
 def test_sampled_rows_under_graphs(models, prompts):
@@ -72,18 +74,18 @@ def test_sampled_rows_under_graphs(models, prompts):
     spec = "moe=triton,temperature=3.0,top_k=20,top_p=0.95,seed=3"
     for text in (spec, spec + ",spec=mtp:3"):
         arm = build_arm(model, parse_serve_config(text, "cuda"), tokenizer=ByteTokenizer())
-        a, b, c = (run_request(arm, request(prompts[0], N, rid=r, ignore_eos=True))["text"] for r in ("x", "x", "y"))
+        a, b, c = (serve(arm, request(prompts[0], N, rid=r, ignore_eos=True)).text for r in ("x", "x", "y"))
         assert a == b and a != c
-        assert arm.provenance.graphs
+        assert engine_row(arm).provenance.graphs
 
 
 def test_unshared_head_is_refused_on_the_device(models, prompts):
     model = models["bfloat16"]
     good = build_arm(model, parse_serve_config("+mtp", "cuda"), tokenizer=ByteTokenizer(), name="+mtp")
-    run_request(good, request(prompts[0], N, ignore_eos=True))
+    serve(good, request(prompts[0], N, ignore_eos=True))
     check_provenance("+mtp", good.config, good.provenance)
     bad = unshared_head_arm(good, "weight")
-    rec = run_request(bad, request(prompts[0], N, ignore_eos=True))
+    rec = serve(bad, request(prompts[0], N, ignore_eos=True))
     print(f"\naccept lengths, shared head: {good.provenance.verify_steps} steps; unshared: {rec['accept_lengths']}")
     with pytest.raises(ProvenanceError, match="only its weight tensor is shared"):
         check_provenance("+mtp", bad.config, bad.provenance)
@@ -96,11 +98,10 @@ def test_graphed_draft_prompt_pass_writes_the_eager_cache(models, s):
     positions does. fp32; 1e-5 relative: the padded pass may route more than 16 tokens through
     the gather prefill where the eager one takes the decode kernels, which sum in another order
     (fp32 rounding, about 1e-7 a term over the few hundred terms of a row)."""
-    from impl.serve.engine import prepare
     model = models["float32"]
-    arm = build_arm(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer())
-    prepare(arm)
-    loop = arm.loop
+    row = EngineRow(build_arm(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer()))
+    row.prepare()
+    loop = row._loop
     assert loop.draft_prompt.graphs, "no bucket graphs captured on CUDA"
     cache = model.mtp[0].block.self_attn.kv_cache
     g = torch.Generator(device="cuda").manual_seed(s)

@@ -11,8 +11,8 @@ import pytest
 from impl.data.arith import take
 from impl.serve.arm import build_arm
 from impl.serve.configs import PRESETS, parse_serve_config, resolve_preset
-from impl.serve.engine import run_request
 from impl.serve.provenance import ProvenanceError, check_provenance, provenance_problems, unshared_head_arm
+from serving import engine_row
 from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
 
 
@@ -26,8 +26,9 @@ def preset_arm(model, name):
 
 
 def served(arm, prompt, n=12):
-    run_request(arm, request(prompt, n, ignore_eos=True))
-    return arm.provenance
+    row = engine_row(arm)
+    row.serve(request(prompt, n, ignore_eos=True))
+    return row.provenance
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -81,7 +82,7 @@ def test_a_bf16_draft_head_around_the_same_weight_is_refused(model, prompt):
 def test_a_head_that_is_not_the_configured_one_is_refused(model, prompt):
     arm = preset_arm(model, "+fp8-head")
     bf16 = preset_arm(model, "baseline")
-    broken = dataclasses.replace(arm, head=bf16.head, loop=None, provenance=None)  # a switch that lost the FP8 head
+    broken = dataclasses.replace(arm, head=bf16.head)  # a switch that lost the FP8 head
     problems = provenance_problems("+fp8-head", broken.config, served(broken, prompt))
     assert any(p.startswith("head: the row names the 'fp8-scaled-mm' head backend but the target's head ran "
                             "['bf16'] (a fallback to the unquantized head)") for p in problems), problems
@@ -95,16 +96,17 @@ def test_the_fp8_backend_is_switched_per_arm(model, prompt):
     assert a.head is b.head
     for _ in range(2):
         served(a, prompt, 3), served(b, prompt, 3)
-    assert a.provenance.backends("head") == {"fp8-scaled-mm"} and b.provenance.backends("head") == {"fp8-dequant"}
-    check_provenance("a", a.config, a.provenance)
-    check_provenance("b", b.config, b.provenance)
+    pa, pb = engine_row(a).provenance, engine_row(b).provenance
+    assert pa.backends("head") == {"fp8-scaled-mm"} and pb.backends("head") == {"fp8-dequant"}
+    check_provenance("a", a.config, pa)
+    check_provenance("b", b.config, pb)
 
 
 def test_a_row_named_after_a_preset_must_run_it(model, prompt):
     arm = build_arm(model, resolve_preset("+fp8-head", "cpu"), tokenizer=ByteTokenizer(), name="+mtp")
     problems = provenance_problems("+mtp", arm.config, served(arm, prompt))
     assert problems and problems[0].startswith("+mtp: the row is named after the preset but runs")
-    mtp_named_baseline = dataclasses.replace(preset_arm(model, "+mtp"), name="baseline", loop=None, provenance=None)
+    mtp_named_baseline = dataclasses.replace(preset_arm(model, "+mtp"), name="baseline")
     with pytest.raises(ProvenanceError, match="baseline: the row is named after the preset"):
         check_provenance("baseline", mtp_named_baseline.config, served(mtp_named_baseline, prompt))
 

@@ -1,5 +1,5 @@
-"""impl.serve.runner: interleaving order, warm-up, records kept by a run stopped part-way,
-progress lines, provenance refused before the run, memory flat over many requests."""
+"""impl.serve.runner: interleaving order, warm-up, what a run stopped part-way keeps and where it
+stopped, progress lines, provenance refused before the run, memory flat over many requests."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ import pytest
 from impl.data.arith import take
 from impl.serve.arm import build_arms
 from impl.serve.configs import parse_ladder
+from impl.serve.engine import EngineRow
 from impl.serve.provenance import ProvenanceError, unshared_head_arm
-from impl.serve.runner import interleaved_order, iter_ladder, run_ladder, where_failed
+from impl.serve.result import LadderStopped
+from impl.serve.runner import Ladder, interleaved_order
 from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
 def arms(model):
-    return build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"), tokenizer=ByteTokenizer())
+    """The ladder's rows: each arm served by its own EngineRow, kept for the module."""
+    return [EngineRow(a) for a in build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
+                                             tokenizer=ByteTokenizer())]
 
 
 def requests(n, max_tokens=3):
@@ -30,71 +34,72 @@ def test_interleaved_order_alternates():
     assert [interleaved_order("ABC", i) for i in range(3)] == [list("ABC"), list("CBA"), list("ABC")]
 
 
-def test_every_arm_serves_every_request_alternating(arms):
+def test_every_row_serves_every_request_alternating(arms):
     lines = []
     before = [a.provenance.requests if a.provenance else 0 for a in arms]
-    records = run_ladder(arms, requests(4), progress=lines.append, progress_interval_s=0, warmup=2)
+    served = Ladder(arms, requests(4), progress=lines.append, progress_interval_s=0, warmup=2).run()
     names = [a.name for a in arms]
-    assert [(r["request_id"], r["arm"]) for r in records] == [
+    assert [(r.request_id, r.row) for r in served] == [
         (f"q{i}", a) for i in range(4) for a in (names if i % 2 == 0 else names[::-1])]
-    # Two warm-up requests per arm, not recorded, before the first record.
+    # Two warm-up requests per row, not recorded, before the first record.
     assert [a.provenance.requests - b for a, b in zip(arms, before)] == [4 + 2] * 3
     with pytest.raises(ValueError, match="warmup must be a number of requests >= 0"):
-        run_ladder(arms, requests(1), warmup=-1)
-    assert len(lines) == len(records)
+        Ladder(arms, requests(1), warmup=-1)
+    assert len(lines) == len(served)
     assert re.fullmatch(r"12/12 records, [\d.]+/s, elapsed \d+m\d\ds, ETA 0m00s; last baseline request 'q3'",
                         lines[-1]), lines[-1]
     assert lines[0].startswith("1/12 records")
 
 
-def test_a_run_stopped_part_way_keeps_its_records(arms):
+def test_a_run_stopped_part_way_keeps_what_completed_and_says_where(arms):
     reqs = requests(3)
-    kept = []
 
-    def interrupt_after_four(record):
-        if len(kept) == 4:
+    def interrupt_after_four(served):
+        if len(ladder.served) == 4:
             raise KeyboardInterrupt
 
     lines = []
+    ladder = Ladder(arms, reqs, progress=lines.append)
     with pytest.raises(KeyboardInterrupt):
-        run_ladder(arms, reqs, on_record=interrupt_after_four, progress=lines.append, records=kept)
-    assert [r["request_id"] for r in kept] == ["q0"] * 3 + ["q1"]
+        ladder.run(on_request=interrupt_after_four)
+    assert [r.request_id for r in ladder.served] == ["q0"] * 3 + ["q1"]
     assert lines[-1] == "stopped after 4 record(s): KeyboardInterrupt: "
     # An error in a later request: here one that does not fit the model's context.
-    kept = []
     bad = [*reqs[:2], request(reqs[2].prompt, 10_000, rid="too-long")]
-    with pytest.raises(ValueError, match="request 'too-long'") as e:
-        run_ladder(arms, bad, records=kept, warmup=0)
-    assert where_failed(e.value) == (arms[0].name, "too-long")  # the row serving it, for the report
-    assert [r["request_id"] for r in kept] == ["q0"] * 3 + ["q1"] * 3
-    # A generator gives the same records one at a time.
-    it = iter_ladder(arms, reqs[:1], warmup=0)
-    assert next(it)["arm"] == arms[0].name
+    with pytest.raises(LadderStopped) as e:
+        Ladder(arms, bad, warmup=0).run()
+    stop = e.value
+    assert (stop.failure.row, stop.failure.request, stop.failure.kind) == (arms[0].name, "too-long", "failed")
+    assert stop.failure.error.startswith("ValueError: request 'too-long'") and isinstance(stop.__cause__, ValueError)
+    assert [r.request_id for r in stop.served] == ["q0"] * 3 + ["q1"] * 3
+    # Iterating gives the same requests one at a time.
+    assert next(iter(Ladder(arms, reqs[:1], warmup=0))).row == arms[0].name
 
 
 def test_a_defective_row_is_refused_after_its_warm_up(model, arms):
-    bad = unshared_head_arm(arms[2], "copy")
-    kept = []
+    bad = EngineRow(unshared_head_arm(arms[2].arm, "copy"))
+    ladder = Ladder([arms[0], bad], requests(2))
     with pytest.raises(ProvenanceError, match=r"(?s)row '\+mtp'.*the draft's head is a different module"):
-        run_ladder([arms[0], bad], requests(2), records=kept)
-    assert kept == []
+        ladder.run()
+    assert ladder.served == []
 
 
 def test_a_row_whose_backend_refuses_the_request_is_named(model, monkeypatch):
-    """A backend's impl.backends.Unsupported (input it does not cover) stops the ladder as the
-    ArmError of the row that names it, not as a traceback from the backend."""
+    """A backend's impl.backends.Unsupported (input it does not cover) stops the ladder as a refusal
+    of the row that names it, not as a traceback from the backend."""
     from impl import backends
     from impl.moe.gather import moe_gather  # noqa: F401  (the built-ins registered)
-    from impl.serve.arm import ArmError
 
     def refuse(*args, **kwargs):
         raise backends.Unsupported("tokens past my tiles")
     monkeypatch.setattr(backends, "_registry", dict(backends._registry))
     backends.register(backends.Backend("moe", "refusing", refuse, "refuses everything"))
-    arms = build_arms(model, parse_ladder("baseline;no=moe=refusing", "cpu"), tokenizer=ByteTokenizer())
-    with pytest.raises(ArmError, match=r"row 'no' \(moe=refusing,.*\): a backend it names does not cover the "
-                                       r"model's steps: tokens past my tiles"):
-        run_ladder(arms, requests(2))
+    rows = [EngineRow(a) for a in build_arms(model, parse_ladder("baseline;no=moe=refusing", "cpu"),
+                                             tokenizer=ByteTokenizer())]
+    with pytest.raises(LadderStopped, match=r"row 'no' refused while preparing its steps: a backend it names does "
+                                            r"not cover the model's steps: Unsupported: tokens past my tiles") as e:
+        Ladder(rows, requests(2)).run()
+    assert e.value.failure.kind == "refused"
 
 
 def _rss_bytes() -> int:
@@ -107,14 +112,14 @@ def test_memory_is_flat_over_many_requests(arms):
     # Two arms (plain and MTP), 2 x 150 short requests: neither the number of live Python
     # objects nor the process's resident set may grow with the number of requests once warm
     # (tracemalloc would be the finer tool, but it slows these torch-heavy loops tenfold). The
-    # records themselves are dropped as they come.
+    # ladder keeps what it served: 300 small records, under the object bound below.
     pair = [arms[0], arms[2]]
     problems = take("heldout", 150, seed=6)
     reqs = [request(p.prompt[-16:], 2, rid=f"m{i}", ignore_eos=True) for i, p in enumerate(problems)]
-    for _ in iter_ladder(pair, reqs[:20]):
+    for _ in Ladder(pair, reqs[:20]):
         pass
     marks = []
-    for i, _ in enumerate(iter_ladder(pair, reqs, warmup=0)):
+    for i, _ in enumerate(Ladder(pair, reqs, warmup=0)):
         if i % 100 == 0:
             gc.collect()
             marks.append((len(gc.get_objects()), _rss_bytes()))
@@ -134,33 +139,35 @@ def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(arms, monkeypat
     import torch
 
     from impl import backends
-    from impl.serve import runner
-    real, order, released = runner.prepare, [], []
+    order, released = [], []
+    real = EngineRow.prepare
 
-    def prepare(arm):
-        order.append(arm.name)
-        if arm.name == "+fp8-head":
+    def prepare(row):
+        order.append(row.name)
+        if row.name == "+fp8-head":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 120.00 MiB")
-        real(arm)
+        real(row)
 
-    monkeypatch.setattr(runner, "prepare", prepare)
-    key = ("moe", arms[1].config.moe)
+    monkeypatch.setattr(EngineRow, "prepare", prepare)
+    key = ("moe", arms[1].arm.config.moe)
     monkeypatch.setitem(backends._registry, key, dataclasses.replace(backends._registry[key],
                                                                        release=lambda: released.append(key)))
-    dropped, lines = {}, []
-    records = run_ladder(arms, requests(2), progress=lines.append, warmup=1, optional=["+fp8-head"], dropped=dropped)
+    lines = []
+    ladder = Ladder(arms, requests(2), progress=lines.append, warmup=1, optional=["+fp8-head"])
+    served = ladder.run()
     assert order == ["baseline", "+mtp", "+fp8-head"]  # the optional row is warmed up last
-    assert [(r["request_id"], r["arm"]) for r in records] == [("q0", "baseline"), ("q0", "+mtp"),
-                                                              ("q1", "+mtp"), ("q1", "baseline")]
-    assert dropped["+fp8-head"].startswith("out of device memory in its warm-up (CUDA out of memory.")
-    assert released == [key] and arms[1].loop is None and arms[1].provenance is None
+    assert [(r.request_id, r.row) for r in served] == [("q0", "baseline"), ("q0", "+mtp"),
+                                                       ("q1", "+mtp"), ("q1", "baseline")]
+    assert ladder.dropped["+fp8-head"].startswith("out of device memory in its warm-up (CUDA out of memory.")
+    assert released == [key] and arms[1].provenance is None
     assert any("row '+fp8-head' dropped" in line for line in lines)
     # A row not named optional ends the run, as any error does; so does an unknown optional name.
     order.clear()
-    with pytest.raises(torch.cuda.OutOfMemoryError):
-        run_ladder(arms, requests(1), warmup=1)
-    with pytest.raises(ValueError, match=r"optional rows \['nope'\] are not among the arms"):
-        run_ladder(arms, requests(1), optional=["nope"])
+    with pytest.raises(LadderStopped) as e:
+        Ladder(arms, requests(1), warmup=1).run()
+    assert isinstance(e.value.__cause__, torch.cuda.OutOfMemoryError) and e.value.failure.row == "+fp8-head"
+    with pytest.raises(ValueError, match=r"optional rows \['nope'\] are not among the rows"):
+        Ladder(arms, requests(1), optional=["nope"])
 
 
 # ------------------------------------------------------------------ the command line (python -m impl.serve)
@@ -184,7 +191,8 @@ def test_the_command_line_answers_a_bad_option_with_a_usage_error(capsys, args, 
 def test_the_command_line_prints_provenance_problems_in_its_table_instead_of_stopping(capsys, monkeypatch):
     """A row that is not what it says is a line of the table, as the module says, not a traceback."""
     from impl.serve import __main__ as cli
-    monkeypatch.setattr(cli, "provenance_problems", lambda name, config, prov: [f"{name}: planted problem"])
+    from impl.serve import engine
+    monkeypatch.setattr(engine, "provenance_problems", lambda name, config, prov: [f"{name}: planted problem"])
     assert cli.main(["--device", "cpu", "--n", "3", "--ladder", "baseline;+fp8-head", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "baseline: planted problem" in out and "+fp8-head: planted problem" in out

@@ -1,4 +1,6 @@
-"""A quick ladder on the embedded model: `python -m impl.serve [--device cuda] [--ladder ...] [--n 20]`.
+"""A quick ladder on the embedded model: `python -m impl.serve [--device cuda] [--ladder ...] [--n 20]`;
+or one row of it as an OpenAI-compatible server: `python -m impl.serve --http PORT --row SPEC`
+(impl.serve.http).
 
 Serves a workload (impl.data.workloads; default `arith`: held-out problems, stopping at the END
 after `#### N`) on every row of the ladder, interleaved, and prints each row's medians (TTFT,
@@ -17,8 +19,8 @@ import torch
 from impl.serve import engine
 from impl.serve.arm import build_arms
 from impl.serve.configs import parse_ladder
-from impl.serve.provenance import provenance_problems
-from impl.serve.runner import run_ladder
+from impl.serve.engine import EngineRow
+from impl.serve.runner import Ladder
 
 
 def _median(values) -> float:
@@ -53,6 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=_at_least(1), default=None, help="torch CPU threads")
     p.add_argument("--warmup", type=_at_least(0), default=1,
                    help="warm-up requests per row (the first ones), not recorded")
+    p.add_argument("--http", type=_at_least(1), default=None, metavar="PORT",
+                   help="serve one row over HTTP on 127.0.0.1:PORT instead (impl.serve.http)")
+    p.add_argument("--row", default="baseline", help="the row --http serves (a preset or a spec)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,32 +66,48 @@ def main(argv=None) -> int:
     from impl.data.workloads import load_workload
     from impl.model.build import build_model
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    if args.http is not None:
+        from impl.serve.configs import parse_row
+        from impl.serve.http import serve_http
+        try:
+            model = build_model(args.model, args.device, dtype)
+            tokenizer = tokenizer_for(args.model, model.config.vocab_size)
+            row = parse_row(args.row, args.device)
+            served_rows = build_arms(model, [row], tokenizer=tokenizer)
+        except (ValueError, TypeError, RuntimeError) as e:
+            p.error(str(e))
+        from impl.model.build import EMBEDDED
+        from pathlib import Path
+        root = str(EMBEDDED.get(args.model, Path(args.model)))
+        serve_http(EngineRow(served_rows[0]), args.http, args.model, root)
+        return 0
     try:  # what the options name: every problem here is the user's to fix, said as a usage error
         model = build_model(args.model, args.device, dtype)
         tokenizer = tokenizer_for(args.model, model.config.vocab_size)
         rows = parse_ladder(args.ladder, args.device)
-        arms = build_arms(model, rows, tokenizer=tokenizer)
+        served_rows = [EngineRow(arm) for arm in build_arms(model, rows, tokenizer=tokenizer)]
         k = max(r.config.k for r in rows)  # a verify step writes k positions past the last token
         workload = load_workload(args.workload, tokenizer, model.config.max_seq_len - k, n=args.n)
     except (ValueError, TypeError, RuntimeError) as e:  # CheckpointError, ArmError, WorkloadError, ...
         p.error(str(e))
     requests = list(workload)
     # Provenance is printed per row below, not raised: the table says which row is not what it says.
-    records = run_ladder(arms, requests, progress=print, warmup=args.warmup, check=False)
+    served = Ladder(served_rows, requests, progress=print, warmup=args.warmup, check=False).run()
     by_id = {r.request_id: r for r in requests}
     print(f"{'row':<12} {'ttft ms':>8} {'tpot ms':>8} {'tok/s':>8} {'latency ms':>10} {'accept':>6} "
           f"{'exact':>6}  provenance")
-    for arm in arms:
-        mine = [r for r in records if r["arm"] == arm.name]
-        accept = [a for r in mine for a in (r["accept_lengths"] or [])]
-        problems = provenance_problems(arm.name, arm.config, arm.provenance)
-        exact = (statistics.mean(bool(workload.score(by_id[r["request_id"]], r["text"])["correct"]) for r in mine)
+    for row in served_rows:
+        mine = [r for r in served if r.row == row.name]
+        counts = [r.acceptance for r in mine if r.acceptance is not None and r.acceptance.verify_steps]
+        steps = sum(a.verify_steps for a in counts)
+        entry = row.entry()
+        exact = (statistics.mean(bool(workload.score(by_id[r.request_id], r.text)["correct"]) for r in mine)
                  if workload.has_answers else float("nan"))
-        print(f"{arm.name:<12} {1e3 * _median(r['ttft_s'] for r in mine):8.3f} "
-              f"{1e3 * _median(r['tpot_s'] for r in mine):8.3f} {_median(r['decode_tokens_per_s'] for r in mine):8.1f} "
-              f"{1e3 * _median(r['latency_s'] for r in mine):10.2f} "
-              f"{(sum(accept) / len(accept)) if accept else float('nan'):6.2f} {exact:6.1%}  "
-              f"{'ok' if not problems else '; '.join(problems)}  graphs={arm.provenance.graphs}")
+        print(f"{row.name:<12} {1e3 * _median(r.ttft_s for r in mine):8.3f} "
+              f"{1e3 * _median(r.tpot_s for r in mine):8.3f} {_median(r.decode_tokens_per_s for r in mine):8.1f} "
+              f"{1e3 * _median(r.latency_s for r in mine):10.2f} "
+              f"{(sum(a.accepted for a in counts) + steps) / steps if steps else float('nan'):6.2f} {exact:6.1%}  "
+              f"{entry.provenance_error or 'ok'}  graphs={entry.provenance.get('graphs')}")
     return 0
 
 

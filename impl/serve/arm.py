@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -103,9 +103,10 @@ def _bank(model) -> _HeadBank:
     return bank
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Arm:
-    """A row of the A/B ladder built on a model: `activate()` makes the model run it."""
+    """A row of the A/B ladder built on a model: `activate()` makes the model run it. What serving
+    it builds (buffers, graphs, provenance) belongs to its impl.serve.engine.EngineRow."""
 
     name: str
     config: ServeConfig  # `experts` resolved to the model's format
@@ -113,10 +114,6 @@ class Arm:
     tokenizer: object  # encode(text) -> ids, decode(ids) -> text, eos_id
     head: nn.Module  # the LM head module this arm runs (shared with arms of the same head)
     decoder: object | None = None  # impl.spec.SpeculativeDecoder for speculative arms
-    # Filled by the serving loop (impl.serve.engine) on the first request: persistent buffers,
-    # graphs, and the provenance of what ran.
-    loop: object | None = field(default=None, repr=False)
-    provenance: object | None = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -176,7 +173,8 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
         if not len(getattr(model, "mtp", ())):
             raise ArmError(f"{name}: spec: model {model.config.name!r} has no MTP (NEXTN) layer to draft with")
         arm.activate()  # the decoder checks that the draft holds the head this arm runs
-        arm.decoder = SpeculativeDecoder(model, config.k, config.sampling, assume=config.acceptance_profile())
+        arm = dataclasses.replace(arm, decoder=SpeculativeDecoder(model, config.k, config.sampling,
+                                                                  assume=config.acceptance_profile()))
     return arm
 
 

@@ -57,20 +57,19 @@ from __future__ import annotations
 import time
 import zlib
 from collections import deque
+from typing import Callable
 
 import torch
 
 from impl import backends
 from impl.generate import DecodeState, decode_step, prefill
 from impl.graphs import StepGraph
-from impl.serve.provenance import RowProvenance
+from impl.serve.provenance import RowProvenance, check_provenance, provenance_problems
+from impl.serve.result import Acceptance, RowEntry, ServedRequest
 
-__all__ = ["LOOKAHEAD", "RECORD_KEYS", "prepare", "request_seed", "run_request"]
+__all__ = ["LOOKAHEAD", "EngineRow", "request_seed"]
 
 LOOKAHEAD = 1  # steps queued ahead of the host's stop check, on CUDA (0 on CPU)
-RECORD_KEYS = ("arm", "request_id", "prompt_tokens", "output_tokens", "ttft_s", "latency_s", "tpot_s",
-               "decode_tokens_per_s", "accept_lengths", "accepted_per_position", "verify_steps", "text",
-               "output_ids", "stop_reason")
 
 
 def request_seed(seed: int, request_id) -> int:
@@ -167,7 +166,7 @@ class _PlainLoop:
         self.steps += 1
         return self.state.tokens[0, self.t + self.steps:self.t + self.steps + 1]
 
-    def committed(self, values: list[int], stats: dict) -> list[int]:
+    def committed(self, values: list[int], lengths: list[int]) -> list[int]:
         return values
 
 
@@ -311,11 +310,9 @@ class _SpecLoop:
             self.graph()
         return self.out
 
-    def committed(self, values: list[int], stats: dict) -> list[int]:
+    def committed(self, values: list[int], lengths: list[int]) -> list[int]:
         accepted = values[0]
-        stats["accept_lengths"].append(accepted + 1)
-        for i in range(accepted):
-            stats["accepted_per_position"][i] += 1
+        lengths.append(accepted + 1)
         return values[1:accepted + 2]
 
 
@@ -364,6 +361,19 @@ class _Output:
         self.text = text
         return True
 
+    def abort(self) -> None:
+        """End the request where it stands (its client went away)."""
+        self.count, self.reason = len(self.ids), "abort"
+        self.text = self.tok.decode(self.ids) if getattr(self.tok, "has_text", True) else ""
+
+    def visible(self) -> str:
+        """The text so far less its last characters that may yet become a stop string: what a
+        stream may send before the request ends."""
+        if not getattr(self.tok, "has_text", True):
+            return ""
+        text = self.tok.decode(self.ids)  # a whole stop string in it would have ended the request
+        return text[:len(text) - self.longest + 1] if self.longest > 1 else text
+
     def _stop_index(self, text: str, start: int = 0) -> int | None:
         """Where the first stop string starts in `text` (searched from `start`, and from the first
         `stop_from` on when set), or None."""
@@ -390,97 +400,132 @@ class _Output:
         raise AssertionError("a stop string found in the whole text but in none of its prefixes")
 
 
-def _loop(arm):
-    model = arm.model
-    model.setup_caches(1, model.config.max_seq_len)
-    loop = arm.loop
-    if loop is None or loop.cache_key != _cache_key(model):
-        # First request, or someone reallocated the model's caches, which the graphs read: capture again.
-        arm.loop = loop = (_SpecLoop if arm.decoder is not None else _PlainLoop)(arm)
-    if arm.provenance is None:
-        from impl.serve.arm import expert_format
-        arm.provenance = RowProvenance(arm.name, arm.device.type, expert_format(model), graphs=loop.graphs)
-    return loop
+class EngineRow:
+    """An arm served by this engine, as the ladder runner interleaves it (impl.serve.runner): it
+    owns what serving the arm builds, its step buffers and captured graphs (built by `prepare` or
+    the first request) and the provenance of what ran, so the arm itself stays configuration."""
 
+    def __init__(self, arm) -> None:
+        self.arm = arm
+        self.name = arm.name
+        self._loop = None
+        self.provenance: RowProvenance | None = None
 
-def prepare(arm) -> None:
-    """Allocate the arm's buffers and capture its step now (the first request does it otherwise)."""
-    arm.activate()
-    _loop(arm)
+    def _ready(self):
+        arm, model = self.arm, self.arm.model
+        model.setup_caches(1, model.config.max_seq_len)
+        loop = self._loop
+        if loop is None or loop.cache_key != _cache_key(model):
+            # First request, or someone reallocated the model's caches, which the graphs read: capture again.
+            self._loop = loop = (_SpecLoop if arm.decoder is not None else _PlainLoop)(arm)
+        if self.provenance is None:
+            from impl.serve.arm import expert_format
+            self.provenance = RowProvenance(arm.name, arm.device.type, expert_format(model), graphs=loop.graphs)
+        return loop
 
+    def prepare(self) -> None:
+        """Allocate the arm's buffers and capture its step now (the first request does it otherwise)."""
+        self.arm.activate()
+        self._ready()
 
-def run_request(arm, request) -> dict:
-    """Serve `request` (request_id, prompt_ids, max_tokens, stop, ignore_eos) on `arm`; one record
-    (RECORD_KEYS) of what came out and how long it took."""
-    arm.activate()
-    loop = _loop(arm)
-    prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long)
-    t = prompt.shape[0]
-    if t < 1:
-        raise ValueError(f"request {request.request_id!r}: empty prompt")
-    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-        raise ValueError(f"request {request.request_id!r}: max_tokens must be an int >= 1, got {request.max_tokens!r}")
-    room = loop.max_tokens_for(t)
-    if request.max_tokens > room:
-        extra = f" + k ({loop.k})" if arm.decoder is not None else ""
-        raise ValueError(f"request {request.request_id!r}: prompt ({t}) + max_tokens ({request.max_tokens}){extra} "
-                         f"exceeds the model's context of {loop.capacity} tokens (at most {room} new tokens fit)")
-    sampling = arm.config.sampling
-    if not sampling.greedy or (arm.decoder is not None and arm.decoder.assumed is not None):
-        seed = request_seed(arm.config.seed, request.request_id)
-        if loop.generator is not None:
-            loop.generator.manual_seed(seed)
-        else:
-            with torch.cuda.device(arm.device):
-                torch.cuda.manual_seed(seed)
-    spec = arm.decoder is not None
-    stats = {"accept_lengths": [], "accepted_per_position": [0] * arm.decoder.k} if spec else None
-    out = _Output(arm.tokenizer, request)
-    lookahead = min(LOOKAHEAD, loop.reader.slots - 3) if arm.device.type == "cuda" else 0
-    _sync(arm.device)
-    with torch.inference_mode(), backends.record_provenance() as prov:
-        start = time.perf_counter()
-        pending = deque([(True, loop.reader.read(loop.begin(prompt, request.max_tokens)))])
-        loop.after_first()
-        known = in_flight = 0
-        ttft = None
-        while True:
-            while len(pending) <= lookahead and known + in_flight * loop.per_step < request.max_tokens:
-                pending.append((False, loop.reader.read(loop.step())))
-                in_flight += 1
-            first, wait = pending.popleft()
-            values = wait()
-            if first:
-                ttft = time.perf_counter() - start
-                new = values
+    def check(self) -> None:
+        """ProvenanceError unless what ran is what the row's name and configuration say."""
+        check_provenance(self.name, self.arm.config, self.provenance)
+
+    def release(self) -> None:
+        """Let go of the buffers and graphs (a row dropped for want of device memory); its MoE
+        backend's converted weights too (`Backend.release`)."""
+        self._loop = self.provenance = None
+        release = backends.get("moe", self.arm.config.moe).release
+        if release is not None:
+            release()
+
+    def entry(self) -> RowEntry:
+        """The row as the report shows it (impl.serve.result.RowEntry)."""
+        arm, prov, c = self.arm, self.provenance, self.arm.config
+        common = {"name": arm.name, "config": c.spec_text(), "speculative": c.speculative, "greedy": c.sampling.greedy,
+                  "head": "bf16" if c.head == "bf16" else f"fp8:{c.head_backend}:{c.head_scales}",
+                  "assumed": c.assumed_accept is not None, "runs_as": arm.runs_as()}
+        if prov is None:
+            return RowEntry(**common, provenance_error="the row served no request")
+        shown = prov.as_dict()
+        shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
+        shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
+        return RowEntry(**common, provenance=shown,
+                        provenance_error="; ".join(provenance_problems(arm.name, c, prov)) or None)
+
+    def serve(self, request, on_text: Callable[[str], bool] | None = None) -> ServedRequest:
+        """Serve `request` (request_id, prompt_ids, max_tokens, stop, ignore_eos) on the arm: what
+        came out and how long it took. `on_text(delta)`, if given, receives the text as it is
+        committed (what may still turn into a stop string held back), the rest once the request
+        ends; its returning False ends the request there ("abort": a streaming client went away)."""
+        arm = self.arm
+        arm.activate()
+        loop = self._ready()
+        prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long)
+        t = prompt.shape[0]
+        if t < 1:
+            raise ValueError(f"request {request.request_id!r}: empty prompt")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be an int >= 1, got {request.max_tokens!r}")
+        room = loop.max_tokens_for(t)
+        if request.max_tokens > room:
+            extra = f" + k ({loop.k})" if arm.decoder is not None else ""
+            raise ValueError(f"request {request.request_id!r}: prompt ({t}) + max_tokens ({request.max_tokens}){extra} "
+                             f"exceeds the model's context of {loop.capacity} tokens (at most {room} new tokens fit)")
+        sampling = arm.config.sampling
+        if not sampling.greedy or (arm.decoder is not None and arm.decoder.assumed is not None):
+            seed = request_seed(arm.config.seed, request.request_id)
+            if loop.generator is not None:
+                loop.generator.manual_seed(seed)
             else:
-                in_flight -= 1
-                new = loop.committed(values, stats)
-            known += len(new)
-            if out.add(new):
-                break
-        latency = time.perf_counter() - start
-    _sync(arm.device)  # a step queued ahead finishes outside the request's time
-    verify_steps = len(stats["accept_lengths"]) if spec else None
-    target, draft = _events(prov) | loop.target_seen, set(loop.draft_seen)
-    if loop.graphs and (verify_steps if spec else out.count > 1):
-        target |= loop.graph_target
-        draft |= loop.graph_draft
-    arm.provenance.observe(arm, target, draft, verify_steps or 0)
-    n = out.count
-    return {
-        "arm": arm.name,
-        "request_id": request.request_id,
-        "prompt_tokens": t,
-        "output_tokens": n,
-        "ttft_s": ttft,
-        "latency_s": latency,
-        "tpot_s": (latency - ttft) / (n - 1) if n > 1 else None,
-        "decode_tokens_per_s": (n - 1) / (latency - ttft) if n > 1 and latency > ttft else None,
-        "accept_lengths": stats["accept_lengths"] if spec else None,
-        "accepted_per_position": stats["accepted_per_position"] if spec else None,
-        "verify_steps": verify_steps,
-        "text": out.text,
-        "output_ids": out.ids[:n],  # what the rows' outputs are compared by (the text may decode alike)
-        "stop_reason": out.reason,
-    }
+                with torch.cuda.device(arm.device):
+                    torch.cuda.manual_seed(seed)
+        spec = arm.decoder is not None
+        lengths: list[int] = []  # tokens committed per verify step
+        out = _Output(arm.tokenizer, request)
+        lookahead = min(LOOKAHEAD, loop.reader.slots - 3) if arm.device.type == "cuda" else 0
+        _sync(arm.device)
+        with torch.inference_mode(), backends.record_provenance() as prov:
+            start = time.perf_counter()
+            pending = deque([(True, loop.reader.read(loop.begin(prompt, request.max_tokens)))])
+            loop.after_first()
+            known = in_flight = sent = 0
+            ttft = None
+            while True:
+                while len(pending) <= lookahead and known + in_flight * loop.per_step < request.max_tokens:
+                    pending.append((False, loop.reader.read(loop.step())))
+                    in_flight += 1
+                first, wait = pending.popleft()
+                values = wait()
+                if first:
+                    ttft = time.perf_counter() - start
+                    new = values
+                else:
+                    in_flight -= 1
+                    new = loop.committed(values, lengths)
+                known += len(new)
+                if out.add(new):
+                    break
+                if on_text is not None:
+                    visible = out.visible()
+                    if len(visible) > sent:
+                        if on_text(visible[sent:]) is False:
+                            out.abort()
+                            break
+                        sent = len(visible)
+            latency = time.perf_counter() - start
+        _sync(arm.device)  # a step queued ahead finishes outside the request's time
+        if on_text is not None and out.reason != "abort" and len(out.text) > sent:
+            on_text(out.text[sent:])
+        acceptance = Acceptance.from_lengths(lengths, arm.decoder.k) if spec else None
+        target, draft = _events(prov) | loop.target_seen, set(loop.draft_seen)
+        steps = acceptance.verify_steps if spec else 0
+        if loop.graphs and (steps if spec else out.count > 1):
+            target |= loop.graph_target
+            draft |= loop.graph_draft
+        self.provenance.observe(arm, target, draft, steps)
+        n = out.count
+        return ServedRequest(arm.name, request.request_id, t, n, ttft, latency, out.text,
+                             tuple(out.ids[:n]),  # what the rows' outputs are compared by (the text may decode alike)
+                             out.reason, acceptance)

@@ -1,35 +1,37 @@
-"""The interleaved A/B runner: every arm serves every request, arms alternating request by request.
+"""The interleaved A/B runner: every row serves every request, rows alternating request by request.
 
-Order: request i is served by every arm in turn, in the given order for even i and in reverse
+Order: request i is served by every row in turn, in the given order for even i and in reverse
 for odd i (A B, then B A, ...). Slow drift of the machine (clocks, heat, a noisy neighbour) then
-falls on every arm alike: each arm's mean position within a request's slot is the same, and a
+falls on every row alike: each row's mean position within a request's slot is the same, and a
 paired per-request comparison sees the same machine state on both sides.
 
-Before the first recorded request each arm serves `warmup` warm-up requests (the first ones of
-the list; not recorded): they capture the arm's CUDA graph, compile kernels and fill caches.
+A row is anything with a `name` and `prepare()`, `serve(request) -> ServedRequest`, `check()`
+(raise unless what ran is what its name says), `release()` and `entry() -> RowEntry`: this
+engine's arms (impl.serve.engine.EngineRow) and server rows alike.
+
+Before the first recorded request each row serves `warmup` warm-up requests (the first ones of
+the list; not recorded): they capture the row's CUDA graph, compile kernels and fill caches.
 Triton kernels compile again for prefill shapes they have not seen (on the H200 a prompt length
 new to the MTP row cost it ~0.45 s of TTFT), so where TTFT matters warm up with requests of the
-prompt lengths the run will see. With `check`,
-each arm's provenance after its warm-up must match its name and configuration
-(impl.serve.provenance.check_provenance), so a row that is not what it says fails before the
-long run rather than after it.
+prompt lengths the run will see. With `check`, each row's provenance after its warm-up must match
+its name, so a row that is not what it says fails before the long run rather than after it.
 
-Records come out one at a time (`iter_ladder` yields them; `run_ladder` appends each to its list
-the moment it exists and calls `on_record`), so a run stopped part-way, by KeyboardInterrupt or by
-an error in a later request, keeps every completed record: pass your own `records` list to keep
-it when the exception propagates.
+What completed is the `Ladder`'s own state (`served`, `dropped`), whatever stops the run: a row's
+error stops it as `LadderStopped` (impl.serve.result), which carries it too and where it stopped;
+KeyboardInterrupt propagates as it is, the ladder keeping what completed. A request a row served
+with an `error` (a server's HTTP error or cut stream) is kept as failed, and with `stop_on_error`
+stops the run there too; without, the run goes on.
 
 A row may need more device memory than is left beside the others (at full depth Humming's copy of
 the experts is as large as the model's own). Rows named in `optional` are warmed up after the
-others, and one whose warm-up runs out of device memory is dropped instead of ending the run: its
-graphs and buffers are let go, its MoE backend's converted weights released (`Backend.release`),
-the reason kept under its name in `dropped` (a dict of the caller's), and the other rows go on.
-Any other row's error propagates as usual.
+others, and one whose warm-up runs out of device memory is dropped instead of ending the run: it
+lets go of what it holds (`release`), the reason is kept under its name in `dropped`, and the
+other rows go on. Any other row's error stops the run.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import time
 from typing import Callable, Collection, Iterable, Iterator
 
@@ -37,43 +39,14 @@ import torch
 
 from impl import backends
 from impl.serve.arm import ArmError
-from impl.serve.engine import prepare, run_request
-from impl.serve.provenance import check_provenance
+from impl.serve.result import Failure, LadderStopped, ServedRequest
+
+__all__ = ["Ladder", "interleaved_order"]
 
 
-def where_failed(error: BaseException) -> tuple[str, object] | None:
-    """(row, request id; None while the row prepared its steps) of an error raised while a row
-    served, as the runner marks it; None for an error from elsewhere."""
-    return getattr(error, "_ladder_where", None)
-
-
-@contextlib.contextmanager
-def _refusals(arm, what: str, request_id=None) -> Iterator[None]:
-    """A backend's refusal of its input (impl.backends.Unsupported) raised as the ArmError of the
-    row that names that backend: the row cannot run on this model or workload. Every error raised
-    here is marked with the row and request it happened in (`where_failed`), keeping its type."""
-    try:
-        try:
-            yield
-        except backends.Unsupported as e:
-            raise ArmError(f"row {arm.name!r} ({arm.config.spec_text()}): a backend it names does not cover "
-                           f"{what}: {e}") from e
-    except Exception as e:
-        if where_failed(e) is None:
-            e._ladder_where = (arm.name, request_id)
-        raise
-
-
-def _served(arm, request) -> dict:
-    with _refusals(arm, f"request {request.request_id!r}", request.request_id):
-        return run_request(arm, request)
-
-__all__ = ["interleaved_order", "iter_ladder", "run_ladder", "where_failed"]
-
-
-def interleaved_order(arms: list, i: int) -> list:
-    """The arms in the order they serve request `i`: forward for even i, reversed for odd i."""
-    return list(arms) if i % 2 == 0 else list(reversed(arms))
+def interleaved_order(rows: list, i: int) -> list:
+    """The rows in the order they serve request `i`: forward for even i, reversed for odd i."""
+    return list(rows) if i % 2 == 0 else list(reversed(rows))
 
 
 def _duration(seconds: float) -> str:
@@ -89,7 +62,7 @@ class _Progress:
         self.start = time.perf_counter()
         self.last = None
 
-    def __call__(self, done: int, record: dict, final: bool = False) -> None:
+    def __call__(self, done: int, served: ServedRequest | None, final: bool = False) -> None:
         if self.sink is None:
             return
         now = time.perf_counter()
@@ -99,90 +72,123 @@ class _Progress:
         elapsed = now - self.start
         rate = done / elapsed if elapsed > 0 else float("inf")
         eta = (self.total - done) / rate if 0 < rate < float("inf") else 0.0
-        where = f"; last {record['arm']} request {record['request_id']!r}" if record else ""
+        where = f"; last {served.row} request {served.request_id!r}" if served else ""
         self.sink(f"{done}/{self.total} records, {rate:.2f}/s, elapsed {_duration(elapsed)}, "
                   f"ETA {_duration(eta)}{where}")
 
 
-def iter_ladder(arms: list, requests: Iterable, progress: Callable[[str], None] | None = None,
-                warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0,
-                optional: Collection[str] = (), dropped: dict[str, str] | None = None) -> Iterator[dict]:
-    """Yield one record per (request, arm), interleaved (module docstring)."""
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a number of requests >= 0, got {warmup!r}")
-    arms = list(arms)
-    if not arms:
-        raise ValueError("no arms to run")
-    names = [a.name for a in arms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"arm names must differ, got {names}")
-    requests = list(requests) if not isinstance(requests, (list, tuple)) else requests
-    if not requests:
-        return
-    unknown = set(optional) - set(names)
-    if unknown:
-        raise ValueError(f"optional rows {sorted(unknown)} are not among the arms {names}")
-    dropped = {} if dropped is None else dropped
-    if warmup:
-        for arm in sorted(arms, key=lambda a: a.name in optional):  # stable: the optional ones last
+class Ladder:
+    """One interleaved run of `rows` over `requests` (module docstring). `run()` (or iterating)
+    serves them; `served` holds every completed request in the order served, `dropped` the rows
+    left out ({name: why}), also after the run stopped."""
+
+    def __init__(self, rows: list, requests: Iterable, *, warmup: int = 1, check: bool = True,
+                 optional: Collection[str] = (), progress: Callable[[str], None] | None = None,
+                 progress_interval_s: float = 10.0, stop_on_error: bool = True) -> None:
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a number of requests >= 0, got {warmup!r}")
+        self.rows = list(rows)
+        if not self.rows:
+            raise ValueError("no rows to run")
+        names = [r.name for r in self.rows]
+        if len(set(names)) != len(names):
+            raise ValueError(f"row names must differ, got {names}")
+        unknown = set(optional) - set(names)
+        if unknown:
+            raise ValueError(f"optional rows {sorted(unknown)} are not among the rows {names}")
+        self.requests = list(requests)
+        self.warmup, self.check, self.optional = warmup, check, set(optional)
+        self.progress, self.progress_interval_s = progress, progress_interval_s
+        self.stop_on_error = stop_on_error
+        self.served: list[ServedRequest] = []
+        self.dropped: dict[str, str] = {}
+        self._stop_said = False
+
+    def _stop(self, row, request, error: Exception) -> LadderStopped:
+        refused = isinstance(error, (backends.Unsupported, ArmError))
+        what = "the model's steps" if request is None else f"request {request.request_id!r}"
+        why = (f"a backend it names does not cover {what}: " if isinstance(error, backends.Unsupported) else "")
+        failure = Failure(row.name, None if request is None else request.request_id,
+                          "refused" if refused else "failed", f"{why}{type(error).__name__}: {error}")
+        return LadderStopped(failure, tuple(self.served), self.dropped)
+
+    def _warm_up(self) -> list:
+        rows = list(self.rows)
+        for row in sorted(rows, key=lambda r: r.name in self.optional):  # stable: the optional ones last
+            request = None
             try:
-                with _refusals(arm, "the model's steps"):
-                    prepare(arm)
-                for request in requests[:warmup]:
-                    _served(arm, request)
+                row.prepare()
+                for request in self.requests[:self.warmup]:
+                    served = row.serve(request)
+                    if served.error is not None:  # a server that cannot serve its warm-up cannot serve the run
+                        raise LadderStopped(Failure(row.name, request.request_id, "failed", served.error),
+                                            tuple(self.served), self.dropped)
             except torch.cuda.OutOfMemoryError as e:
-                if arm.name not in optional:
-                    raise
-                dropped[arm.name] = _drop(arm, e)
-                arms.remove(arm)
-                if progress is not None:
-                    progress(f"row {arm.name!r} dropped: {dropped[arm.name]}")
+                if row.name not in self.optional:
+                    raise self._stop(row, request, e) from e
+                self.dropped[row.name] = self._drop(row, e)
+                rows.remove(row)
+                if self.progress is not None:
+                    self.progress(f"row {row.name!r} dropped: {self.dropped[row.name]}")
                 continue
-            if check:
-                check_provenance(arm.name, arm.config, arm.provenance)
-        if not arms:
-            raise RuntimeError(f"every row ran out of device memory in its warm-up: {dropped}")
-    tick = _Progress(len(arms) * len(requests), progress, progress_interval_s)
-    done = 0
-    for i, request in enumerate(requests):
-        for arm in interleaved_order(arms, i):
-            record = _served(arm, request)
-            done += 1
-            tick(done, record)
-            yield record
+            except LadderStopped:
+                raise
+            except Exception as e:
+                raise self._stop(row, request, e) from e
+            if self.check:
+                row.check()
+        if not rows:
+            raise RuntimeError(f"every row ran out of device memory in its warm-up: {self.dropped}")
+        return rows
 
+    @staticmethod
+    def _drop(row, error: BaseException) -> str:
+        """Let go of what `row` holds on the device after running out of memory; the reason, in words."""
+        row.release()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return f"out of device memory in its warm-up ({str(error).splitlines()[0][:200]})"
 
-def _drop(arm, error: BaseException) -> str:
-    """Let go of what `arm` holds on the device after running out of memory; the reason, in words."""
-    import gc
+    def __iter__(self) -> Iterator[ServedRequest]:
+        """Each request as soon as a row served it (also recorded in `served`)."""
+        if not self.requests:
+            return
+        rows = self._warm_up() if self.warmup else self.rows
+        tick = _Progress(len(rows) * len(self.requests), self.progress, self.progress_interval_s)
+        try:
+            for i, request in enumerate(self.requests):
+                for row in interleaved_order(rows, i):
+                    try:
+                        served = row.serve(request)
+                    except Exception as e:
+                        raise self._stop(row, request, e) from e
+                    self.served.append(served)
+                    tick(len(self.served), served)
+                    yield served
+                    if served.error is not None and self.stop_on_error:
+                        raise LadderStopped(Failure(row.name, request.request_id, "failed", served.error),
+                                            tuple(self.served), self.dropped)
+        except GeneratorExit:  # the caller stopped iterating
+            raise
+        except BaseException as e:
+            self._say_stopped(e)
+            raise
 
-    from impl import backends
-    arm.loop = arm.provenance = None
-    release = backends.get("moe", arm.config.moe).release
-    if release is not None:
-        release()
-    gc.collect()
-    torch.cuda.empty_cache()
-    return f"out of device memory in its warm-up ({str(error).splitlines()[0][:200]})"
+    def _say_stopped(self, error: BaseException) -> None:
+        if self.progress is not None and not self._stop_said:
+            self._stop_said = True
+            self.progress(f"stopped after {len(self.served)} record(s): {type(error).__name__}: {error}")
 
-
-def run_ladder(arms: list, requests: Iterable, on_record: Callable[[dict], None] | None = None,
-               progress: Callable[[str], None] | None = None, *, records: list | None = None,
-               warmup: int = 1, check: bool = True, progress_interval_s: float = 10.0,
-               optional: Collection[str] = (), dropped: dict[str, str] | None = None) -> list[dict]:
-    """Every record of the interleaved run, in the order served. Each record is in `records` (a
-    list of yours, or a new one) and passed to `on_record` as soon as it exists; on an exception
-    (KeyboardInterrupt included) the completed records stay in `records`, the exception
-    propagates, and `progress` is told how many completed."""
-    records = [] if records is None else records
-    try:
-        for record in iter_ladder(arms, requests, progress, warmup, check, progress_interval_s, optional,
-                                  dropped):
-            records.append(record)
-            if on_record is not None:
-                on_record(record)
-    except BaseException as e:
-        if progress is not None:
-            progress(f"stopped after {len(records)} record(s): {type(e).__name__}: {e}")
-        raise
-    return records
+    def run(self, on_request: Callable[[ServedRequest], ServedRequest | None] | None = None) -> list[ServedRequest]:
+        """Serve every request on every row; `on_request(served)` may return a replacement (the
+        same request with its scores), which is what `served` keeps."""
+        try:
+            for served in self:
+                if on_request is not None:
+                    replaced = on_request(served)
+                    if replaced is not None:
+                        self.served[-1] = replaced
+        except BaseException as e:  # Ctrl-C in the caller's hands too: said once
+            self._say_stopped(e)
+            raise
+        return self.served
