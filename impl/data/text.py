@@ -17,6 +17,8 @@ Every adapter has `encode(text) -> list[int]`, `decode(ids) -> str`, `eos_id` (i
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -140,6 +142,34 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
+def write_byte_tokenizer(folder: str | Path, vocab_size: int, max_length: int) -> None:
+    """Tokenizer files for a byte vocabulary of `vocab_size` ids (at most 128: ASCII), so that
+    other engines (vLLM, SGLang, transformers) load the checkpoint with the tokenizer this project
+    uses: a `tokenizers` WordLevel model of the characters 0..vocab_size-1, split per character,
+    decoded by joining them (`decoders.Fuse`): ids equal the bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    if not 1 <= vocab_size <= 128:
+        raise TokenizerError(f"a byte tokenizer file covers ASCII (at most 128 ids), got {vocab_size}")
+    folder = Path(folder)
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(vocab_size)}, unk_token="\x00"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "unk_token": "\x00",
+         "clean_up_tokenization_spaces": False, "moeperf_byte_vocabulary": vocab_size}, indent=2) + "\n")
+
+
+def _byte_vocabulary(folder: Path) -> int | None:
+    """The byte vocabulary's size where `folder`'s tokenizer files are write_byte_tokenizer's."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("moeperf_byte_vocabulary") if isinstance(config, dict) else None
+    return size if isinstance(size, int) else None
+
+
 def tokenizer_for(spec, vocab_size: int | None = None) -> Tokenizer:
     """The adapter for the model that `impl.model.build_model(spec)` builds.
 
@@ -164,6 +194,10 @@ def tokenizer_for(spec, vocab_size: int | None = None) -> Tokenizer:
         raise TokenizerError(f"model spec {spec!r} is neither a preset ({sorted(PRESETS)}), an embedded "
                              f"checkpoint ({sorted(EMBEDDED)}), a ModelConfig nor a checkpoint folder")
     vocab = vocab_size if vocab_size is not None else config().vocab_size
+    if folder is not None and _byte_vocabulary(folder):
+        # The byte tokenizer's files, shipped for other engines: the same ids as ByteTokenizer,
+        # which refuses a character outside the vocabulary where the file's model would map it to 0.
+        return ByteTokenizer(_byte_vocabulary(folder), name)
     if folder is not None and has_tokenizer_files(folder):
         tok = HFTokenizer.from_folder(folder)
         if tok.vocab_size > vocab:

@@ -91,7 +91,8 @@ def config_dict(model: MoECausalLM) -> dict:
 
 def save_checkpoint(model: MoECausalLM, folder: str | Path, dtype: torch.dtype | None = None,
                     metadata: dict | None = None) -> Path:
-    """Write config.json and model.safetensors into `folder`; returns the safetensors path."""
+    """Write config.json and model.safetensors into `folder` (and, for a byte vocabulary, tokenizer
+    files other engines can load: impl.data.text.write_byte_tokenizer); returns the safetensors path."""
     c = model.config
     if c.dense_layers != tuple(range(len(c.dense_layers))):
         raise ValueError(f"glm4_moe stores dense layers only as a prefix (first_k_dense_replace), "
@@ -102,4 +103,7 @@ def save_checkpoint(model: MoECausalLM, folder: str | Path, dtype: torch.dtype |
     path = folder / "model.safetensors"
     save_file(checkpoint_tensors(model, dtype), path,
               metadata={k: str(v) for k, v in (metadata or {}).items()} or None)
+    if c.vocab_size <= 128:
+        from impl.data.text import write_byte_tokenizer
+        write_byte_tokenizer(folder, c.vocab_size, c.max_seq_len)
     return path
