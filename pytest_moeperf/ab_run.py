@@ -218,6 +218,11 @@ def _same_model(rows, model, opts) -> None:
     from impl.model.build import EMBEDDED
     from pytest_moeperf.endpoints.rows import ServerRow
     servers = [r for r in rows if isinstance(r, ServerRow)]
+    for row in servers:  # side by side: their start-ups overlap
+        try:
+            row.start()
+        except Exception as e:
+            raise LadderStopped(Failure(row.name, None, "failed", f"{type(e).__name__}: {e}"), (), {}) from e
     for row in servers:
         try:
             row.prepare()

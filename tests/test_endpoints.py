@@ -173,9 +173,11 @@ def test_servers_describe_themselves_by_engine():
     assert (info.engine, info.version, info.model) == ("sglang", "0.5.15", "glm")
     assert info.speculative == {"method": "EAGLE", "k": 3} and info.args["moe_runner_backend"] == "humming"
     vllm = {"data": [{"id": "tiny", "owned_by": "vllm", "root": "/ckpt"}]}
-    config = {"vllm_config": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}}
+    config = {"vllm_config": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3},
+                              "model_config": {"dtype": "torch.float32", "max_model_len": 384}}}
     info = engines.server_info("vllm", vllm, {"version": "0.32.0"}, config)
     assert (info.engine, info.version, info.speculative) == ("vllm", "0.32.0", {"method": "mtp", "k": 3})
+    assert info.args == {"speculative": {"method": "mtp", "k": 3}, "dtype": "torch.float32", "max_model_len": 384}
     assert engines.server_info("vllm", vllm, {"version": "0.32.0"}, None).speculative is None  # not in dev mode
     with pytest.raises(ValueError, match="names no model"):
         engines.server_info("openai", {"data": []}, None, None)

@@ -123,13 +123,20 @@ def server_info(engine: str, models: dict, version: dict | None, info: dict | No
             speculative = {"method": info["speculative_algorithm"],
                            "k": info.get("speculative_num_steps") or info.get("speculative_num_draft_tokens")}
     elif engine in ("vllm", "moeperf"):
+        # vLLM: /server_info?config_format=json (VLLM_SERVER_DEV_MODE=1) has its whole config; the
+        # parts that decide what a request runs are kept.
         config = info.get("vllm_config") if engine == "vllm" else info
         spec = config.get("speculative_config") if isinstance(config, dict) else None
         if isinstance(spec, dict) and spec:
             speculative = {"method": spec.get("method"), "k": spec.get("num_speculative_tokens")}
         if isinstance(config, dict):
-            args = {k: config[k] for k in ("speculative_config", "model_config", "quantization", "rows")
-                    if config.get(k) is not None}
+            model_config = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
+            args = {k: v for k, v in (
+                ("speculative", speculative), ("rows", config.get("rows")),
+                ("dtype", model_config.get("dtype")), ("max_model_len", model_config.get("max_model_len")),
+                ("quantization", model_config.get("quantization")),
+                ("enforce_eager", model_config.get("enforce_eager"))) if v is not None}
+            args["speculative"] = speculative  # None said outright: the server does not speculate
     return ServerInfo(engine, v, model["id"], model.get("root"), args, speculative)
 
 

@@ -1,6 +1,9 @@
 """A server the plugin starts, waits for and stops: a command line plus environment, its output
 kept in a log file beside the report.
 
+Its CPU time is the measured work, not another job's contention: while it runs, the host meter
+counts its process group as this process's own (pytest_moeperf.host_load.MEASURED_GROUPS).
+
 It starts in a session of its own, so stopping it (SIGTERM, then SIGKILL after a grace period)
 reaches its whole process group (vLLM forks engine processes) and only that group: what is stopped
 is found by the process id this object started, never by name or port. Every started server is
@@ -21,6 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pytest_moeperf import host_load
 
 __all__ = ["ManagedServer", "ServerStartError", "free_port"]
 
@@ -69,6 +74,7 @@ class ManagedServer:
         finally:
             log.close()
         _running.add(self)
+        host_load.MEASURED_GROUPS.add(self.process.pid)  # its own session: its pid is its group
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -106,6 +112,8 @@ class ManagedServer:
         """SIGTERM to its process group, SIGKILL after the grace period; idempotent."""
         process, self.process = self.process, None
         _running.discard(self)
+        if process is not None:
+            host_load.MEASURED_GROUPS.discard(process.pid)
         if process is None or process.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 10.0)):

@@ -16,6 +16,7 @@ header; it is never part of the row's definition, its entry, the report or a fro
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -78,9 +79,8 @@ class ServerRow:
         return {"Authorization": f"Bearer {key}"}
 
     # -- the row protocol ----------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Start the server (a managed row), wait until it is healthy and learn what it is."""
-        headers = self._headers()
+    def start(self) -> None:
+        """Start the server of a managed row (not waiting for it: several start side by side)."""
         if self.spec.managed and (self.server is None or not self.server.alive()):
             port = free_port()
             self.base_url = f"http://127.0.0.1:{port}"
@@ -88,6 +88,12 @@ class ServerRow:
             self.server = ManagedServer(self.name, command, env, self.base_url, self.log_dir / f"server-{self.name}.log",
                                         startup_timeout_s=self.spec.startup_timeout_s)
             self.server.start()
+
+    def prepare(self) -> None:
+        """Start the server (a managed row), wait until it is healthy and learn what it is."""
+        headers = self._headers()
+        self.start()
+        if self.server is not None:
             self.server.wait_healthy(self.client)
         if self.info is None:
             self.info = self._describe(headers)
@@ -99,7 +105,7 @@ class ServerRow:
             raise ServerRowError(f"row {self.name!r}: {base}/v1/models did not answer with JSON: is this an "
                                  "OpenAI-compatible server, and is its key right?")
         version = _get_json(self.client, base + "/version", headers)
-        info = (_get_json(self.client, base + "/server_info", headers)
+        info = (_get_json(self.client, base + "/server_info?config_format=json", headers)
                 or _get_json(self.client, base + "/get_server_info", headers))
         engine = self.spec.engine if self.spec.engine != "auto" else engines.detect_engine(models, version, info)
         described = engines.server_info(engine, models, version, info)
@@ -203,6 +209,9 @@ class ServerRow:
         if k:
             if said is not None and said.get("k") not in (None, k):
                 out.append(f"declared speculative with k={k}, the server drafts k={said.get('k')} ({said})")
+            if said is None and self.info is not None and self.info.args:
+                out.append(f"declared speculative (k={k}) but the server's configuration has no speculative "
+                           f"decoding ({self.info.engine} {self.info.version})")
             if self.requests and not self.acceptance_sources:
                 out.append(f"declared speculative (k={k}) but no acceptance was reported: the server's draft "
                            f"counters never moved ({'no' if not self.metrics_available else 'a'} /metrics "
@@ -226,6 +235,18 @@ class ServerRow:
         if self.server is not None:
             self.server.stop()
 
+    def key(self) -> str:
+        """What the row served, as its frozen figures are keyed: engine, version and model as the
+        server says, the row's definition (its command and environment with their placeholders,
+        not the port it got; never a key) and, for a server you started, the arguments it
+        reports. A changed flag or an upgrade is another configuration, never a regression."""
+        info = self.info
+        key = {"server": {k: v for k, v in self.spec.definition().items() if k != "url"},
+               **({} if info is None else info.key())}
+        if info is not None and not self.spec.managed:
+            key["args"] = info.args
+        return "server:" + json.dumps(key, sort_keys=True, separators=(",", ":"))
+
     def entry(self) -> RowEntry:
         info = self.info
         server = {"definition": self.spec.definition(), "base_url": self.base_url,
@@ -238,7 +259,6 @@ class ServerRow:
                       "drafts_per_step": self.spec.speculative, "verify_steps": self.drafted_steps,
                       "engine": None if info is None else info.engine,
                       "version": None if info is None else info.version}
-        return RowEntry(self.name, f"server {self.name} ({'managed' if self.spec.managed else self.spec.url})",
-                        speculative=bool(self.spec.speculative), greedy=True, head=None, assumed=False,
+        return RowEntry(self.name, self.key(), speculative=bool(self.spec.speculative), greedy=True, head=None, assumed=False,
                         runs_as=None, provenance=provenance,
                         provenance_error="; ".join(self.problems()) or None, server=server)
