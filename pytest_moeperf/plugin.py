@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -207,7 +208,11 @@ def parse_servers_option(value: str | None, rootpath: Path) -> tuple:
     path = _under_root(value, rootpath)
     if not path.is_file():
         raise ValueError(f"--moe-servers {value}: no such file ({path}; a relative path is taken from rootdir)")
-    return tuple(load_servers(path))
+    servers = tuple(load_servers(path))
+    unset = [f"{s.name!r} ({s.api_key_env})" for s in servers if s.api_key_env and not os.environ.get(s.api_key_env)]
+    if unset:  # found before any server starts, not at its first request
+        raise ValueError(f"--moe-servers {value}: the API key variable of row(s) {', '.join(unset)} is not set")
+    return servers
 
 
 def parse_server_errors(value: str) -> str:

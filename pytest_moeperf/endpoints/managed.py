@@ -86,6 +86,9 @@ class ManagedServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
     def wait_healthy(self, client: httpx.Client) -> None:
         start = time.monotonic()
         paths = ("/health", "/v1/models")

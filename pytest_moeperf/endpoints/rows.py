@@ -157,6 +157,10 @@ class ServerRow:
         got = stream_completion(self.client, self.base_url + path, self._payload(request), chat=self.spec.chat,
                                 headers=headers, timeout_s=self.spec.timeout_s, stop_at=stop_at)
         self.requests += 1
+        if got.error is not None and self.server is not None and not self.server.alive():
+            got.error += (f"; the managed server {self.name!r} is no longer running (exit status "
+                          f"{self.server.returncode()}), the last lines of {self.server.log_path}:\n"
+                          f"{self.server.log_tail(8)}")
         if got.error is None and got.stopped_by_client:
             self._settle(headers)
         acceptance = None
