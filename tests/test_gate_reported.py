@@ -40,42 +40,39 @@ REPORTED = "test_suite.py::test_moe_over_dense::moe_over_dense_equivalent"
 
 
 @pytest.fixture
-def suite(pytester):
+def suite(pytester, monkeypatch):
+    """The suite above in pytester's folder; `suite.run_suite(*args)` runs it in process."""
     pytester.makepyfile(test_suite=SUITE)
+    pytester.run_suite = lambda *args: run_inner(pytester, *args, monkeypatch=monkeypatch)
     return pytester
 
 
-@pytest.fixture
-def run(suite, monkeypatch):
-    return lambda *args, factor=1.0: run_inner(suite, *args, factor=factor, monkeypatch=monkeypatch)
-
-
-def test_a_reported_figure_is_shown_with_its_reason_and_is_never_judged(run, suite, monkeypatch):
+def test_a_reported_figure_is_shown_with_its_reason_and_is_never_judged(suite, monkeypatch):
     store = this_device_store(suite)
     # Even a frozen figure it would fail against is not looked up.
     store.freeze({REPORTED: frozen(2.0, unit="x", config={"model": "tiny-gsm", "dtype": "float32",
                                                            "moe_backend": "gather"})})
     monkeypatch.setenv("MOE_OVER_DENSE", "9.0")
-    result = run("--moe-bench", "--moe-baselines", str(store.folder))
+    result = suite.run_suite("--moe-bench", "--moe-baselines", str(store.folder))
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines([f"*{REPORTED}*9 x*-*-*-*-*REPORTED*",
                                  "REPORTED, not gated: moe_over_dense_equivalent: not gated on a CPU: *moe_over_plain_torch*",
                                  "*0 figure(s) compared*1 without a baseline, 1 reported, not gated (see below)*"])
 
 
-def test_a_freeze_writes_no_reported_figure_and_strict_does_not_count_it_as_compared(run, suite, monkeypatch):
+def test_a_freeze_writes_no_reported_figure_and_strict_does_not_count_it_as_compared(suite):
     store = this_device_store(suite)
-    run("--moe-bench", "--moe-freeze").assert_outcomes(passed=2)
+    suite.run_suite("--moe-bench", "--moe-freeze").assert_outcomes(passed=2)
     assert set(store.__class__(store.folder, store.fingerprint, store.path.stem).metrics) == {
         "test_suite.py::test_latency::latency_us"}
-    run("--moe-bench", "--moe-strict").assert_outcomes(passed=2)  # latency compared; MoE/dense shown
-    alone = run("--moe-bench", "--moe-strict", "-k", "moe_over_dense")
+    suite.run_suite("--moe-bench", "--moe-strict").assert_outcomes(passed=2)  # latency compared; MoE/dense shown
+    alone = suite.run_suite("--moe-bench", "--moe-strict", "-k", "moe_over_dense")
     assert alone.ret == 1  # nothing was compared: a reported figure is not a comparison
     alone.stdout.fnmatch_lines(["*--moe-strict fails this run: *no figure was compared with a frozen one*"])
 
 
 def test_the_committed_cpu_entries_have_no_moe_over_dense_figure_and_another_machine_of_their_fingerprint_passes(
-        run, suite, monkeypatch):
+        suite, monkeypatch):
     """The measurements of a second machine of the committed AVX512 fingerprint (5.61x and 5.584x),
     replayed as samples on that fingerprint with the committed baselines: shown, not failed."""
     entries = json.loads(CPU_BASELINES.read_text())["entries"]
@@ -86,7 +83,7 @@ def test_the_committed_cpu_entries_have_no_moe_over_dense_figure_and_another_mac
     shutil.copytree(ROOT / "baselines", folder)
     for level in ("5.61", "5.584"):
         monkeypatch.setenv("MOE_OVER_DENSE", level)
-        result = run("--moe-bench", "--moe-baselines", str(folder), "-k", "moe_over_dense")
+        result = suite.run_suite("--moe-bench", "--moe-baselines", str(folder), "-k", "moe_over_dense")
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines([f"*{REPORTED}*{level} x*REPORTED*"])
     assert BaselineStore(folder, fingerprint, CPU_BASELINES.stem).metrics  # the fingerprint was the committed one
