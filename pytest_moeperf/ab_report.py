@@ -145,6 +145,8 @@ def markdown(summary: dict, figures: dict[str, str]) -> str:
     lines = [f"# A/B ladder: {w.get('name', 'workload')}", ""]
     if summary.get("run"):
         lines.append(f"- run: {_run_line(summary['run'])}")
+        if summary["run"].get("schedule"):
+            lines.append(f"- rows served: {summary['run']['schedule']}")
     lines += [f"- device: {summary['device'] or '-'}"]
     model = summary.get("model")
     if model:

@@ -145,7 +145,8 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
         return dataclasses.replace(served, marks=workload.score(by_id[served.request_id], served.text))
 
     ladder = Ladder(rows, requests, warmup=warmup, check=False, optional=optional, progress=_progress,
-                    stop_on_error=opts.server_errors == "stop")
+                    stop_on_error=opts.server_errors == "stop", block=getattr(opts.servers, "block", None),
+                    one_at_a_time=getattr(opts.servers, "one_at_a_time", False))
     complete = False
     failure = None  # the row that stopped the run, where, and why (in the report)
     meter = Meter(enabled=not session.device.is_cuda)
@@ -176,7 +177,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
             workload={"name": str(workload_spec), "n_requests": len(requests), "shots": workload.shots or 0,
                       "digest": workload.digest, "details": {"description": workload.description}},
             device=session.device.describe(), model=model_entry(model, opts.model, tokenizer), complete=complete,
-            run={**run, "finished": now()}, prompts=tuple(prompt_entry(r) for r in requests),
+            run={**run, "finished": now(), "schedule": ladder.schedule}, prompts=tuple(prompt_entry(r) for r in requests),
             dropped=dict(ladder.dropped), host=host_entry(host_load, opts.host_stall), failure=failure)
         summary = summarize_ab(result, margin=opts.margin)
         try:
@@ -218,7 +219,8 @@ def _same_model(rows, model, opts) -> None:
     from impl.model.build import EMBEDDED
     from pytest_moeperf.endpoints.rows import ServerRow
     servers = [r for r in rows if isinstance(r, ServerRow)]
-    for row in servers:  # side by side: their start-ups overlap
+    alone = getattr(opts.servers, "one_at_a_time", False)
+    for row in servers if not alone else ():  # side by side: their start-ups overlap
         try:
             row.start()
         except Exception as e:
@@ -226,6 +228,8 @@ def _same_model(rows, model, opts) -> None:
     for row in servers:
         try:
             row.prepare()
+            if alone:
+                row.suspend()  # the ladder brings each back for its blocks
         except Exception as e:  # a server that would not start or answer: the row's failure, named
             raise LadderStopped(Failure(row.name, None, "failed", f"{type(e).__name__}: {e}"), (), {}) from e
     if opts.allow_different_models or not servers:

@@ -200,15 +200,16 @@ def parse_ladder_option(value: str | None, device: str, servers: tuple = ()) -> 
     return value or None
 
 
-def parse_servers_option(value: str | None, rootpath: Path) -> tuple:
-    """The server rows of a --moe-servers file (relative: from rootdir), read and checked now."""
+def parse_servers_option(value: str | None, rootpath: Path):
+    """The server rows and schedule of a --moe-servers file (relative: from rootdir), read and
+    checked now (endpoints.servers.ServerFile; () without one)."""
     if not value:
         return ()
     from pytest_moeperf.endpoints.servers import load_servers
     path = _under_root(value, rootpath)
     if not path.is_file():
         raise ValueError(f"--moe-servers {value}: no such file ({path}; a relative path is taken from rootdir)")
-    servers = tuple(load_servers(path))
+    servers = load_servers(path)
     unset = [f"{s.name!r} ({s.api_key_env})" for s in servers if s.api_key_env and not os.environ.get(s.api_key_env)]
     if unset:  # found before any server starts, not at its first request
         raise ValueError(f"--moe-servers {value}: the API key variable of row(s) {', '.join(unset)} is not set")

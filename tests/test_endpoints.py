@@ -254,3 +254,16 @@ def test_a_url_row_is_checked():
     assert parse_url_row("vllm", "http://127.0.0.1:8000/").url == "http://127.0.0.1:8000"
     with pytest.raises(ServerFileError, match="row 'x'"):
         parse_url_row("x", "127.0.0.1:8000")
+
+
+def test_a_definitions_files_ladder_table_sets_blocks_and_one_server_at_a_time(tmp_path):
+    path = tmp_path / "servers.toml"
+    path.write_text("[ladder]\nblock = 10\none_at_a_time = true\n[[server]]\nname = 'a'\nurl = 'http://h:1'\n")
+    loaded = load_servers(path)
+    assert (loaded.block, loaded.one_at_a_time, [r.name for r in loaded]) == (10, True, ["a"])
+    path.write_text("[ladder]\none_at_a_time = true\n[[server]]\nname = 'a'\nurl = 'http://h:1'\n")
+    with pytest.raises(ServerFileError, match="one_at_a_time needs a block"):
+        load_servers(path)
+    path.write_text("[ladder]\nblock = 0\n[[server]]\nname = 'a'\nurl = 'http://h:1'\n")
+    with pytest.raises(ServerFileError, match="block must be a number of requests >= 1"):
+        load_servers(path)

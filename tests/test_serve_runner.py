@@ -196,3 +196,40 @@ def test_the_command_line_prints_provenance_problems_in_its_table_instead_of_sto
     assert cli.main(["--device", "cpu", "--n", "3", "--ladder", "baseline;+fp8-head", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "baseline: planted problem" in out and "+fp8-head: planted problem" in out
+
+
+class _Row:
+    """A row that serves instantly and records what was done to it, for the runner's schedules."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def prepare(self):
+        pass
+
+    def check(self):
+        pass
+
+    def serve(self, request):
+        from impl.serve.result import ServedRequest
+        self.log.append(f"{self.name}:{request.request_id}")
+        return ServedRequest(self.name, request.request_id, 1, 2, 0.1, 0.2)
+
+    def suspend(self):
+        self.log.append(f"{self.name} down")
+
+    def resume(self):
+        self.log.append(f"{self.name} up")
+
+
+def test_rows_that_cannot_be_up_together_serve_blocks_in_turn_each_brought_up_for_its_own():
+    log = []
+    rows = [_Row("a", log), _Row("b", log)]
+    ladder = Ladder(rows, [request("1+1=", 2, rid=f"q{i}") for i in range(4)], warmup=1, block=2, one_at_a_time=True)
+    ladder.run()
+    assert log == ["a up", "a:q0", "a down", "b up", "b:q0", "b down",  # warm-up, one server at a time
+                   "a up", "a:q0", "a:q1", "a down", "b up", "b:q0", "b:q1", "b down",  # block 1: A B
+                   "b up", "b:q2", "b:q3", "b down", "a up", "a:q2", "a:q3", "a down"]  # block 2: B A
+    assert "blocks of 2 requests" in ladder.schedule and "one row up at a time" in ladder.schedule
+    with pytest.raises(ValueError, match="one row at a time needs blocks"):
+        Ladder(rows, [], one_at_a_time=True)

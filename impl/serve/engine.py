@@ -440,6 +440,12 @@ class EngineRow:
         if release is not None:
             release()
 
+    def suspend(self) -> None:
+        """Nothing to take down: the arm's model is shared with the other rows and stays loaded."""
+
+    def resume(self) -> None:
+        """Nothing to bring back (see suspend)."""
+
     def entry(self) -> RowEntry:
         """The row as the report shows it (impl.serve.result.RowEntry)."""
         arm, prov, c = self.arm, self.provenance, self.arm.config

@@ -6,8 +6,15 @@ falls on every row alike: each row's mean position within a request's slot is th
 paired per-request comparison sees the same machine state on both sides.
 
 A row is anything with a `name` and `prepare()`, `serve(request) -> ServedRequest`, `check()`
-(raise unless what ran is what its name says), `release()` and `entry() -> RowEntry`: this
-engine's arms (impl.serve.engine.EngineRow) and server rows alike.
+(raise unless what ran is what its name says), `release()`, `suspend()` / `resume()` (take down and
+bring back what it holds: a server) and `entry() -> RowEntry`: this engine's arms
+(impl.serve.engine.EngineRow) and server rows alike.
+
+Where rows cannot be up together (two servers that each fill one GPU's memory), `block` serves
+the requests in blocks of that many: each row serves a whole block in turn, the order alternating
+from block to block (A B, then B A, ...), and with `one_at_a_time` each row is resumed before its
+block and suspended after it (a server restarted each time), warm-up included. `schedule`
+describes what was done, for the report.
 
 Before the first recorded request each row serves `warmup` warm-up requests (the first ones of
 the list; not recorded): they capture the row's CUDA graph, compile kernels and fill caches.
@@ -84,7 +91,8 @@ class Ladder:
 
     def __init__(self, rows: list, requests: Iterable, *, warmup: int = 1, check: bool = True,
                  optional: Collection[str] = (), progress: Callable[[str], None] | None = None,
-                 progress_interval_s: float = 10.0, stop_on_error: bool = True) -> None:
+                 progress_interval_s: float = 10.0, stop_on_error: bool = True, block: int | None = None,
+                 one_at_a_time: bool = False) -> None:
         if not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be a number of requests >= 0, got {warmup!r}")
         self.rows = list(rows)
@@ -100,6 +108,12 @@ class Ladder:
         self.warmup, self.check, self.optional = warmup, check, set(optional)
         self.progress, self.progress_interval_s = progress, progress_interval_s
         self.stop_on_error = stop_on_error
+        if block is not None and (not isinstance(block, int) or block < 1):
+            raise ValueError(f"block must be a number of requests >= 1, got {block!r}")
+        if one_at_a_time and block is None:
+            raise ValueError("one row at a time needs blocks of requests (block=N): request by request, every "
+                             "row would restart for every request")
+        self.block, self.one_at_a_time = block, one_at_a_time
         self.served: list[ServedRequest] = []
         self.dropped: dict[str, str] = {}
         self._stop_said = False
@@ -112,11 +126,39 @@ class Ladder:
                           "refused" if refused else "failed", f"{why}{type(error).__name__}: {error}")
         return LadderStopped(failure, tuple(self.served), self.dropped)
 
+    @property
+    def schedule(self) -> str:
+        """What order the rows served in, in words."""
+        if self.block is None:
+            return "interleaved request by request (A B, then B A)"
+        alone = ("; one row up at a time, each resumed (a server restarted) before its block and suspended after"
+                 if self.one_at_a_time else "")
+        return f"blocks of {self.block} requests, each row a whole block in turn (A B, then B A){alone}"
+
+    def _order(self, rows: list) -> Iterator[tuple]:
+        """(row, request) in serving order; with one_at_a_time a row is resumed before and suspended
+        after each of its blocks."""
+        if self.block is None:
+            for i, request in enumerate(self.requests):
+                for row in interleaved_order(rows, i):
+                    yield row, request
+            return
+        for b, start in enumerate(range(0, len(self.requests), self.block)):
+            for row in interleaved_order(rows, b):
+                if self.one_at_a_time:
+                    row.resume()
+                for request in self.requests[start:start + self.block]:
+                    yield row, request
+                if self.one_at_a_time:
+                    row.suspend()
+
     def _warm_up(self) -> list:
         rows = list(self.rows)
         for row in sorted(rows, key=lambda r: r.name in self.optional):  # stable: the optional ones last
             request = None
             try:
+                if self.one_at_a_time:
+                    row.resume()
                 row.prepare()
                 for request in self.requests[:self.warmup]:
                     served = row.serve(request)
@@ -137,6 +179,8 @@ class Ladder:
                 raise self._stop(row, request, e) from e
             if self.check:
                 row.check()
+            if self.one_at_a_time:
+                row.suspend()
         if not rows:
             raise RuntimeError(f"every row ran out of device memory in its warm-up: {self.dropped}")
         return rows
@@ -156,18 +200,17 @@ class Ladder:
         rows = self._warm_up() if self.warmup else self.rows
         tick = _Progress(len(rows) * len(self.requests), self.progress, self.progress_interval_s)
         try:
-            for i, request in enumerate(self.requests):
-                for row in interleaved_order(rows, i):
-                    try:
-                        served = row.serve(request)
-                    except Exception as e:
-                        raise self._stop(row, request, e) from e
-                    self.served.append(served)
-                    tick(len(self.served), served)
-                    yield served
-                    if served.error is not None and self.stop_on_error:
-                        raise LadderStopped(Failure(row.name, request.request_id, "failed", served.error),
-                                            tuple(self.served), self.dropped)
+            for row, request in self._order(rows):
+                try:
+                    served = row.serve(request)
+                except Exception as e:
+                    raise self._stop(row, request, e) from e
+                self.served.append(served)
+                tick(len(self.served), served)
+                yield served
+                if served.error is not None and self.stop_on_error:
+                    raise LadderStopped(Failure(row.name, request.request_id, "failed", served.error),
+                                        tuple(self.served), self.dropped)
         except GeneratorExit:  # the caller stopped iterating
             raise
         except BaseException as e:

@@ -235,6 +235,14 @@ class ServerRow:
     def release(self) -> None:
         self.stop()
 
+    def suspend(self) -> None:
+        """Stop a managed server between its blocks (one server up at a time); a URL row stays up."""
+        self.stop()
+
+    def resume(self) -> None:
+        """Start a managed server again and wait until it is healthy."""
+        self.prepare()
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()

@@ -17,6 +17,10 @@
     api_key_env = "MY_KEY"      # the key is read from this variable, sent as a bearer token, never written
     chat = true                 # /v1/chat/completions (default /v1/completions)
 
+    [ladder]                    # optional: servers that cannot be up together (one GPU's memory)
+    block = 10                  # requests a row serves in turn, A B then B A (default: request by request)
+    one_at_a_time = true        # each managed server started before its block, stopped after
+
 Placeholders in a command and its environment: {port} (a free port on 127.0.0.1, chosen at
 start), {host}, {model} (--moe-model: a checkpoint folder's absolute path, or an embedded
 checkpoint's folder), {python} (this interpreter), {rootdir}, {here} (the file's folder), and the
@@ -37,7 +41,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["ServerDef", "ServerFileError", "load_servers", "parse_url_row"]
+__all__ = ["ServerDef", "ServerFile", "ServerFileError", "ladder_rows", "load_servers", "parse_url_row"]
 
 ENGINES = ("auto", "vllm", "sglang", "moeperf", "openai")
 KEYS = {"name": str, "url": str, "command": list, "env": dict, "engine": str, "speculative": int, "chat": bool,
@@ -143,8 +147,38 @@ def parse_url(url: str, where: str) -> str:
     return url.rstrip("/")
 
 
-def load_servers(path: Path) -> list[ServerDef]:
-    """The rows of a server definitions file, in its order (module docstring)."""
+@dataclass(frozen=True)
+class ServerFile:
+    """A definitions file's rows (iterated as the rows) and its [ladder] schedule."""
+
+    rows: tuple[ServerDef, ...]
+    block: int | None = None
+    one_at_a_time: bool = False
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _schedule(raw, path: Path) -> tuple[int | None, bool]:
+    if not isinstance(raw, dict) or set(raw) - {"block", "one_at_a_time"}:
+        raise ServerFileError(f"{path}: [ladder] takes block (requests a row serves in turn) and one_at_a_time, "
+                              f"got {raw!r}")
+    block, alone = raw.get("block"), raw.get("one_at_a_time", False)
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ServerFileError(f"{path}: [ladder] block must be a number of requests >= 1, got {block!r}")
+    if not isinstance(alone, bool):
+        raise ServerFileError(f"{path}: [ladder] one_at_a_time must be true or false, got {alone!r}")
+    if alone and block is None:
+        raise ServerFileError(f"{path}: [ladder] one_at_a_time needs a block: request by request, every server "
+                              "would restart for every request")
+    return block, alone
+
+
+def load_servers(path: Path) -> ServerFile:
+    """The rows of a server definitions file, in its order, and its schedule (module docstring)."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -152,9 +186,10 @@ def load_servers(path: Path) -> list[ServerDef]:
         raise ServerFileError(f"{path}: cannot be read ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ServerFileError(f"{path}: not valid TOML ({e})") from None
-    unknown = sorted(set(raw) - {"server", "vars"})
+    unknown = sorted(set(raw) - {"server", "vars", "ladder"})
     if unknown:
-        raise ServerFileError(f"{path}: unknown table(s) {unknown}; expected [[server]] and [vars]")
+        raise ServerFileError(f"{path}: unknown table(s) {unknown}; expected [[server]], [vars] and [ladder]")
+    block, alone = _schedule(raw.get("ladder", {}), path)
     vars_ = raw.get("vars", {})
     if not isinstance(vars_, dict) or not all(isinstance(v, str) for v in vars_.values()):
         raise ServerFileError(f"{path}: [vars] must map names to strings")
@@ -166,7 +201,7 @@ def load_servers(path: Path) -> list[ServerDef]:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ServerFileError(f"{path}: server name(s) {repeated} appear more than once")
-    return rows
+    return ServerFile(tuple(rows), block, alone)
 
 
 def parse_url_row(name: str, url: str) -> ServerDef:
