@@ -55,9 +55,10 @@ def _stop_all() -> None:
 
 class ManagedServer:
     def __init__(self, name: str, command: list[str], env: dict[str, str], base_url: str, log_path: Path,
-                 startup_timeout_s: float = 300.0, stop_grace_s: float = 20.0) -> None:
+                 startup_timeout_s: float = 300.0, stop_grace_s: float = 20.0, nice: int = 0) -> None:
         self.name, self.command, self.env, self.base_url = name, list(command), dict(env), base_url.rstrip("/")
         self.log_path, self.startup_timeout_s, self.stop_grace_s = Path(log_path), startup_timeout_s, stop_grace_s
+        self.nice = nice
         self.process: subprocess.Popen | None = None
         self.started_s: float | None = None  # seconds from the start until healthy
 
@@ -67,8 +68,10 @@ class ManagedServer:
         log.write(f"# {self.name}: {' '.join(self.command)}\n".encode())
         log.flush()
         try:
+            nice = self.nice
             self.process = subprocess.Popen(self.command, env={**os.environ, **self.env}, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
         except OSError as e:
             raise ServerStartError(f"server {self.name!r} could not start: {' '.join(self.command)}: {e}") from None
         finally:
@@ -88,6 +91,17 @@ class ManagedServer:
 
     def returncode(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+    def exited_within(self, seconds: float) -> bool:
+        """Whether the server has exited, waiting up to `seconds`: a killed process closes its sockets
+        before it can be reaped, so a reset connection can arrive while it still reads as running."""
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def wait_healthy(self, client: httpx.Client) -> None:
         start = time.monotonic()

@@ -34,6 +34,9 @@ __all__ = ["ServerRow", "ServerRowError"]
 # A declared-speculative row whose mean accept length is below this accepts almost nothing (the
 # same floor the summary flags at: half a draft a step).
 ACCEPT_FLOOR = 1.5
+# After a failed request, how long to wait for a managed server's exit to be reaped before saying it
+# is still running: a failure is terminal for the ladder, so the wait costs nothing measured.
+SERVER_EXIT_WAIT_S = 2.0
 
 
 class ServerRowError(RuntimeError):
@@ -86,7 +89,7 @@ class ServerRow:
             self.base_url = f"http://127.0.0.1:{port}"
             command, env = self.spec.resolve(builtin_values(port, self.model_path, self.rootdir, self.here))
             self.server = ManagedServer(self.name, command, env, self.base_url, self.log_dir / f"server-{self.name}.log",
-                                        startup_timeout_s=self.spec.startup_timeout_s)
+                                        startup_timeout_s=self.spec.startup_timeout_s, nice=self.spec.nice)
             self.server.start()
 
     def prepare(self) -> None:
@@ -157,7 +160,7 @@ class ServerRow:
         got = stream_completion(self.client, self.base_url + path, self._payload(request), chat=self.spec.chat,
                                 headers=headers, timeout_s=self.spec.timeout_s, stop_at=stop_at)
         self.requests += 1
-        if got.error is not None and self.server is not None and not self.server.alive():
+        if got.error is not None and self.server is not None and self.server.exited_within(SERVER_EXIT_WAIT_S):
             got.error += (f"; the managed server {self.name!r} is no longer running (exit status "
                           f"{self.server.returncode()}), the last lines of {self.server.log_path}:\n"
                           f"{self.server.log_tail(8)}")

@@ -45,7 +45,7 @@ __all__ = ["ServerDef", "ServerFile", "ServerFileError", "ladder_rows", "load_se
 
 ENGINES = ("auto", "vllm", "sglang", "moeperf", "openai")
 KEYS = {"name": str, "url": str, "command": list, "env": dict, "engine": str, "speculative": int, "chat": bool,
-        "api_key_env": str, "model": str, "startup_timeout_s": (int, float), "timeout_s": (int, float)}
+        "api_key_env": str, "model": str, "startup_timeout_s": (int, float), "timeout_s": (int, float), "nice": int}
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -69,6 +69,9 @@ class ServerDef:
     model: str | None = None  # the served model id to request; default the first of /v1/models
     startup_timeout_s: float = 300.0
     timeout_s: float = 300.0  # one request's limit
+    # Added to a managed server's niceness: on a host whose cores the servers fill, the timing
+    # client must get a core the moment a chunk arrives, or it reads a burst late.
+    nice: int = 0
     source: str = ""  # "FILE [[server]] #i" or "--moe-ladder": where it was defined, for messages
     vars: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
@@ -133,12 +136,15 @@ def _row(raw, where: str, vars_: tuple) -> ServerDef:
     for key in ("startup_timeout_s", "timeout_s"):
         if key in raw and raw[key] <= 0:
             raise ServerFileError(f"{where}: {key} must be positive, got {raw[key]}")
+    if not 0 <= raw.get("nice", 0) <= 19:
+        raise ServerFileError(f"{where}: nice must be 0 to 19 (a lower priority than the client's), got {raw['nice']}")
     if raw.get("url"):
         parse_url(raw["url"], where)
     return ServerDef(raw["name"], raw.get("url", "").rstrip("/") or None, tuple(raw.get("command", ())),
                      tuple(sorted(raw.get("env", {}).items())), raw.get("engine", "auto"), raw.get("speculative", 0),
                      raw.get("chat", False), raw.get("api_key_env"), raw.get("model"),
-                     float(raw.get("startup_timeout_s", 300.0)), float(raw.get("timeout_s", 300.0)), where, vars_)
+                     float(raw.get("startup_timeout_s", 300.0)), float(raw.get("timeout_s", 300.0)),
+                     raw.get("nice", 0), where, vars_)
 
 
 def parse_url(url: str, where: str) -> str:
