@@ -191,7 +191,7 @@ def parse_ladder_option(value: str | None, device: str, servers: tuple = ()) -> 
         return None
     from pytest_moeperf.endpoints.servers import ladder_rows
     try:
-        rows = ladder_rows(value or None, list(servers), device)
+        rows = ladder_rows(value or None, servers, device)
     except ValueError as e:
         raise ValueError(f"--moe-ladder: {e}") from None
     if len(rows) < 2:

@@ -41,12 +41,12 @@ CHUNKS = 10  # accuracy figures are gated over this many consecutive chunks of t
 
 
 def _rows(session):
-    """The ladder's rows: --moe-ladder's, else a --moe-servers file's servers, else the device's
-    default rows (pytest_moeperf.endpoints.servers.ladder_rows)."""
+    """The ladder's rows: --moe-ladder's, else a --moe-servers file's ([ladder] rows, or its
+    servers), else the device's default rows (pytest_moeperf.endpoints.servers.ladder_rows)."""
     from pytest_moeperf.endpoints.servers import ladder_rows
     device, opts = session.device.torch_device.type, session.options
     text = opts.ladder or (None if opts.servers else _default_ladder(session, device))
-    return ladder_rows(text, list(opts.servers), device)
+    return ladder_rows(text, opts.servers, device)
 
 
 @functools.lru_cache(maxsize=None)

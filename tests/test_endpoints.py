@@ -12,7 +12,7 @@ import pytest
 
 from pytest_moeperf.endpoints import engines
 from pytest_moeperf.endpoints.metrics import SpecCounters, vllm_spec_counters
-from pytest_moeperf.endpoints.servers import ServerFileError, load_servers, parse_url_row
+from pytest_moeperf.endpoints.servers import ServerFileError, ladder_rows, load_servers, parse_url_row
 from pytest_moeperf.endpoints.stream import stream_completion
 
 URL = "http://server.test/v1/completions"
@@ -266,4 +266,18 @@ def test_a_definitions_files_ladder_table_sets_blocks_and_one_server_at_a_time(t
         load_servers(path)
     path.write_text("[ladder]\nblock = 0\n[[server]]\nname = 'a'\nurl = 'http://h:1'\n")
     with pytest.raises(ServerFileError, match="block must be a number of requests >= 1"):
+        load_servers(path)
+
+
+def test_a_definitions_files_ladder_rows_are_the_ladder_unless_the_option_names_one(tmp_path):
+    path = tmp_path / "servers.toml"
+    servers = "[[server]]\nname = 'a'\nurl = 'http://h:1'\n[[server]]\nname = 'b'\nurl = 'http://h:2'\n"
+    path.write_text("[ladder]\nrows = 'b;a;+mtp'\n" + servers)
+    loaded = load_servers(path)
+    assert [r.name for r in ladder_rows(None, loaded, "cpu")] == ["b", "a", "+mtp"]
+    assert [r.name for r in ladder_rows("a;b", loaded, "cpu")] == ["a", "b"]  # the option wins
+    path.write_text(servers)
+    assert [r.name for r in ladder_rows(None, load_servers(path), "cpu")] == ["a", "b"]  # every server, in order
+    path.write_text("[ladder]\nrows = ['a', 'b']\n" + servers)
+    with pytest.raises(ServerFileError, match=r"rows must be a ladder as --moe-ladder takes it"):
         load_servers(path)

@@ -17,9 +17,12 @@
     api_key_env = "MY_KEY"      # the key is read from this variable, sent as a bearer token, never written
     chat = true                 # /v1/chat/completions (default /v1/completions)
 
-    [ladder]                    # optional: servers that cannot be up together (one GPU's memory)
+    [ladder]                    # optional
+    rows = "vllm-plain;vllm-mtp"  # the ladder without --moe-ladder (default: every server, in order);
+                                # as --moe-ladder takes it, so this engine's rows may be named too
     block = 10                  # requests a row serves in turn, A B then B A (default: request by request)
-    one_at_a_time = true        # each managed server started before its block, stopped after
+    one_at_a_time = true        # servers that cannot be up together (one GPU's memory): each managed
+                                # server started before its block, stopped after
 
 Placeholders in a command and its environment: {port} (a free port on 127.0.0.1, chosen at
 start), {host}, {model} (--moe-model: a checkpoint folder's absolute path, or an embedded
@@ -155,11 +158,12 @@ def parse_url(url: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class ServerFile:
-    """A definitions file's rows (iterated as the rows) and its [ladder] schedule."""
+    """A definitions file's rows (iterated as the rows), its default ladder and its [ladder] schedule."""
 
     rows: tuple[ServerDef, ...]
     block: int | None = None
     one_at_a_time: bool = False
+    ladder: str | None = None  # [ladder] rows: the ladder text when --moe-ladder gives none
 
     def __iter__(self):
         return iter(self.rows)
@@ -168,11 +172,14 @@ class ServerFile:
         return len(self.rows)
 
 
-def _schedule(raw, path: Path) -> tuple[int | None, bool]:
-    if not isinstance(raw, dict) or set(raw) - {"block", "one_at_a_time"}:
-        raise ServerFileError(f"{path}: [ladder] takes block (requests a row serves in turn) and one_at_a_time, "
-                              f"got {raw!r}")
-    block, alone = raw.get("block"), raw.get("one_at_a_time", False)
+def _schedule(raw, path: Path) -> tuple[int | None, bool, str | None]:
+    if not isinstance(raw, dict) or set(raw) - {"rows", "block", "one_at_a_time"}:
+        raise ServerFileError(f"{path}: [ladder] takes rows (the default ladder), block (requests a row serves in "
+                              f"turn) and one_at_a_time, got {raw!r}")
+    block, alone, rows = raw.get("block"), raw.get("one_at_a_time", False), raw.get("rows")
+    if rows is not None and (not isinstance(rows, str) or not rows.strip()):
+        raise ServerFileError(f"{path}: [ladder] rows must be a ladder as --moe-ladder takes it "
+                              f"(e.g. \"vllm-plain;vllm-mtp\"), got {rows!r}")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ServerFileError(f"{path}: [ladder] block must be a number of requests >= 1, got {block!r}")
     if not isinstance(alone, bool):
@@ -180,7 +187,7 @@ def _schedule(raw, path: Path) -> tuple[int | None, bool]:
     if alone and block is None:
         raise ServerFileError(f"{path}: [ladder] one_at_a_time needs a block: request by request, every server "
                               "would restart for every request")
-    return block, alone
+    return block, alone, rows
 
 
 def load_servers(path: Path) -> ServerFile:
@@ -195,7 +202,7 @@ def load_servers(path: Path) -> ServerFile:
     unknown = sorted(set(raw) - {"server", "vars", "ladder"})
     if unknown:
         raise ServerFileError(f"{path}: unknown table(s) {unknown}; expected [[server]], [vars] and [ladder]")
-    block, alone = _schedule(raw.get("ladder", {}), path)
+    block, alone, ladder = _schedule(raw.get("ladder", {}), path)
     vars_ = raw.get("vars", {})
     if not isinstance(vars_, dict) or not all(isinstance(v, str) for v in vars_.values()):
         raise ServerFileError(f"{path}: [vars] must map names to strings")
@@ -207,7 +214,7 @@ def load_servers(path: Path) -> ServerFile:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ServerFileError(f"{path}: server name(s) {repeated} appear more than once")
-    return ServerFile(tuple(rows), block, alone)
+    return ServerFile(tuple(rows), block, alone, ladder)
 
 
 def parse_url_row(name: str, url: str) -> ServerDef:
@@ -215,13 +222,16 @@ def parse_url_row(name: str, url: str) -> ServerDef:
     return ServerDef(name, parse_url(url, f"--moe-ladder row {name!r}"), source=f"--moe-ladder row {name!r}")
 
 
-def ladder_rows(text: str | None, servers: list[ServerDef], device, k: int | None = None) -> list:
+def ladder_rows(text: str | None, servers, device, k: int | None = None) -> list:
     """The ladder's rows in order: impl.serve.configs.Row for this engine's rows, ServerDef for
     servers. `text` as --moe-ladder takes it (rows separated by ";"): a row `NAME=http://HOST:PORT`
     is a server you started, a bare name of `servers` that server, anything else this engine's
-    row (impl.serve.configs.parse_row). Without `text`, the servers in their file's order. Names
-    must differ."""
+    row (impl.serve.configs.parse_row). Without `text`, the file's [ladder] rows, else its servers
+    in order. Names must differ."""
     from impl.serve.configs import DEFAULT_K, parse_ladder, parse_row
+    if (text is None or not text.strip()) and isinstance(servers, ServerFile):
+        text = servers.ladder
+    servers = list(servers)
     if text is None or not text.strip():
         if not servers:
             raise ValueError("empty ladder: give --moe-ladder rows or a --moe-servers file")
