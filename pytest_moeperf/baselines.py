@@ -18,6 +18,7 @@ atomically while keeping every other entry and every metric that was not re-meas
 
 from __future__ import annotations
 
+import difflib
 import fcntl
 import json
 import math
@@ -245,5 +246,57 @@ def _describe_class(cls: dict | None) -> str:
 
 def _diff(frozen: dict, current: dict) -> str:
     keys = sorted(set(frozen) | set(current))
-    return ", ".join(f"{k}: {frozen.get(k)!r} -> {current.get(k)!r}" for k in keys
+    return "; ".join(f"{k}: {_change(frozen.get(k), current.get(k))}" for k in keys
                      if frozen.get(k) != current.get(k))
+
+
+def _as_json(value) -> tuple[str, object] | None:
+    """`PREFIX:{json}` (a server row's configuration) as (prefix, parsed), else None."""
+    if not isinstance(value, str) or ":" not in value:
+        return None
+    prefix, _, body = value.partition(":")
+    try:
+        return prefix, json.loads(body)
+    except ValueError:
+        return None
+
+
+def _leaves(value, path: str = ""):
+    """(dotted path, value) of every leaf; a list of strings (a command line) is one leaf."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list) and not all(isinstance(x, str) for x in value):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def _words_change(a: list[str], b: list[str]) -> str:
+    """What changed between two command lines, each change after the word before it."""
+    parts = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+        if op != "equal":
+            after = f"after {a[i1 - 1]!r}: " if i1 else ""
+            parts.append(f"{after}{' '.join(a[i1:i2]) or '(nothing)'!r} -> {' '.join(b[j1:j2]) or '(nothing)'!r}")
+    return ", ".join(parts)
+
+
+def _change(frozen, current) -> str:
+    """A changed configuration value, said briefly: for two JSON configurations, only the leaves
+    that differ (a changed server flag reads `server.command after '--max-model-len': '384' -> '320'`)."""
+    a, b = _as_json(frozen), _as_json(current)
+    if a is None or b is None or a[0] != b[0]:
+        return f"{frozen!r} -> {current!r}"
+    old, new = dict(_leaves(a[1])), dict(_leaves(b[1]))
+    changes = []
+    for path in sorted(set(old) | set(new)):
+        x, y = old.get(path), new.get(path)
+        if x == y:
+            continue
+        if isinstance(x, list) and isinstance(y, list):
+            changes.append(f"{path} {_words_change(x, y)}")
+        else:
+            changes.append(f"{path}: {x!r} -> {y!r}")
+    return ", ".join(changes)

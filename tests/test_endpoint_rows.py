@@ -1,6 +1,6 @@
 """The ladder suite with rows that are real servers, through pytester in a subprocess each:
 this project's engine over HTTP (python -m impl.serve --http) beside its in-process rows, and
-vLLM's CPU build (.venv-vllm, made by scripts/setup-vllm, which .ci/run calls) serving the
+vLLM's CPU build (.venv-vllm: `scripts/setup-env --vllm`, as .ci/run runs it) serving the
 embedded checkpoint declared speculative without a speculative config, with MTP, and with a
 scrambled NEXTN layer. Each run's report (JSON) is read for what the rows served."""
 
@@ -136,8 +136,8 @@ startup_timeout_s = 400
 MTP = ', "--speculative-config", \'{"method":"mtp","num_speculative_tokens":3}\''
 
 
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM CPU build at {VLLM_PYTHON}: run scripts/setup-vllm "
-                                                      "(.ci/run does)")
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM CPU build at {VLLM_PYTHON}: run scripts/setup-env "
+                                                      "--vllm (.ci/run does)")
 def test_vllm_serves_the_checkpoint_with_mtp_and_the_trap_rows_are_flagged(pytester, tmp_path):
     """Three vLLM servers on the embedded checkpoint: declared speculative but started without a
     speculative config (so a plain server: the ladder's reference), MTP k=3, and MTP on a copy

@@ -570,3 +570,17 @@ def test_c_never_runs():
     assert len(files) == 1
     metrics = load_file(files[0]).entries[0]["metrics"]
     assert list(metrics) == ["test_stopped.py::test_a_measured::latency_us"]
+
+
+def test_a_server_row_frozen_under_other_flags_names_only_the_flags_that_changed(tmp_path):
+    """A server row's configuration is its whole definition as JSON; the NO-BASELINE reason says
+    which of its words changed, not both JSON texts."""
+    def row(max_len: str, version: str) -> str:
+        return "server:" + json.dumps({"server": {"command": ["vllm", "--max-model-len", max_len, "--dtype", "float32"],
+                                                  "env": {"BIND": "0"}}, "version": version}, sort_keys=True)
+    store = BaselineStore(tmp_path, {"kind": "cpu", "name": "x"}, "dev")
+    store.freeze({"a::m": frozen(value=1.0, config={"row": row("384", "0.32.0"), "dtype": "fp32"})})
+    lookup = store.lookup("a::m", {"row": row("320", "0.33.0"), "dtype": "fp32"}, portable=True)
+    assert lookup.match is None
+    assert ("another configuration (row: server.command after '--max-model-len': '384' -> '320', "
+            "version: '0.32.0' -> '0.33.0')") in lookup.reason, lookup.reason
