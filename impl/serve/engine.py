@@ -464,7 +464,8 @@ class EngineRow:
         """Serve `request` (request_id, prompt_ids, max_tokens, stop, ignore_eos) on the arm: what
         came out and how long it took. `on_text(delta)`, if given, receives the text as it is
         committed (what may still turn into a stop string held back), the rest once the request
-        ends; its returning False ends the request there ("abort": a streaming client went away)."""
+        ends; its returning False ends the request there ("abort": a streaming client went away),
+        its acceptance counting only the verify steps whose text the client was sent."""
         arm = self.arm
         arm.activate()
         loop = self._ready()
@@ -496,7 +497,7 @@ class EngineRow:
             start = time.perf_counter()
             pending = deque([(True, loop.reader.read(loop.begin(prompt, request.max_tokens)))])
             loop.after_first()
-            known = in_flight = sent = 0
+            known = in_flight = sent = delivered = 0  # delivered: verify steps whose text on_text took
             ttft = None
             while True:
                 while len(pending) <= lookahead and known + in_flight * loop.per_step < request.max_tokens:
@@ -517,9 +518,12 @@ class EngineRow:
                     visible = out.visible()
                     if len(visible) > sent:
                         if on_text(visible[sent:]) is False:
+                            # The client went away: the steps since its last text reached it are
+                            # not its request's, and their acceptance is not counted.
                             out.abort()
+                            del lengths[delivered:]
                             break
-                        sent = len(visible)
+                        sent, delivered = len(visible), len(lengths)
             latency = time.perf_counter() - start
         _sync(arm.device)  # a step queued ahead finishes outside the request's time
         if on_text is not None and out.reason != "abort" and len(out.text) > sent:

@@ -15,7 +15,9 @@ A speculative row puts its acceptance in the last chunk, in vLLM's per-request f
 (`metrics.speculative_decoding`: `num_spec_steps`, `num_accepted_draft_tokens`,
 `num_draft_tokens`, `num_spec_tokens`, `mean_acceptance_length`) plus what vLLM's does not
 carry: per-position counts and each step's accept length. Requests are served one at a time
-(batch 1, as the row runs in process); a client that goes away ends its request at the next step.
+(batch 1, as the row runs in process); a client that goes away ends its request at the next step,
+which its acceptance does not count (the client never saw its tokens), so a client that cuts the
+stream at its own stop reads the acceptance the same request has in process.
 Greedy only: the row's own sampling settings apply, a request's temperature must be 0 or absent.
 """
 
