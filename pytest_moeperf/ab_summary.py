@@ -190,10 +190,30 @@ def _same_outputs_expected(s: dict, ref: dict) -> bool:
             and s["head"] == ref["head"])
 
 
-def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
+def _unmet_claims(s: dict) -> list[str]:
+    """What says the row does not run what it declares (the reference result's trap: a speculative
+    row whose drafts are not running or never accepted, a backend that did not run): such a row
+    fails its provenance test and `--moe-expect`, whatever its speed."""
     flags = []
     if s["provenance_error"]:
         flags.append(f"provenance error: {s['provenance_error']}")
+    if s["speculative"]:
+        acc = s["accept_length"]
+        prov = s["provenance"]
+        if acc is None and s["n_requests"]:
+            flags.append("speculative row reported no acceptance (no verify steps counted)")
+        elif acc is not None and acc["mean"] < ACCEPT_LENGTH_FLOOR:
+            flags.append(f"mean accept length {acc['mean']:.2f} on a speculative row (below {ACCEPT_LENGTH_FLOOR}): "
+                         "the drafts are almost never accepted")
+        if prov.get("draft_shares_head") is False:
+            flags.append("the draft does not share the target's head module")
+        if prov.get("drafts_per_step") == 0:
+            flags.append("speculative row drafts 0 tokens per step")
+    return flags
+
+
+def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
+    flags = list(s["unmet_claims"])
     if s["n_requests"] == 0:
         flags.append("no requests recorded")
     if s["failed_requests"]:
@@ -207,18 +227,6 @@ def _flags(s: dict, cmp: dict | None, ref: dict | None = None) -> list[str]:
         flags.append("acceptance assumed (" + next(p for p in s["config"].split(",") if p.startswith("accept="))
                      + "): the drafts are forced to the target's choices at that mean; speed follows from the "
                      "assumption, accept length and answers are not the model's")
-    if s["speculative"]:
-        acc = s["accept_length"]
-        prov = s["provenance"]
-        if acc is None and s["n_requests"]:
-            flags.append("speculative row reported no acceptance (no verify steps counted)")
-        elif acc is not None and acc["mean"] < ACCEPT_LENGTH_FLOOR:
-            flags.append(f"mean accept length {acc['mean']:.2f} on a speculative row (below {ACCEPT_LENGTH_FLOOR}): "
-                         "the drafts are almost never accepted")
-        if prov.get("draft_shares_head") is False:
-            flags.append("the draft does not share the target's head module")
-        if prov.get("drafts_per_step") == 0:
-            flags.append("speculative row drafts 0 tokens per step")
     if cmp is not None:
         r = cmp["ratios"][SPEED_METRIC]
         if cmp["speed"] == "slower":
@@ -248,7 +256,8 @@ def summarize_ab(result: LadderResult, margin: float = MARGIN) -> dict:
     (geometric mean of B_i / A_i with a 95% BCa interval over requests, per figure), "speed",
     "accuracy" (paired_accuracy as a dict, or None), "outputs" (identical outputs, _outputs),
     "same_code" (an A/A pair), "verdict"], "steps": [each row after the second against the row
-    before it: "row", "reference", "ratios" as above], "flagged": {row: [reason, ...]}}. Per-row
+    before it: "row", "reference", "ratios" as above], "flagged": {row: [reason, ...]}}; each
+    row's "flags" lead with its "unmet_claims" (what says it does not run what it declares). Per-row
     figures are means with 95% BCa intervals and p50/p90/p99, in seconds and tokens/s.
     """
     rows, by_row = result.rows, result.by_row()
@@ -267,6 +276,7 @@ def summarize_ab(result: LadderResult, margin: float = MARGIN) -> dict:
             c["speed"] = c["verdict"] = f"{failure.kind} part-way: no verdict"
     flagged = {}
     for i, s in enumerate(summaries):
+        s["unmet_claims"] = _unmet_claims(s)
         s["flags"] = _flags(s, comparisons[i - 1] if i else None, summaries[0])
         if failure and s["name"] == failure.row:
             s["flags"].insert(0, f"{failure.kind} {failure.at()} ({failure.error}): the run "

@@ -97,16 +97,22 @@ def test_row_provenance(ladder, row):
 
 def test_row_as_expected(ladder, row, moe_session):
     """`--moe-expect`: the row is faster than the first (its decode tokens/s interval above 1), or
-    not slower (not below 1); without it, skipped (the gate judges against frozen figures)."""
+    not slower (not below 1), and runs what it declares (a speculative row whose drafts do not run
+    or are never accepted fails, whatever its speed); without it, skipped (the gate judges against
+    frozen figures)."""
     expect = moe_session.options.expect
     if expect is None:
         pytest.skip("no --moe-expect: the row's verdict is in the report and the terminal summary")
     comparison = next(c for c in ladder.summary["comparisons"] if c["row"] == row)
+    wanted = "faster than" if expect == "faster" else "not slower than"
+    unmet = next(s["unmet_claims"] for s in ladder.summary["rows"] if s["name"] == row)
+    if unmet:
+        pytest.fail(f"row {row!r} is expected {wanted} {comparison['reference']!r} (--moe-expect {expect}) but does "
+                    f"not run what it declares: {'; '.join(unmet)}", pytrace=False)
     allowed = ("faster",) if expect == "faster" else ("faster", "no detectable difference")
     if comparison["speed"] not in allowed:
         r = comparison["ratios"]["decode_tokens_per_s"]
         ratio = "" if r is None else f" (decode tok/s x{r['ratio']:.3f}, 95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})"
-        wanted = "faster than" if expect == "faster" else "not slower than"
         pytest.fail(f"row {row!r} is expected {wanted} {comparison['reference']!r} (--moe-expect {expect}) but reads "
                     f"{comparison['speed']}{ratio}", pytrace=False)
 

@@ -122,10 +122,15 @@ def run_ladder(pytester, conftest: str, ladder: str, requests: int, *extra: str)
 
 
 def test_an_mtp_row_whose_draft_holds_only_the_fp8_weight_fails_its_provenance(pytester):
-    outcomes, text, report = run_ladder(pytester, TRAP, "baseline;+mtp", 6, "-k", "provenance")
+    outcomes, text, report = run_ladder(pytester, TRAP, "baseline;+mtp", 6, "-k", "provenance or as_expected",
+                                        "--moe-expect", "faster")
     assert outcomes.get("test_row_provenance[+mtp]") == "FAILED", text[-3000:]
     assert outcomes.get("test_row_provenance[baseline]") == "PASSED", text[-3000:]
     assert re.search(r"row '\+mtp': .*head", text), text[-3000:]
+    # --moe-expect fails it for what it runs, before its speed is read.
+    assert outcomes.get("test_row_as_expected[+mtp]") == "FAILED", text[-3000:]
+    assert re.search(r"row '\+mtp' is expected faster than 'baseline' \(--moe-expect faster\) but does not run "
+                     r"what it declares: .*head", text), text[-3000:]
     flagged = report["summary"]["flagged"]
     assert "+mtp" in flagged and flagged["+mtp"], flagged
 

@@ -145,17 +145,19 @@ MTP = ', "--speculative-config", \'{"method":"mtp","num_speculative_tokens":3}\'
 @pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason=f"no vLLM CPU build at {VLLM_PYTHON}: run scripts/setup-env "
                                                       "--vllm (.ci/run does)")
 def test_vllm_serves_the_checkpoint_with_mtp_and_the_trap_rows_are_flagged(pytester, tmp_path):
-    """Three vLLM servers on the embedded checkpoint: declared speculative but started without a
-    speculative config (so a plain server: the ladder's reference), MTP k=3, and MTP on a copy
-    whose NEXTN layer is scrambled. The MTP row accepts most drafts (about 3.8 of 4 tokens a step)
-    with the plain row's outputs and is faster; the two trap rows are flagged and fail their
-    provenance, and the scrambled one `--moe-expect faster` too."""
+    """Three vLLM servers on the embedded checkpoint beside this engine's plain row (the ladder's
+    reference, which costs no server start): declared speculative but started without a
+    speculative config (so a plain server), MTP k=3, and MTP on a copy whose NEXTN layer is
+    scrambled. The MTP row accepts most drafts (about 3.8 of 4 tokens a step) with the plain
+    row's outputs; the two trap rows are flagged and fail their provenance and `--moe-expect
+    faster`."""
     broken = scrambled_nextn_copy(CHECKPOINT, tmp_path / "tiny-gsm-scrambled-nextn")
     row = lambda name, model, core, k, extra="": VLLM_ROW.format(name=name, vllm=VLLM_PYTHON, model=model,  # noqa: E731
                                                                  core=core, k=k, extra=extra)
     servers = (row("mtp-without-config", CHECKPOINT, 0, 3) + row("mtp", CHECKPOINT, 1, 3, MTP)
                + row("mtp-scrambled", broken, 0, 3, MTP))
-    result, doc = _run(pytester, servers, "--moe-requests", "8", "--moe-expect", "faster",
+    result, doc = _run(pytester, servers, "--moe-ladder", "baseline;mtp-without-config;mtp;mtp-scrambled",
+                       "--moe-requests", "8", "--moe-expect", "faster",
                        "--moe-allow-different-models")  # the scrambled copy is another folder: the same target
     out = result.stdout.str()
     assert doc is not None, out[-4000:] + result.stderr.str()[-3000:]
@@ -175,6 +177,8 @@ def test_vllm_serves_the_checkpoint_with_mtp_and_the_trap_rows_are_flagged(pytes
     outcomes = {rest.split(" - ")[0].split("::", 1)[1]: outcome for outcome, rest in
                 (line.split(" ", 1) for line in out.splitlines() if line.startswith(("PASSED ", "FAILED ")))}
     for trap in ("mtp-without-config", "mtp-scrambled"):
-        assert outcomes[f"test_row_provenance[{trap}]"] == "FAILED", outcomes
-    assert outcomes["test_row_as_expected[mtp-scrambled]"] == "FAILED", outcomes
+        assert outcomes[f"test_row_provenance[{trap}]"] == outcomes[f"test_row_as_expected[{trap}]"] == "FAILED", (
+            outcomes)
+        assert f"row {trap!r} is expected faster than 'baseline' (--moe-expect faster) but does not run what it " \
+               "declares" in out, out[-4000:]
     assert outcomes["test_row_provenance[mtp]"] == "PASSED", outcomes

@@ -115,8 +115,10 @@ backends.register(backends.Backend("moe", "triton-ignores-clip", _recorded_as("t
 '''
 
 # Parity: the M=4 cases of one tiny shape (bf16, MXFP4 and fp32, with and without the shared
-# expert, and clipped); fuzz: every property of the fuzz file.
-SELECTION = "(tiny-h96 and M4) or test_moe_fuzz"
+# expert, and clipped); fuzz: every property of the fuzz file. A control that reads only some of
+# these runs only those (each case runs under Triton's interpreter on a CPU).
+PARITY = "tiny-h96 and M4"
+SELECTION = f"({PARITY}) or test_moe_fuzz"
 PARITY_CASES = 6
 CLIPPED_CASES = 3
 FUZZ_TESTS = ("test_fuzz_matches_reference", "test_fuzz_nan_reaches_exactly_its_rows",
@@ -191,7 +193,7 @@ def test_planted_defect_fails_parity_and_fuzz(suites, defect):
 def test_a_backend_that_changes_its_inputs_fails_parity_and_fuzz_naming_them(suites):
     """Its outputs agree with an oracle run on the inputs as it left them; the suites check the
     inputs themselves."""
-    outcomes = run_suites(suites, "triton-renormalizes-in-place")
+    outcomes = run_suites(suites, "triton-renormalizes-in-place", f"({PARITY}) or test_fuzz_matches_reference")
     parity = [o for o in outcomes if "test_parity_with_reference" in o.nodeid]
     assert len(parity) == PARITY_CASES and all(
         o.outcome == "failed" and "changed its input(s) ['weights'] in place" in o.text for o in parity), (
@@ -201,7 +203,7 @@ def test_a_backend_that_changes_its_inputs_fails_parity_and_fuzz_naming_them(sui
 
 
 def test_refusing_some_drawn_cases_does_not_hide_a_defect_in_the_others(suites):
-    outcomes = run_suites(suites, "triton-refuses-top1")
+    outcomes = run_suites(suites, "triton-refuses-top1", "test_fuzz_matches_reference")
     fuzz = [o for o in outcomes if "test_fuzz_matches_reference" in o.nodeid]
     assert len(fuzz) == 1 and fuzz[0].outcome == "failed" and "exceeds the tolerance" in fuzz[0].text, (
         [(o.nodeid, o.outcome, o.text[-800:]) for o in fuzz])
@@ -228,7 +230,8 @@ def test_a_defect_only_large_top_k_shows_fails_the_fuzz_suites_fixed_corners(sui
 def test_a_backend_that_ignores_the_clip_it_declares_fails_the_clipped_parity(suites):
     """Its unclipped cases are right, so only the clipped ones can catch it: they all fail on the
     numbers; a backend that does not declare the clip is skipped there (the defects above)."""
-    outcomes = [o for o in run_suites(suites, "triton-ignores-clip") if "test_moe_parity" in o.nodeid]
+    outcomes = run_suites(suites, "triton-ignores-clip", PARITY)
+    assert all("test_moe_parity" in o.nodeid for o in outcomes), [o.nodeid for o in outcomes]
     clipped = [o for o in outcomes if "test_clipped_parity" in o.nodeid]
     assert len(clipped) == CLIPPED_CASES and all(o.outcome == "failed" and "exceeds the tolerance" in o.text
                                                  for o in clipped), [(o.nodeid, o.outcome) for o in clipped]
