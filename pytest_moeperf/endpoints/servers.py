@@ -10,6 +10,7 @@
     env = { VLLM_CPU_KVCACHE_SPACE = "1" }
     speculative = 3             # declared: it drafts 3 tokens a step; acceptance must show it
     startup_timeout_s = 300
+    nice = 10                   # a lower priority than the timing client's (0-19; a host the servers fill)
 
     [[server]]                  # a server you started
     name = "mine"
