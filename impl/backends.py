@@ -22,7 +22,7 @@ import torch
 
 ENTRY_POINT_GROUP = "moeperf.backends"
 # Modules whose import registers the built-in backends; imported on the first lookup.
-BUILTIN_MODULES = ("impl.moe", "impl.head", "impl.generate", "impl.spec.decoder", "impl.model.layer_backends",
+BUILTIN_MODULES = ("impl.moe", "impl.head", "impl.generate", "impl.speculative.decoder", "impl.model.layer_backends",
                    "impl.model.gemv")
 KINDS = ("moe", "head", "decoder", "attention", "projection")
 WEIGHT_FORMATS = ("bf16", "fp32", "mxfp4")

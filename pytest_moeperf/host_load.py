@@ -251,7 +251,7 @@ def read_cpu_times() -> tuple[int, int] | None:
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 # Process groups whose CPU time is the measured work, counted as this process's own: servers a
-# run started and times (pytest_moeperf.endpoints.managed), which are no other job's contention.
+# run started and times (moe_harness.ladder.endpoints.managed), which are no other job's contention.
 MEASURED_GROUPS: set[int] = set()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_moeperf.ab_run import MIN_REQUESTS
+from moe_harness.ladder.run import MIN_REQUESTS
 from pytest_moeperf.device import parse_device
 from pytest_moeperf.fixtures import (  # noqa: F401  (fixtures are registered by import)
     moe_backend, moe_checked_backend, moe_device, moe_gate, moe_host_meter, moe_model, moe_sampler, moe_session)
@@ -68,11 +68,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="N")
     add("--moe-ladder", "moe_ladder", "A/B rows of the ladder suite, separated by ';': presets (baseline, +kernels, "
         "+fp8-head, +mtp), NAME=SPEC or SPEC with SPEC key=value items (moe, experts, head, head_scales, attention, "
-        "projection, spec, accept, temperature, top_k, top_p, seed; see impl/serve/configs.py) "
+        "projection, spec, accept, temperature, top_k, top_p, seed; see impl/serve/rows.py) "
         "(default: baseline;+kernels;+fp8-head;+mtp "
         "on CUDA, baseline;+fp8-head;+mtp on CPU)", metavar="ROWS")
     add("--moe-servers", "moe_servers", "a TOML file of server rows for the ladder (OpenAI-compatible servers: "
-        "a URL, or a command the plugin starts and stops; see pytest_moeperf/endpoints/servers.py); --moe-ladder may "
+        "a URL, or a command the plugin starts and stops; see moe_harness/ladder/endpoints/servers.py); --moe-ladder may "
         "then name them beside this engine's rows, and without it the ladder is the file's servers", metavar="FILE")
     add("--moe-server-errors", "moe_server_errors", "what a server row's failed request does to the ladder: stop "
         "(default) or continue (kept as failed, the run goes on)", metavar="stop|continue")
@@ -189,7 +189,7 @@ def parse_ladder_option(value: str | None, device: str, servers: tuple = ()) -> 
     suites compare every row with the first: nothing would be compared)."""
     if not value and not servers:
         return None
-    from pytest_moeperf.endpoints.servers import ladder_rows
+    from moe_harness.ladder.endpoints.servers import ladder_rows
     try:
         rows = ladder_rows(value or None, servers, device)
     except ValueError as e:
@@ -205,7 +205,7 @@ def parse_servers_option(value: str | None, rootpath: Path):
     checked now (endpoints.servers.ServerFile; () without one)."""
     if not value:
         return ()
-    from pytest_moeperf.endpoints.servers import load_servers
+    from moe_harness.ladder.endpoints.servers import load_servers
     path = _under_root(value, rootpath)
     if not path.is_file():
         raise ValueError(f"--moe-servers {value}: no such file ({path}; a relative path is taken from rootdir)")
@@ -558,7 +558,7 @@ def _unwritable(options: Options) -> str | None:
     targets = [("--moe-report", options.report)] if options.report is not None else []
     if options.freeze:
         targets.append(("--moe-baselines", options.baselines / "x.json"))
-    from impl.files import unwritable_ancestor
+    from pytest_moeperf.files import unwritable_ancestor
     for flag, path in targets:
         if path.is_dir():
             return f"{flag} {path}: is a folder; a file path is needed"

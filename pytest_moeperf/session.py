@@ -41,7 +41,7 @@ class Options:
     # the gate then judges only against frozen figures): "faster", "not-slower" (EXPECTATIONS).
     expect: str | None = None
     ab_report: Path | None = None
-    # Server rows (pytest_moeperf.endpoints.servers.ServerDef) the ladder may name, from
+    # Server rows (moe_harness.ladder.endpoints.servers.ServerDef) the ladder may name, from
     # --moe-servers; whether a server's failed request stops the ladder ("stop") or is kept as
     # failed while it goes on ("continue"); whether rows may serve different models.
     servers: tuple = ()

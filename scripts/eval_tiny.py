@@ -20,7 +20,7 @@ import torch
 from impl.data.arith import END, answer_length, extract_answer, take, text_of
 from impl.generate import generate
 from impl.model import build_model
-from impl.spec import SpecStats, SpeculativeDecoder
+from impl.speculative import SpecStats, SpeculativeDecoder
 
 MAX_NEW_TOKENS = 160
 

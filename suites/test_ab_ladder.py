@@ -6,7 +6,7 @@ the kernels exist only interpreted, baseline, +fp8-head, +mtp), rows interleaved
 request (impl.serve.runner: A B, then B A), each request timed as a serving loop times it: TTFT
 (prefill included), TPOT = (latency - TTFT) / (output tokens - 1), latency, decode tokens/s,
 accept length per verify step. Answers are scored per request (impl.data.workloads). The run's
-report (JSON, Markdown, PNG figures: pytest_moeperf.ab_report) goes to `--moe-ab-report`, also
+report (JSON, Markdown, PNG figures: moe_harness.ladder.report) goes to `--moe-ab-report`, also
 when a test below fails and when the run stops part-way (it holds what completed).
 
 Per row after the first, against the first, paired over the same requests:
@@ -18,7 +18,7 @@ Per row after the first, against the first, paired over the same requests:
   fraction of requests both rows score alike is gated; each row's accuracy is gated too.
 Speculative rows also gate their mean accept length.
 
-Tolerances: pytest_moeperf.tolerances ("ab_speed", "ab_accuracy", "accept_length").
+Tolerances: moe_harness.tolerances ("ab_speed", "ab_accuracy", "accept_length").
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import statistics
 import pytest
 
 from impl.data.workloads import AtMost
-from pytest_moeperf.ab_run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
+from moe_harness.ladder.run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
                                    run_suite_ladder, workload_key)
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 
@@ -42,8 +42,8 @@ CHUNKS = 10  # accuracy figures are gated over this many consecutive chunks of t
 
 def _rows(session):
     """The ladder's rows: --moe-ladder's, else a --moe-servers file's ([ladder] rows, or its
-    servers), else the device's default rows (pytest_moeperf.endpoints.servers.ladder_rows)."""
-    from pytest_moeperf.endpoints.servers import ladder_rows
+    servers), else the device's default rows (moe_harness.ladder.endpoints.servers.ladder_rows)."""
+    from moe_harness.ladder.endpoints.servers import ladder_rows
     device, opts = session.device.torch_device.type, session.options
     text = opts.ladder or (None if opts.servers else _default_ladder(session, device))
     return ladder_rows(text, opts.servers, device)

@@ -12,7 +12,7 @@ scales, a bf16 fallback). So this suite checks, on every run:
     trained tiny checkpoint reaches about 3.9 at k = 3 (notes/mtp.md), a draft without the
     target's head about 1; the failure message points at head sharing.
 and with --moe-bench, gates the mean accept length and the acceptance per position against the
-frozen figures (tolerance: pytest_moeperf.tolerances, "accept_length"). On the byte-level
+frozen figures (tolerance: moe_harness.tolerances, "accept_length"). On the byte-level
 arithmetic checkpoint each generation stops where its answer ends (`#### N` and END), as
 scripts/eval_tiny.py does: what it writes after an answer was never trained and drafts poorly, so
 counting it would measure text no workload asks for.
@@ -25,8 +25,8 @@ import torch
 
 from impl.data.arith import answer_length, take, text_of, writes_answers
 from impl.model import PRESETS
-from impl.spec import SpeculativeDecoder, SpecStats
-from pytest_moeperf.tolerances import tolerance_for
+from impl.speculative import SpeculativeDecoder, SpecStats
+from moe_harness.tolerances import tolerance_for
 
 K = 3
 PROMPTS = 24

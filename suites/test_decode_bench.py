@@ -7,7 +7,7 @@ speed moves them alike, where the dense MLP's GEMVs and the layer's ~20 small op
 9-15% between machines of one fingerprint; notes/gate-trust.md). On a CPU both are timed at one
 thread in rounds of CALLS_PER_ROUND_CPU calls (the tiny layers' 128-wide ops gain nothing from a
 second thread but its scheduling noise; 40 ms rounds let the host's speed change between the two
-sides). Tolerances: pytest_moeperf.tolerances ("timing" for tokens/s and the layer's time,
+sides). Tolerances: moe_harness.tolerances ("timing" for tokens/s and the layer's time,
 "moe_over_dense", "moe_over_plain_torch"), each number with its reason.
 On a GPU every timed call is a CUDA graph replay, as a decode loop runs there; eager calls would
 time the host's launches (an eager decode step of the tiny model took 3.4 ms on the H200).
@@ -26,7 +26,7 @@ from impl.model.layers import MLP, MoEBlock
 from impl.moe.gather import moe_gather
 from impl.moe.shared import SharedExpert, shared_expert
 from impl.quant.mxfp4 import MXFP4Tensor
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 

@@ -8,7 +8,7 @@ copy bandwidth measured once per module). Correctness comes first: each head's l
 checked against the bf16 head before it is timed.
 
 Gates (moe_gate): the FP8 time per shape and M (lower is better) and the FP8 / bf16 ratio
-measured interleaved in one run (tolerances: pytest_moeperf.tolerances, "timing" and "ratio").
+measured interleaved in one run (tolerances: moe_harness.tolerances, "timing" and "ratio").
 On the H200 the FP8 head's targets (impl.head.targets) are checked as well.
 """
 
@@ -24,7 +24,7 @@ from impl.gpu_timing import copy_bandwidth
 from impl.graphs import capture_graph
 from impl.head import BF16Head, FP8Head, compare_logits, require_head_backend
 from impl.head.targets import H200_BARS_US, H200_MAX_M4_OVER_M1, H200_MIN_FLOOR_FRACTION, LING_HEADS
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
 

@@ -13,7 +13,7 @@ decode and verify steps replayed from CUDA graphs, interleaved request by reques
    random weights never accept a draft, so the drafts are forced to the target's choices with a
    constant per-position profile of mean accept length 3.90 (the reference result's). Its verify
    and commit steps run for real; its speed follows from the assumed acceptance, and every
-   output labels it (impl.spec.assumed).
+   output labels it (impl.speculative.assumed).
 
 Workloads (`LING_WORKLOADS`): synthetic prompts at 1k and 8k context with 256 output tokens, and
 the reference result's 32k in / 2k out. Per workload, gated against the frozen figures:
@@ -46,9 +46,9 @@ import pytest
 
 from impl.data.workloads import AtMost
 from impl.model.roofline import Formats
-from pytest_moeperf.ab_run import fail_on_provenance, paired, row_config, run_suite_ladder
+from moe_harness.ladder.run import fail_on_provenance, paired, row_config, run_suite_ladder
 from pytest_moeperf.baselines import atomic_write_text
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 
@@ -71,7 +71,7 @@ FIGURES = (("ab_tokens_per_s", "decode_tokens_per_s", "higher"), ("ab_tpot", "tp
 
 def _rows(session):
     from impl import backends
-    from impl.serve.configs import parse_ladder
+    from impl.serve.rows import parse_ladder
     if not session.options.ladder and "humming" not in backends.available("moe"):
         raise pytest.UsageError("the Ling ladder's first row runs Humming's MoE: install humming-kernels, or give "
                                 "the rows with --moe-ladder (e.g. without the humming row)")
@@ -200,7 +200,7 @@ def test_verify_cost(ling_ladder, moe_model, context, moe_gate, moe_device):
     """What speculation costs: per request, the speculative row's time per verify step (k drafts,
     the verify pass, the commit) over the TPOT of the row before it (the same model without MTP),
     paired. The row is faster only where its accept length beats this."""
-    from pytest_moeperf.ab_summary import verify_step_s
+    from moe_harness.ladder.summary import verify_step_s
     names = _names(ling_ladder)
     spec = [r for r in ling_ladder.result.rows if r.speculative]
     if not spec or names.index(spec[0].name) == 0:
@@ -316,7 +316,7 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     from impl.data.text import tokenizer_for
     from impl.data.workloads import parse_workload
     from impl.serve import build_arm
-    from impl.serve.configs import parse_row
+    from impl.serve.rows import parse_row
     length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
     row = parse_row(ROW3, "cuda")
     arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_session.options.model,

@@ -3,7 +3,7 @@ the Ling shapes, timed on the GPU under CUDA graphs and gated against the frozen
 
 Each sample replays a graph of 10 layer calls on 10 different inputs, so the chosen experts
 stream from HBM rather than L2; the figure is microseconds per call. Tolerances:
-pytest_moeperf.tolerances ("timing" for the layer's time, "ratio" for ours over Humming's).
+moe_harness.tolerances ("timing" for the layer's time, "ratio" for ours over Humming's).
 
 `test_moe_layer_over_humming` times the backend under test beside the peer, Humming's whole layer
 (the `humming` backend, when humming-kernels is installed), on the same weights and inputs,
@@ -27,7 +27,7 @@ from impl.gpu_timing import copy_bandwidth
 from impl.graphs import capture_graph
 from impl.model.config import get_config
 from impl.moe.random_layer import bytes_per_token, distinct_experts, random_inputs, random_moe_block, shared_of
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = [pytest.mark.moe_bench, pytest.mark.gpu]
 

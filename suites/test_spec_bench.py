@@ -17,7 +17,7 @@
   there; per prompt the agreement is the identical fraction of the generation before the first
   divergence, gated (direction higher) and reported with the divergence positions.
 
-Tolerances: pytest_moeperf.tolerances ("mtp_over_plain", "agreement"), each number with its reason.
+Tolerances: moe_harness.tolerances ("mtp_over_plain", "agreement"), each number with its reason.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from impl.data.arith import answer_length, take, text_of, writes_answers
-from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
-from pytest_moeperf.tolerances import tolerance_for
+from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 

@@ -129,7 +129,7 @@ def assert_speculative_equals_greedy(model, prompt: torch.Tensor, tokens: int) -
     """MTP speculative decoding (k = 3) of `tokens` tokens equals plain greedy decoding, with some
     draft rejected: random weights reject most drafts, so the rollback after a rejection is tested."""
     from impl.generate import generate
-    from impl.spec import SpeculativeDecoder
+    from impl.speculative import SpeculativeDecoder
     plain = generate(model, prompt, tokens).new_tokens[0]
     result = SpeculativeDecoder(model, k=3).generate(prompt, tokens)
     assert torch.equal(result.new_tokens[0, :tokens], plain)
@@ -140,7 +140,7 @@ def check_ladder_runs_unchanged(model, prompts: list[str], max_tokens: int) -> N
     """One mechanism: the serving rows (FP8 head, MTP with the head shared) on `model` (CPU);
     provenance holds for every row and greedy +mtp serves exactly what +fp8-head serves."""
     from impl.serve.arm import build_arms
-    from impl.serve.configs import parse_ladder
+    from impl.serve.rows import parse_ladder
     from impl.serve.engine import EngineRow
     from impl.serve.runner import Ladder
     from tests.test_serve_engine import ByteTokenizer, request

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from pytest_moeperf.stats import paired_ratio
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "suites" / "test_ab_ladder.py"

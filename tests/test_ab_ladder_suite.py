@@ -194,7 +194,7 @@ def test_a_run_that_stops_before_its_report_leaves_no_earlier_report_behind(pyte
 
 FULL_DISK = ONE_THREAD + '''
 import errno
-import pytest_moeperf.ab_report as ab_report
+import moe_harness.ladder.report as ab_report
 
 
 def _full(path, data):

@@ -13,11 +13,11 @@ import re
 import numpy as np
 import pytest
 
-from impl import files
+from pytest_moeperf import files
 from impl.serve.result import SCORE_KEYS, Acceptance, Failure, LadderResult, RowEntry, ServedRequest
-from pytest_moeperf import ab_summary
-from pytest_moeperf.ab_report import write_ab_report
-from pytest_moeperf.ab_summary import ACCEPT_LENGTH_FLOOR, summarize_ab
+from moe_harness.ladder import summary as ab_summary
+from moe_harness.ladder.report import write_ab_report
+from moe_harness.ladder.summary import ACCEPT_LENGTH_FLOOR, summarize_ab
 from pytest_moeperf.stats import paired_accuracy, paired_ratio
 
 K = 3  # drafts per verify step of the synthetic speculative row
@@ -457,7 +457,7 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
 ])
 def test_the_report_says_how_contended_the_host_was_while_the_rows_were_served(tmp_path, full, stall, other,
                                                                                 threshold, contended):
-    from pytest_moeperf.ab_run import host_entry
+    from moe_harness.ladder.run import host_entry
     from pytest_moeperf.host_load import HostLoad
     r = copy.deepcopy(full)
     r["host"] = host_entry(HostLoad(stall, 42.0, "psi:cgroup", 3.1, other), threshold)
@@ -471,7 +471,7 @@ def test_the_report_says_how_contended_the_host_was_while_the_rows_were_served(t
 
 
 def test_a_gpu_ladder_says_its_host_was_not_metered(tmp_path, full):
-    from pytest_moeperf.ab_run import host_entry
+    from moe_harness.ladder.run import host_entry
     r = copy.deepcopy(full)
     r["host"] = host_entry(None, 0.05)
     md = write(r, tmp_path)["markdown"].read_text()
@@ -506,13 +506,13 @@ def test_the_report_gives_both_answer_extractions_where_the_workload_scores_both
 
 @pytest.mark.parametrize("scored, chunk_sizes", [(60, [6] * 10), (20, [5] * 4), (15, [5] * 3)])
 def test_accuracy_is_gated_over_chunks_of_at_least_five(scored, chunk_sizes):
-    from pytest_moeperf.ab_run import accuracy_chunks
+    from moe_harness.ladder.run import accuracy_chunks
     assert [len(c) for c in accuracy_chunks(list(range(scored)), 10)] == chunk_sizes
 
 
 def test_too_few_scored_requests_skip_the_accuracy_gate_saying_how_many_it_needs():
     """Chunks of one request score 0 or 1: their median, frozen, could never be failed against."""
-    from pytest_moeperf.ab_run import accuracy_chunks
+    from moe_harness.ladder.run import accuracy_chunks
     with pytest.raises(pytest.skip.Exception, match=r"3 scored request\(s\).*--moe-requests 15 or more"):
         accuracy_chunks([0, 1, 2], 10)
 

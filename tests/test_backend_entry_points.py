@@ -109,7 +109,7 @@ def test_an_entry_point_that_fails_to_load_warns_at_once_naming_it(installed):
 
 
 def test_a_ladder_row_naming_a_backend_that_failed_to_load_says_why(installed):
-    from impl.serve.configs import parse_row
+    from impl.serve.rows import parse_row
     with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"moe: unknown MoE backend 'user-moe-missing'; "
                                                                   r"known: .*entry point user-moe-missing = "
                                                                   r"user_moe_pkg_not_installed:backend .*failed to "

@@ -89,7 +89,7 @@ def test_a_row_serving_another_model_is_refused(pytester):
 
 KILL_AFTER_THREE = """
 import os, signal
-from pytest_moeperf.endpoints.rows import ServerRow
+from moe_harness.ladder.endpoints.server_row import ServerRow
 
 _serve = ServerRow.serve
 _calls = []

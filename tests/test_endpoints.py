@@ -10,10 +10,10 @@ import json
 import httpx
 import pytest
 
-from pytest_moeperf.endpoints import engines
-from pytest_moeperf.endpoints.metrics import SpecCounters, vllm_spec_counters
-from pytest_moeperf.endpoints.servers import ServerFileError, ladder_rows, load_servers, parse_url_row
-from pytest_moeperf.endpoints.stream import stream_completion
+from moe_harness.ladder.endpoints import engines
+from moe_harness.ladder.endpoints.metrics import SpecCounters, vllm_spec_counters
+from moe_harness.ladder.endpoints.servers import ServerFileError, ladder_rows, load_servers, parse_url_row
+from moe_harness.ladder.endpoints.stream import stream_completion
 
 URL = "http://server.test/v1/completions"
 

@@ -22,7 +22,7 @@ SUITE = """
 import os
 import pytest
 
-from pytest_moeperf.tolerances import tolerance_for
+from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]

@@ -16,7 +16,7 @@ import torch
 from impl import backends
 from impl.model.layer_backends import FALLBACKS, layer_modules, set_layer_backend
 from impl.model.build import build_model
-from impl.serve.configs import parse_row, parse_serve_config
+from impl.serve.rows import parse_row, parse_serve_config
 from impl.serve.provenance import RowProvenance, provenance_problems
 
 
@@ -152,7 +152,7 @@ def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     """Rows of the ladder on ling-3.0-tiny (CPU): the defaults and attention=torch,projection=cublas
     each run their backends (checked from provenance) and serve the same greedy text."""
     from impl.serve.arm import build_arms
-    from impl.serve.configs import parse_ladder
+    from impl.serve.rows import parse_ladder
     from impl.serve.engine import EngineRow
     from impl.serve.runner import Ladder
     from tests.test_serve_engine import ByteTokenizer, request

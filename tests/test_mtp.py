@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from impl.model import build_model, get_config
 from impl.model.saving import save_checkpoint
-from impl.spec import SpeculativeDecoder
+from impl.speculative import SpeculativeDecoder
 
 RTOL = 1e-5  # fp32 vs fp32, another op order (see tests/test_hf_parity.py)
 

@@ -206,7 +206,7 @@ def test_freeze_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("impl.files.os.replace", broken_replace)
+    monkeypatch.setattr("pytest_moeperf.files.os.replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         store.freeze({"b::m": _frozen(value=2.0)})
     assert store.path.read_bytes() == before

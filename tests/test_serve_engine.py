@@ -14,7 +14,7 @@ import torch
 from impl.data.arith import take, text_of
 from impl.generate import generate
 from impl.serve.arm import build_arm
-from impl.serve.configs import parse_serve_config, resolve_preset
+from impl.serve.rows import parse_serve_config, resolve_preset
 from impl.serve.engine import _Output
 from serving import serve
 

@@ -11,7 +11,7 @@ import torch
 from impl.data.arith import take, text_of
 from impl.generate import generate
 from impl.serve.arm import build_arm, build_arms
-from impl.serve.configs import PRESETS, parse_ladder, parse_serve_config
+from impl.serve.rows import PRESETS, parse_ladder, parse_serve_config
 from impl.serve.engine import EngineRow
 from impl.serve.provenance import ProvenanceError, check_provenance, unshared_head_arm
 from impl.serve.runner import Ladder

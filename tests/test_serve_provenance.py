@@ -10,7 +10,7 @@ import pytest
 
 from impl.data.arith import take
 from impl.serve.arm import build_arm
-from impl.serve.configs import PRESETS, parse_serve_config, resolve_preset
+from impl.serve.rows import PRESETS, parse_serve_config, resolve_preset
 from impl.serve.provenance import ProvenanceError, check_provenance, provenance_problems, unshared_head_arm
 from serving import engine_row
 from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)

@@ -10,7 +10,7 @@ import pytest
 
 from impl.data.arith import take
 from impl.serve.arm import build_arms
-from impl.serve.configs import parse_ladder
+from impl.serve.rows import parse_ladder
 from impl.serve.engine import EngineRow
 from impl.serve.provenance import ProvenanceError, unshared_head_arm
 from impl.serve.result import LadderStopped

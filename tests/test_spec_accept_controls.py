@@ -48,7 +48,7 @@ def fp8_bytes_head(model):
 
 VARIANTS = {
     "unchecked-fp8-bytes": COMMON + '''
-import impl.spec.decoder as decoder
+import impl.speculative.decoder as decoder
 
 
 @pytest.fixture(scope="session", autouse=True)

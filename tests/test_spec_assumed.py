@@ -1,4 +1,4 @@
-"""impl.spec.assumed: speculation with a stated acceptance profile (for random-weight models,
+"""impl.speculative.assumed: speculation with a stated acceptance profile (for random-weight models,
 whose drafts are never accepted). The profile's arithmetic; a profile of 0 reproduces plain greedy
 token for token (every step commits the target's own next token); a profile of 1 accepts all k
 drafts every step; a stated mean is what the run's accept lengths come out at, within the
@@ -13,8 +13,8 @@ import torch
 
 from impl.generate import SamplingConfig, generate
 from impl.model import build_model
-from impl.spec import SpeculativeDecoder
-from impl.spec.assumed import AcceptanceProfile
+from impl.speculative import SpeculativeDecoder
+from impl.speculative.assumed import AcceptanceProfile
 
 
 @pytest.fixture(scope="module")

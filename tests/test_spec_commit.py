@@ -1,4 +1,4 @@
-"""The speculative step's commit as one Triton kernel (impl.spec.commit.greedy_commit_kernel, run
+"""The speculative step's commit as one Triton kernel (impl.speculative.commit.greedy_commit_kernel, run
 here by the interpreter on CPU) against the torch ops it replaces on a GPU: the same tokens
 written at the same positions, the same accepted count, n and committed row, for every number
 of leading matches from none to all k, and for k from 1 to 8."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl.spec.commit import commit_greedy
-from impl.spec.decoder import SpecState
+from impl.speculative.commit import commit_greedy
+from impl.speculative.decoder import SpecState
 
 CAPACITY = 64
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

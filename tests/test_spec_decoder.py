@@ -18,7 +18,7 @@ import torch
 from impl.generate import SamplingConfig, generate
 from impl.head import BF16Head
 from impl.model import build_model, get_config
-from impl.spec import HeadSharingError, SpeculativeDecoder
+from impl.speculative import HeadSharingError, SpeculativeDecoder
 
 PROMPT_LEN, NEW = 10, 40
 

@@ -1,4 +1,4 @@
-"""Graph-replayable decoding runs (impl/spec/graphed.py) on CPU, fp32, where a "graph" is a plain
+"""Graph-replayable decoding runs (impl/speculative/graphed.py) on CPU, fp32, where a "graph" is a plain
 call of the same step: plain runs equal `generate`, speculative runs equal plain greedy decoding
 token for token, `reset` restarts the same run, and replaying a step's parts changes nothing.
 Also the negative control of suites/test_spec_bench.py's agreement check: a verify pass fed the
@@ -13,7 +13,7 @@ import torch
 
 from impl.generate import SamplingConfig, generate
 from impl.model import build_model
-from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
 from tests.test_spec_decoder import echo_draft_
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_sampled_speculation_is_refused(models):
 
 WRONG_POSITIONS = '''
 import pytest
-from impl.spec import SpeculativeDecoder
+from impl.speculative import SpeculativeDecoder
 
 _verify_pass = SpeculativeDecoder.verify_pass
 

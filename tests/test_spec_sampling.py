@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from impl.generate import SamplingConfig, filtered_probs
-from impl.spec import greedy_verify, rejection_verify
+from impl.speculative import greedy_verify, rejection_verify
 
 N = 200_000
 V = 8

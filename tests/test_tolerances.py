@@ -1,4 +1,4 @@
-"""pytest_moeperf.tolerances: one rule for the shipped suites' tolerances, and the committed
+"""moe_harness.tolerances: one rule for the shipped suites' tolerances, and the committed
 baselines froze exactly what it gives (the gate compares against the frozen tolerance, so a number
 changed in the rule without a refreeze would not gate)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pytest_moeperf.gate import Reported
-from pytest_moeperf.tolerances import FIGURES, GPU_TIMING, tolerance_for
+from moe_harness.tolerances import FIGURES, GPU_TIMING, tolerance_for
 
 BASELINES = Path(__file__).resolve().parents[1] / "baselines"
 # The figure kind of each gated metric of the shipped suites, by the start of its metric name.
@@ -72,5 +72,5 @@ def test_the_committed_baselines_froze_the_rules_tolerances(path):
     assert set(FIGURE_OF.values()) <= set(FIGURES)
     wrong = [(mid, tol, tolerance_for(_figure(mid), kind)) for mid, tol, kind in frozen
              if tol != tolerance_for(_figure(mid), kind)]
-    assert not wrong, (f"frozen tolerance differs from pytest_moeperf.tolerances (refreeze?; a figure now "
+    assert not wrong, (f"frozen tolerance differs from moe_harness.tolerances (refreeze?; a figure now "
                        f"Reported on that device is never read there: delete it): {wrong}")

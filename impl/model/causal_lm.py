@@ -21,7 +21,7 @@ from impl.model.config import ModelConfig
 from impl.model.kda import KDAAttention
 from impl.model.layers import DecoderLayer, Experts, RMSNorm, rope_tables
 from impl.model.mtp import MTPLayer
-from impl.spec.sampling import MAX_K
+from impl.speculative.sampling import MAX_K
 
 
 class MoECausalLM(nn.Module):

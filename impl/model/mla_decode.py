@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from impl.files import atomic_write_text
+from pytest_moeperf.files import atomic_write_text
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
 from impl.triton_env import FP32_MATH, config_devices, device_name, tl, triton
 

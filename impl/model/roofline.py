@@ -181,7 +181,7 @@ def kda_verify_state_passes(tokens: int) -> int:
 
 def spec_step_bytes(config: ModelConfig | str, context: int, k: int, formats: Formats = Formats(), model=None,
                     distinct_experts: float | None = None) -> dict[str, float]:
-    """Bytes by component of one speculative step at `context` committed positions, as impl.spec
+    """Bytes by component of one speculative step at `context` committed positions, as impl.speculative
     runs it: the MTP layer over the k+1 verified positions, then k-1 chained one-token passes, each
     pass with the shared head's logits ("draft"); the target's verify pass over k+1 tokens, which
     reads every weight once, the routed experts its tokens route to (`distinct_experts` a layer,

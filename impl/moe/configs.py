@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from impl.files import atomic_write_text
+from pytest_moeperf.files import atomic_write_text
 from impl.triton_env import config_devices
 
 M_BUCKETS = (1, 2, 4, 8, 16)

@@ -6,7 +6,7 @@ check that refuses a row that is not what it says (provenance.py), the interleav
 runs a quick ladder on the embedded model."""
 
 from impl.serve.arm import Arm, ArmError, build_arm, build_arms, expert_format, why_cannot_run
-from impl.serve.configs import (DEFAULT_K, PRESETS, Row, ServeConfig, parse_ladder, parse_row, parse_serve_config,
+from impl.serve.rows import (DEFAULT_K, PRESETS, Row, ServeConfig, parse_ladder, parse_row, parse_serve_config,
                                 resolve_preset)
 from impl.serve.engine import EngineRow, request_seed
 from impl.serve.provenance import (ProvenanceError, RowProvenance, check_provenance, provenance_problems,

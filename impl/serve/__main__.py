@@ -18,7 +18,7 @@ import torch
 
 from impl.serve import engine
 from impl.serve.arm import build_arms
-from impl.serve.configs import parse_ladder
+from impl.serve.rows import parse_ladder
 from impl.serve.engine import EngineRow
 from impl.serve.runner import Ladder
 
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from impl.model.build import build_model
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     if args.http is not None:
-        from impl.serve.configs import parse_row
+        from impl.serve.rows import parse_row
         from impl.serve.http import serve_http
         try:
             model = build_model(args.model, args.device, dtype)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from impl import backends
-from impl.serve.configs import Row, ServeConfig
+from impl.serve.rows import Row, ServeConfig
 
 __all__ = ["Arm", "ArmError", "build_arm", "build_arms", "expert_format", "why_cannot_run"]
 
@@ -113,7 +113,7 @@ class Arm:
     model: nn.Module
     tokenizer: object  # encode(text) -> ids, decode(ids) -> text, eos_id
     head: nn.Module  # the LM head module this arm runs (shared with arms of the same head)
-    decoder: object | None = None  # impl.spec.SpeculativeDecoder for speculative arms
+    decoder: object | None = None  # impl.speculative.SpeculativeDecoder for speculative arms
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +169,7 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
     head = _bank(model).get(config)
     arm = Arm(name, config, model, tokenizer, head)
     if config.speculative:
-        from impl.spec import SpeculativeDecoder
+        from impl.speculative import SpeculativeDecoder
         if not len(getattr(model, "mtp", ())):
             raise ArmError(f"{name}: spec: model {model.config.name!r} has no MTP (NEXTN) layer to draft with")
         arm.activate()  # the decoder checks that the draft holds the head this arm runs
@@ -179,7 +179,7 @@ def build_arm(model, config: ServeConfig, *, tokenizer, name: str | None = None)
 
 
 def build_arms(model, rows: list[Row], *, tokenizer) -> list[Arm]:
-    """One arm per ladder row (impl.serve.configs.parse_ladder), all on `model`."""
+    """One arm per ladder row (impl.serve.rows.parse_ladder), all on `model`."""
     names = [r.name for r in rows]
     if len(set(names)) != len(names):
         raise ArmError(f"row names must differ, got {names}")

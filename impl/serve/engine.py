@@ -43,7 +43,7 @@ prefill step too, so their MTP TTFT includes it); latency when the host holds th
 ends the request. TPOT = (latency - TTFT) / (output_tokens - 1) (None for one token); decode tokens/s =
 (output_tokens - 1) / (latency - TTFT).
 
-Sampling, and an assumed-acceptance row's accept lengths (impl.spec.assumed): each request draws
+Sampling, and an assumed-acceptance row's accept lengths (impl.speculative.assumed): each request draws
 from its own seed (`request_seed`: the row's seed and the request id), the same in every row, so
 a request's accept lengths are the same in every run (drawn from wherever the generator stood,
 they had moved a row's mean by up to 1% between runs). On CUDA the captured steps draw from the
@@ -178,7 +178,7 @@ class _DraftPrompt:
     target's hidden states and tokens; rows past s hold whatever an earlier request left. What
     they write into the draft's KV cache at positions s..S-1 is rewritten before any query reads
     it: every later draft pass writes a position before a query at it or later attends to it
-    (impl.spec.decoder's module docstring). Longer prompts run eagerly: compute, not launches,
+    (impl.speculative.decoder's module docstring). Longer prompts run eagerly: compute, not launches,
     dominates there, and a graph per bucket up to the context would hold its activations."""
 
     GRAPHED_PROMPT = 2048
@@ -233,7 +233,7 @@ class _SpecLoop:
     """Persistent buffers and the captured speculative step (draft k, verify k+1) of one arm."""
 
     def __init__(self, arm) -> None:
-        from impl.spec import Span, SpecState
+        from impl.speculative import Span, SpecState
         model, self.model = arm.model, arm.model
         dec = self.decoder = arm.decoder
         self.device, k = arm.device, dec.k

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from impl.serve.configs import ServeConfig, preset_mismatch
+from impl.serve.rows import ServeConfig, preset_mismatch
 
 __all__ = ["ProvenanceError", "RowProvenance", "check_provenance", "provenance_problems", "unshared_head_arm"]
 
@@ -248,7 +248,7 @@ def unshared_head_arm(arm, mode: str = "weight"):
 
     The decoder is built with the contract check off, which only negative controls may do."""
     from impl.head import BF16Head, FP8Head
-    from impl.spec import SpeculativeDecoder
+    from impl.speculative import SpeculativeDecoder
     from impl.serve.arm import Arm
 
     if arm.decoder is None:

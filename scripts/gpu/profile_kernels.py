@@ -88,7 +88,7 @@ def timeline(kernels, per_step: int) -> None:
 def profile_model(name: str, moe_backend: str) -> None:
     from impl.data.arith import take
     from impl.model.build import build_model
-    from impl.spec import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+    from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
     model = build_model(name, device="cuda", dtype=torch.bfloat16, moe_backend=moe_backend)
     prompt = torch.tensor(list(take("heldout", 1, seed=2)[0].prompt.encode("ascii")), device="cuda")
     plain = GraphedDecoding(model, prompt, 40)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import math
 
-from pytest_moeperf.ab_summary import METRICS
+from moe_harness.ladder.summary import METRICS
 
 
 def _new_figure(width, height):

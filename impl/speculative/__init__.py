@@ -1,9 +1,9 @@
 """Speculative decoding with the model's MTP (NEXTN) layer as the draft."""
 
-from impl.spec.decoder import (HeadSharingError, Span, SpecResult, SpecState, SpecStats, SpeculativeDecoder,
+from impl.speculative.decoder import (HeadSharingError, Span, SpecResult, SpecState, SpecStats, SpeculativeDecoder,
                                check_head_sharing)
-from impl.spec.graphed import GraphedDecoding, GraphedSpeculation
-from impl.spec.sampling import MAX_K, greedy_verify, ratio_rule, rejection_verify
+from impl.speculative.graphed import GraphedDecoding, GraphedSpeculation
+from impl.speculative.sampling import MAX_K, greedy_verify, ratio_rule, rejection_verify
 
 __all__ = ["GraphedDecoding", "GraphedSpeculation", "HeadSharingError", "MAX_K", "Span", "SpecResult", "SpecState",
            "SpecStats", "SpeculativeDecoder", "check_head_sharing",

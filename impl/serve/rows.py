@@ -21,7 +21,7 @@ override:
                             MLA layers refuse a row that names anything but the defaults
     spec=off | mtp[:K]      speculation: none, or MTP with K drafts per verify step (default K: the
                             `k` given to the parser, 3 for the embedded model)
-    accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.spec.assumed):
+    accept=MEAN             MTP rows only, greedy: acceptance assumed, not judged (impl.speculative.assumed):
                             the drafts are forced to the target's choices with the constant
                             per-position profile whose mean accept length is MEAN (e.g. 3.90),
                             for random-weight models; every output labels such a row
@@ -114,7 +114,7 @@ class ServeConfig:
     k: int = 0  # drafts per verify step; 0 when spec is off
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
-    assumed_accept: float | None = None  # mean accept length assumed (impl.spec.assumed); None: judged
+    assumed_accept: float | None = None  # mean accept length assumed (impl.speculative.assumed); None: judged
     attention: str = LAYER_DEFAULTS["attention"]  # the KDA/MLA layers' backends (impl.model.layer_backends)
     projection: str = LAYER_DEFAULTS["projection"]
 
@@ -149,7 +149,7 @@ class ServeConfig:
                 raise ValueError(f"head_scales: expected one of {HEAD_SCALES} for head=fp8, got {self.head_scales!r}")
         if self.spec not in SPECULATION:
             raise ValueError(f"spec: unknown speculation {self.spec!r}; expected off or mtp[:K]")
-        from impl.spec.sampling import MAX_K
+        from impl.speculative.sampling import MAX_K
         if self.spec == "off" and self.k != 0:
             raise ValueError(f"spec: k={self.k} drafts given with speculation off")
         if self.spec == "mtp" and not (isinstance(self.k, int) and 1 <= self.k <= MAX_K):
@@ -170,10 +170,10 @@ class ServeConfig:
                                  f"got {self.assumed_accept:g}")
 
     def acceptance_profile(self):
-        """The impl.spec.assumed.AcceptanceProfile of an assumed-acceptance row, else None."""
+        """The impl.speculative.assumed.AcceptanceProfile of an assumed-acceptance row, else None."""
         if self.assumed_accept is None:
             return None
-        from impl.spec.assumed import AcceptanceProfile
+        from impl.speculative.assumed import AcceptanceProfile
         return AcceptanceProfile.from_mean(self.assumed_accept, self.k)
 
     def layer_backends(self) -> dict[str, str]:

@@ -17,7 +17,7 @@ last hidden state at j):
     such layer's state to the one after the first m+1 verified tokens, kept by the verify pass.
 
 `SpeculativeDecoder.step` (draft, verify, accept, commit) keeps every position and count on the
-device, so it can be replayed from a CUDA graph (`impl.spec.graphed`). `generate` reads one number
+device, so it can be replayed from a CUDA graph (`impl.speculative.graphed`). `generate` reads one number
 per step back to the host: the accepted count, which decides when to stop.
 
 Head sharing is a checked contract: the draft must call the very head module the target calls
@@ -37,11 +37,11 @@ from torch import nn
 
 from impl import backends, plant
 from impl.generate import SamplingConfig, check_prompt, filtered_probs
-from impl.spec.commit import commit, commit_greedy
-from impl.spec.sampling import MAX_K, rejection_verify
+from impl.speculative.commit import commit, commit_greedy
+from impl.speculative.sampling import MAX_K, rejection_verify
 
 if TYPE_CHECKING:
-    from impl.spec.assumed import AcceptanceProfile
+    from impl.speculative.assumed import AcceptanceProfile
 
 
 class HeadSharingError(ValueError):
@@ -198,10 +198,10 @@ class SpeculativeDecoder:
         if require_shared_head:
             check_head_sharing(target, draft)
         self.target, self.draft, self.k, self.sampling = target, draft, k, sampling
-        # impl.spec.assumed: acceptance drawn from a stated profile instead of judged (greedy only).
+        # impl.speculative.assumed: acceptance drawn from a stated profile instead of judged (greedy only).
         self.assumed = None
         if assume is not None:
-            from impl.spec.assumed import AssumedAcceptance
+            from impl.speculative.assumed import AssumedAcceptance
             if assume.k != k or not sampling.greedy:
                 raise ValueError(f"an assumed acceptance profile needs greedy sampling and one probability per "
                                  f"draft (k={k}), got {assume.k} with {sampling}")

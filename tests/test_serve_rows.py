@@ -1,4 +1,4 @@
-"""impl.serve.configs: the spec syntax, its errors, presets per device, ladders."""
+"""impl.serve.rows: the spec syntax, its errors, presets per device, ladders."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from impl import backends
 from impl.generate import SamplingConfig
-from impl.serve.configs import PRESETS, ServeConfig, parse_ladder, parse_row, parse_serve_config, resolve_preset
+from impl.serve.rows import PRESETS, ServeConfig, parse_ladder, parse_row, parse_serve_config, resolve_preset
 
 
 def test_a_full_spec():
@@ -158,7 +158,7 @@ def test_a_preset_row_with_an_assumed_acceptance_keeps_its_name():
 def test_a_row_runs_as_the_code_its_device_takes():
     """On a CPU the layer kernels' backends take the torch form for every call: naming
     attention=torch or projection=cublas there runs what the default runs; on CUDA it does not."""
-    from impl.serve.configs import parse_row
+    from impl.serve.rows import parse_row
     plain, torch_layers = (parse_row(t, "cpu").config
                            for t in ("moe=gather", "moe=gather,attention=torch,projection=cublas"))
     assert plain.runs_as("cpu") == torch_layers.runs_as("cpu") == plain.spec_text()
@@ -169,7 +169,7 @@ def test_a_users_own_layer_backend_is_not_taken_for_the_default_on_a_cpu(monkeyp
     """Only the built-in kernel backends take their torch form on a CPU; a backend of the user's
     own may run otherwise, so a row naming it is not an A/A pair with the default."""
     from impl import backends
-    from impl.serve.configs import parse_row
+    from impl.serve.rows import parse_row
     monkeypatch.setitem(backends._registry, ("attention", "mine"),
                         backends.Backend("attention", "mine", lambda module, *a, **k: None, "a user's own"))
     mine = parse_row("moe=gather,attention=mine", "cpu").config

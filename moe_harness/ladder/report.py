@@ -1,7 +1,7 @@
 """The report of an A/B configuration ladder, written as JSON (the summary, and every request),
 Markdown and PNG figures, each file atomically: `write_ab_report(result, summary, out_dir) ->
-{kind: Path}`. The numbers come from pytest_moeperf.ab_summary (computed once by the caller), the
-figures from pytest_moeperf.ab_figures.
+{kind: Path}`. The numbers come from moe_harness.ladder.summary (computed once by the caller), the
+figures from moe_harness.ladder.figures.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 import math
 from pathlib import Path
 
-from pytest_moeperf.ab_figures import render_figures
+from moe_harness.ladder.figures import render_figures
 from impl.serve.result import Failure, LadderResult
-from pytest_moeperf.ab_summary import METRICS, QS, SPEED_METRIC
+from moe_harness.ladder.summary import METRICS, QS, SPEED_METRIC
 from pytest_moeperf.baselines import atomic_write_bytes
 from pytest_moeperf.stats import SMALL_SAMPLE
 

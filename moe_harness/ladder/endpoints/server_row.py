@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 
 from impl.serve.result import Acceptance, RowEntry, ServedRequest
-from pytest_moeperf.endpoints import engines
-from pytest_moeperf.endpoints.managed import ManagedServer, free_port
-from pytest_moeperf.endpoints.metrics import SpecCounters, requests_running, vllm_spec_counters
-from pytest_moeperf.endpoints.servers import ServerDef, builtin_values
-from pytest_moeperf.endpoints.stream import stream_completion
+from moe_harness.ladder.endpoints import engines
+from moe_harness.ladder.endpoints.managed import ManagedServer, free_port
+from moe_harness.ladder.endpoints.metrics import SpecCounters, requests_running, vllm_spec_counters
+from moe_harness.ladder.endpoints.servers import ServerDef, builtin_values
+from moe_harness.ladder.endpoints.stream import stream_completion
 
 __all__ = ["ServerRow", "ServerRowError"]
 

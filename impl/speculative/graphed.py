@@ -11,7 +11,7 @@ import torch
 
 from impl.generate import decode_step, prefill
 from impl.graphs import StepGraph
-from impl.spec.decoder import SpeculativeDecoder
+from impl.speculative.decoder import SpeculativeDecoder
 
 
 def _checked_steps(steps: int | None, capacity: int) -> int:

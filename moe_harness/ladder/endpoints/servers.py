@@ -224,12 +224,12 @@ def parse_url_row(name: str, url: str) -> ServerDef:
 
 
 def ladder_rows(text: str | None, servers, device, k: int | None = None) -> list:
-    """The ladder's rows in order: impl.serve.configs.Row for this engine's rows, ServerDef for
+    """The ladder's rows in order: impl.serve.rows.Row for this engine's rows, ServerDef for
     servers. `text` as --moe-ladder takes it (rows separated by ";"): a row `NAME=http://HOST:PORT`
     is a server you started, a bare name of `servers` that server, anything else this engine's
-    row (impl.serve.configs.parse_row). Without `text`, the file's [ladder] rows, else its servers
+    row (impl.serve.rows.parse_row). Without `text`, the file's [ladder] rows, else its servers
     in order. Names must differ."""
-    from impl.serve.configs import DEFAULT_K, parse_ladder, parse_row
+    from impl.serve.rows import DEFAULT_K, parse_ladder, parse_row
     if (text is None or not text.strip()) and isinstance(servers, ServerFile):
         text = servers.ladder
     servers = list(servers)

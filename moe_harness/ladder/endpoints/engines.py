@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from impl.serve.result import Acceptance
-from pytest_moeperf.endpoints.metrics import SpecCounters
+from moe_harness.ladder.endpoints.metrics import SpecCounters
 
 __all__ = ["ServerInfo", "acceptance_from_block", "acceptance_from_counters", "server_info"]
 

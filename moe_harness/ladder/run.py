@@ -80,7 +80,7 @@ def _usage_exit(message: str) -> NoReturn:
 
 def report_folder_problem(folder: Path, option: str = "--moe-ab-report") -> str | None:
     """Why the ladder's report folder could not be written (None: it can be); `option` names it."""
-    from impl.files import unwritable_ancestor
+    from pytest_moeperf.files import unwritable_ancestor
     if folder.exists() and not folder.is_dir():
         return f"{option} {folder}: is a file; a folder is needed"
     blocked = unwritable_ancestor(folder)
@@ -91,7 +91,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
                      optional: tuple[str, ...] = ()) -> LadderRun:
     """Serve `workload_spec` (impl.data.workloads) for `n` requests (a count, or
     impl.data.workloads.AtMost for a default that a smaller file or split caps) once per row of
-    `rows` (impl.serve.configs.Row), interleaved, on `model`; the report goes to `report_dir`, also
+    `rows` (impl.serve.rows.Row), interleaved, on `model`; the report goes to `report_dir`, also
     when the run stops part-way (it holds what completed). The model's MoE backend and head are
     put back afterwards. `optional`: rows warmed up last and left out, the reason in the result's
     "dropped", where their warm-up runs out of device memory (impl.serve.runner). A workload or a
@@ -100,10 +100,10 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.data.text import TokenizerError, tokenizer_for
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
     from impl.serve import ArmError, Ladder, LadderStopped
-    from pytest_moeperf.endpoints.rows import ServerRow
-    from pytest_moeperf.ab_report import write_ab_report, write_unfinished_ab_report
+    from moe_harness.ladder.endpoints.server_row import ServerRow
+    from moe_harness.ladder.report import write_ab_report, write_unfinished_ab_report
     from pytest_moeperf.report import now
-    from pytest_moeperf.ab_summary import summarize_ab
+    from moe_harness.ladder.summary import summarize_ab
     from pytest_moeperf.host_load import Meter
     opts = session.options
     workload_opt, ladder_opt = opts.named("moe_workload"), opts.named("moe_ladder")
@@ -198,11 +198,11 @@ def _drafts(row) -> int:
 
 def _build_rows(model, rows, tokenizer, session, report_dir: Path) -> list:
     """The rows the runner interleaves: this engine's arms (impl.serve.engine.EngineRow) on
-    `model`, and servers (pytest_moeperf.endpoints.rows.ServerRow), their logs beside the report."""
+    `model`, and servers (moe_harness.ladder.endpoints.server_row.ServerRow), their logs beside the report."""
     from impl.model.build import EMBEDDED
     from impl.serve import EngineRow, build_arms
-    from impl.serve.configs import Row
-    from pytest_moeperf.endpoints.rows import ServerRow
+    from impl.serve.rows import Row
+    from moe_harness.ladder.endpoints.server_row import ServerRow
     local = [r for r in rows if isinstance(r, Row)]
     arms = {a.name: EngineRow(a) for a in build_arms(model, local, tokenizer=tokenizer)} if local else {}
     spec = session.options.model
@@ -217,7 +217,7 @@ def _same_model(rows, model, opts) -> None:
     --moe-allow-different-models): their outputs and answers could not be compared. A server's
     model is where it loaded it from (`root`), else the id it serves it under."""
     from impl.model.build import EMBEDDED
-    from pytest_moeperf.endpoints.rows import ServerRow
+    from moe_harness.ladder.endpoints.server_row import ServerRow
     servers = [r for r in rows if isinstance(r, ServerRow)]
     alone = getattr(opts.servers, "one_at_a_time", False)
     for row in servers if not alone else ():  # side by side: their start-ups overlap

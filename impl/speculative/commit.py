@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from impl.spec.sampling import greedy_accept
+from impl.speculative.sampling import greedy_accept
 from impl.triton_env import tl, triton
 
 
@@ -37,7 +37,7 @@ def greedy_commit_kernel(draft_ptr, choice_ptr, pos_ptr, tokens_ptr, n_ptr, acce
 def commit(state, pos: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor,
            nxt: torch.Tensor) -> torch.Tensor:
     """Commit drafts[:accepted] then `nxt` at positions pos + 1 (pos [k+1]: n-1 .. n+k-1) into
-    `state` (an impl.spec.decoder.SpecState); returns the committed row [1, k+1] (past
+    `state` (an impl.speculative.decoder.SpecState); returns the committed row [1, k+1] (past
     `accepted` + 1: scratch)."""
     committed = torch.cat((draft, nxt[:, None]), dim=1).scatter(1, accepted[:, None], nxt[:, None])
     state.tokens.index_copy_(1, pos + 1, committed)
