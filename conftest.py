@@ -4,7 +4,7 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-from pytest_moeperf.plugin import parse_count
+from pytest_moeperf.options import parse_count
 
 
 def parse_fuzz_examples(text: str | None) -> int:

@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pytest_moeperf.files import atomic_write_bytes, atomic_write_text  # noqa: F401  (re-exported: the plugin writes through them)
+from pytest_moeperf.files import atomic_write_text
 from pytest_moeperf.device import class_of, schema1_match, short_key
 from pytest_moeperf.stats import DIRECTIONS
 

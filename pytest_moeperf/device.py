@@ -44,14 +44,6 @@ CLASS_FIELDS = {"cpu": ("kind", "vendor", "machine", "isa", "cores", "torch"),
                 "cuda": ("kind", "name", "capability", "torch", "triton")}
 
 
-def parse_device(value: str) -> str:
-    """`auto`, `cpu`, `cuda` or `cuda:N` (validated here; whether it exists is checked on use)."""
-    value = value.strip().lower()
-    if value in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
-        return value
-    raise ValueError(f"--moe-device must be auto, cpu, cuda or cuda:N, got {value!r}")
-
-
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     fields: dict[str, str] = {}
@@ -102,8 +94,18 @@ def _cores() -> int | None:
         return os.cpu_count()
 
 
+def _torch():
+    """torch, or None where it cannot be imported: the gate core also times plain Python, and then
+    a fingerprint says so (its torch fields None)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
 def cpu_fingerprint() -> dict:
-    import torch
+    torch = _torch()
     info = _cpuinfo()
     fp = {"schema": SCHEMA, "kind": "cpu",
           "vendor": info.get("vendor_id") or info.get("CPU implementer"),
@@ -114,9 +116,9 @@ def cpu_fingerprint() -> dict:
     else:  # Arm and others: what the kernel reports, if anything
         fp.update(family=_int(info.get("CPU architecture")), model=_int(info.get("CPU part")),
                   stepping=_int(info.get("CPU variant")), revision=_int(info.get("CPU revision")))
-    fp.update(isa=torch.backends.cpu.get_cpu_capability(), cores=_cores(), threads=torch.get_num_threads(),
-              l2_kib=_cache_kib(2), l3_kib=_cache_kib(3), machine=platform.machine(),
-              torch=torch.__version__, triton=_triton_version())
+    fp.update(isa=torch.backends.cpu.get_cpu_capability() if torch else None, cores=_cores(),
+              threads=torch.get_num_threads() if torch else None, l2_kib=_cache_kib(2), l3_kib=_cache_kib(3),
+              machine=platform.machine(), torch=torch.__version__ if torch else None, triton=_triton_version())
     return fp
 
 
@@ -169,14 +171,15 @@ class DeviceInfo:
 
     @cached_property
     def torch_device(self):
-        from impl.model.build import resolve_device
         import torch
         if self.spec == "auto":
             return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return resolve_device(self.spec)
 
-    @property
+    @cached_property
     def is_cuda(self) -> bool:
+        if self.spec == "cpu" or (self.spec == "auto" and _torch() is None):  # no torch: plain Python on the CPU
+            return False
         return self.torch_device.type == "cuda"
 
     @cached_property
@@ -197,6 +200,26 @@ class DeviceInfo:
 
     def describe(self) -> str:
         return describe(self.fingerprint)
+
+
+def resolve_device(spec):
+    """`spec` (cpu, cuda, cuda:N, or a torch.device) as a torch.device that exists on this machine;
+    ValueError naming what is missing otherwise."""
+    import torch
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {spec!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise ValueError(f"unsupported device {spec!r}; use cpu, cuda or cuda:N")
+    return device
 
 
 def describe(fp: dict) -> str:

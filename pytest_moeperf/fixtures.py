@@ -1,4 +1,5 @@
-"""Fixtures the suites use: device, model under test, backends, gate and sampler."""
+"""The gate core's fixtures: the session, the device under test, the host meter, the gate and the
+sampler (the model and backends under test are the MoE harness's: moe_harness.fixtures)."""
 
 from __future__ import annotations
 
@@ -19,41 +20,6 @@ def moe_session(pytestconfig) -> MoePerfSession:
 def moe_device(moe_session):
     """The device under test (`--moe-device`), with `.torch_device`, `.fingerprint`, `.key`."""
     return moe_session.device
-
-
-@pytest.fixture(scope="session")
-def moe_model(moe_session):
-    """The model under test (`--moe-model`), built once per session on the device, in eval mode.
-    A MoE backend that does not take the model's expert format (`Backend.formats`) or, on a model
-    that clips SwiGLU, does not clip skips every test that needs the model, saying why."""
-    import torch
-
-    from impl import backends
-    from impl.model import build_model
-    from impl.serve import why_cannot_run
-    model = build_model(moe_session.options.model, moe_session.device.torch_device,
-                        getattr(torch, moe_session.dtype_name), moe_backend="reference",
-                        head=moe_session.options.head)
-    backend = backends.get("moe", moe_session.moe_backend)
-    reason = why_cannot_run(model, backend)
-    if reason:
-        pytest.skip(f"the MoE backend under test: {reason}")
-    model.set_moe_backend(backend.name)
-    return model
-
-
-@pytest.fixture(scope="session")
-def moe_backend(moe_session):
-    """The MoE backend under test (`--moe-backend`), an `impl.backends.Backend` of kind `moe`."""
-    from impl import backends
-    return backends.get("moe", moe_session.moe_backend)
-
-
-@pytest.fixture(scope="session")
-def moe_checked_backend(moe_backend_name):
-    """Each MoE backend a correctness suite checks (parametrized: see `backends_under_test`)."""
-    from impl import backends
-    return backends.get("moe", moe_backend_name)
 
 
 @pytest.fixture
@@ -80,6 +46,7 @@ def moe_sampler(moe_session, moe_host_meter, request) -> Sampler:
     # pytest-benchmark's fixture is requested only when `sample` uses it: it warns when left unused.
     bench_session = getattr(request.config, "_benchmarksession", None)
     use_benchmark = bench_session is not None and not bench_session.disabled
-    return Sampler(moe_session.device.torch_device, moe_session.options.samples,
+    device = moe_session.device
+    return Sampler(device.torch_device if device.is_cuda else "cpu", moe_session.options.samples,
                    benchmark=(lambda: request.getfixturevalue("benchmark")) if use_benchmark else None,
                    meter=moe_host_meter)

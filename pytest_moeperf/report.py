@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from pytest_moeperf.baselines import atomic_write_text
+from pytest_moeperf.files import atomic_write_text
 
 COLUMNS = ("metric", "current", "frozen", "ratio", "95% CI", "key", "verdict", "CPU stall")
 TRUST_COLUMNS = ("metric", "evaluations", "regression", "refreeze", "host-contended", "ratio median",

@@ -1,9 +1,9 @@
-"""Run state of one pytest session: parsed options, the device, the baseline store, results, and
-the stash key the plugin keeps it under."""
+"""Run state of one pytest session: the core's parsed options, the device, the baseline store,
+results, and the stash key the plugin keeps it under. What a harness adds (the configuration its
+figures are frozen under, header fields, summary lines) comes through the hooks of `hookspec`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -12,70 +12,21 @@ import pytest
 from pytest_moeperf import report
 from pytest_moeperf.baselines import BaselineStore
 from pytest_moeperf.device import DeviceInfo, short_key
-from pytest_moeperf.host_load import DEFAULT_STALL_THRESHOLD, DEFAULT_WAIT_S
-
-
-@dataclass(frozen=True)
-class Options:
-    bench: bool
-    device: str
-    model: str
-    backend: str
-    head: str
-    baselines: Path
-    freeze: bool
-    report: Path | None
-    samples: int
-    strict: bool = False
-    trust: int = 0  # evaluations per timed figure in a gate-trust run (0: an ordinary run)
-    plants: tuple = ()  # impl.plant.Plant: planted slowdowns of a gate-trust run
-    # The A/B ladder suite (suites/test_ab_ladder.py): rows (None: the device's default), the
-    # workload (impl.data.workloads.WorkloadSpec), requests per row and shots (None: defaults),
-    # the accuracy equivalence margin (a fraction) and the report folder.
-    ladder: str | None = None
-    workload: object = None
-    requests: int | None = None
-    shots: int | None = None
-    margin: float = 0.01
-    # What each row after the first must show against it, else its test fails (None: no demand;
-    # the gate then judges only against frozen figures): "faster", "not-slower" (EXPECTATIONS).
-    expect: str | None = None
-    ab_report: Path | None = None
-    # Server rows (moe_harness.ladder.endpoints.servers.ServerDef) the ladder may name, from
-    # --moe-servers; whether a server's failed request stops the ladder ("stop") or is kept as
-    # failed while it goes on ("continue"); whether rows may serve different models.
-    servers: tuple = ()
-    server_errors: str = "stop"
-    allow_different_models: bool = False
-    # A CPU timing measured while the host's CPU stall (host_load) exceeded host_stall (None: off)
-    # is not judged a regression, nor frozen; the gate first waits up to host_wait s for quiet.
-    host_stall: float | None = DEFAULT_STALL_THRESHOLD
-    host_wait: float = DEFAULT_WAIT_S
-    # pytest-xdist (pytest_moeperf.workers): on the controller, the GPU of each worker; on a worker
-    # of a simulated run, the name of the GPU it stands for (put in its fingerprint).
-    worker_gpus: tuple[str, ...] = ()
-    simulated_gpu: str | None = None
-    # Options whose value came from their ini key, not the command line: an error found during the
-    # run names the key (`named`), where the user has to look.
-    from_ini: frozenset = frozenset()
-
-    def named(self, name: str) -> str:
-        """How a message names option `name` (e.g. moe_workload): its flag, or its ini key and flag."""
-        flag = "--" + name.replace("_", "-")
-        return f"ini key {name} ({flag})" if name in self.from_ini else flag
+from pytest_moeperf.options import Options
 
 
 class MoePerfSession:
     """The run state, kept in pytest's config stash under SESSION_KEY (set by the plugin's
     pytest_configure, read by its hooks and the fixtures)."""
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, config: pytest.Config | None = None) -> None:
         self.options = options
+        self.config = config  # where a harness keeps its state (its stash)
+        # pytest's hook caller: the harnesses' pytest_moeperf_* hooks (None: no harness)
+        self.hook = config.hook if config is not None else None
         self.results: list = []
         self.to_freeze: dict = {}
         self.finish_lines: list[str] = []  # what finish() wrote, for the terminal summary
-        self.ab_reports: list = []  # the A/B ladder reports the suites wrote (their Markdown files)
-        self.ab_verdicts: list[str] = []  # each ladder row's verdict against the first, for the terminal
         # On the controller of an xdist run: each finished worker's GPU, device and figures to
         # freeze (workers.merge_payload), the GPU each live worker holds, and workers that crashed.
         self.workers: list[dict] = []
@@ -101,45 +52,27 @@ class MoePerfSession:
     def store(self) -> BaselineStore:
         return BaselineStore(self.options.baselines, self.device.fingerprint, self.device.slug)
 
-    @property
-    def dtype_name(self) -> str:
-        # bf16 is what a GPU decodes in; fp32 on CPU, where bf16 matmuls are emulated and slow.
-        return "bfloat16" if self.device.is_cuda else "float32"
-
-    @property
-    def moe_backend(self) -> str:
-        """The MoE backend under test; `auto` is Triton on a GPU and gather on a CPU, where
-        Triton only runs in its (slow) interpreter."""
-        if self.options.backend != "auto":
-            return self.options.backend
-        return "triton" if self.device.is_cuda else "gather"
-
-    def backends_under_test(self) -> list[str]:
-        """The MoE backends a correctness suite checks: the one under test and, when it was left
-        to `auto` on a CPU, `triton` as well (in Triton's interpreter), so that a CPU-only CI
-        checks the kernel source the GPU runs."""
-        names = [self.moe_backend]
-        if self.options.backend == "auto" and "triton" not in names:
-            names.append("triton")
-        return names
+    def _merged(self, hook_name: str) -> dict:
+        """The harnesses' answers to a pytest_moeperf_* hook, merged into one dict."""
+        merged: dict = {}
+        for part in (getattr(self.hook, hook_name)(session=self) if self.hook is not None else []):
+            merged.update(part or {})
+        return merged
 
     @property
     def run_config(self) -> dict:
-        """What every gated figure of this run depends on besides the device."""
-        config = {"model": self.options.model, "dtype": self.dtype_name, "moe_backend": self.moe_backend}
-        if self.checkpoint_digest is not None:  # a checkpoint replaced at the same path is another model
-            config["checkpoint"] = self.checkpoint_digest
-        if self.options.head != "bf16":  # figures frozen before the option existed stay comparable
-            config["head"] = self.options.head
-        return config
+        """What every gated figure of this run depends on besides the device (hookspec)."""
+        return self._merged("pytest_moeperf_run_config")
 
-    @cached_property
-    def checkpoint_digest(self) -> str | None:
-        """impl.digests.folder_digest of the model's folder, when --moe-model names one (a preset or an
-        embedded checkpoint is named by the code)."""
-        from impl.digests import folder_digest
-        path = Path(self.options.model)
-        return folder_digest(path) if path.is_absolute() and path.is_dir() else None  # parse_model: folders absolute
+    def harness_header(self) -> dict:
+        """The harnesses' fields of the run's header (hookspec), e.g. the model under test."""
+        return self._merged("pytest_moeperf_header")
+
+    def scope_keys(self) -> list[str]:
+        """The run configuration's keys that name a configuration (hookspec)."""
+        if self.hook is None:
+            return []
+        return [k for keys in self.hook.pytest_moeperf_scope_keys(session=self) for k in keys or ()]
 
     @cached_property
     def commit(self) -> str | None:
@@ -149,24 +82,22 @@ class MoePerfSession:
         """What the report says of the run before any device is looked at: the code, the model,
         the baselines, when it started."""
         return {"commit": self.commit or "unknown (not a git checkout)", "started": self.started,
-                "model": self.options.model, "baselines": str(self.options.baselines)}
+                **self.harness_header(), "baselines": str(self.options.baselines)}
 
     def header(self) -> dict:
         if self.workers:  # the controller of an xdist run: the workers' devices
             h = {"device": "; ".join(f"GPU {w['gpu']}: {w['device']}" for w in self.workers),
                  "fingerprint": ", ".join(sorted({short_key(w["fingerprint"]) for w in self.workers})),
-                 "model": self.options.model, "moe_backend": self.moe_backend,
+                 **self.harness_header(),
                  "baselines": ", ".join(sorted({str(s.path) for s, _ in self._stores()}))}
         else:
-            h = {"device": self.device.describe(), "fingerprint": self.device.key, "model": self.options.model,
-                 "moe_backend": self.moe_backend, "baselines": str(self.store.path)}
+            h = {"device": self.device.describe(), "fingerprint": self.device.key,
+                 **self.harness_header(), "baselines": str(self.store.path)}
         if not self.device.is_cuda:  # CPU timings are judged with the host's CPU stall beside them
             stall = self.options.host_stall
             h["host_stall_threshold"] = "off" if stall is None else stall
             h["host_wait_s"] = self.options.host_wait
         h = {**self.run_header(), **h}
-        if self.options.plants:
-            h["planted"] = ", ".join(map(str, self.options.plants))
         if self.options.trust:
             h["trust_evaluations"] = self.options.trust
         return h
@@ -188,7 +119,7 @@ class MoePerfSession:
         """Figures frozen for this run's device(s) under this run's model, dtype and MoE backend
         that no test measured (a renamed or deleted test leaves its figure so)."""
         measured = {r.metric_id for r in self.results}
-        keys = ("model", "dtype", "moe_backend")
+        keys = self.scope_keys()
         run = self.run_config
         return sorted({mid for store, _ in self._stores() for mid, m in store.figures()
                        if mid not in measured and all(m.config.get(k) == run[k] for k in keys)})
@@ -293,9 +224,8 @@ class MoePerfSession:
             except OSError as e:
                 self.write_errors.append(f"the report was NOT written: {self.options.report}: {e}")
         lines += [f"ERROR: {e}" for e in self.write_errors]
-        for md_path in self.ab_reports:
-            lines.append(f"A/B ladder report: {md_path} (every request in the JSON beside it, figures as PNG)")
-        lines += self.ab_verdicts
+        if self.hook is not None:
+            lines += [line for part in self.hook.pytest_moeperf_summary_lines(session=self) for line in part or ()]
         return lines
 
 

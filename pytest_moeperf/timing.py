@@ -60,16 +60,6 @@ def clock_for(device) -> Callable[[], float]:
     return CudaEventClock(device) if getattr(device, "type", "cpu") == "cuda" else time.perf_counter
 
 
-def parse_samples(value: str) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"--moe-samples must be a whole number >= 3, got {value!r}") from None
-    if n < 3:
-        raise ValueError(f"--moe-samples must be at least 3 (a median and an interval need them), got {n}")
-    return n
-
-
 # Warm-up lasts at least this long as well as `warmup` rounds: a GPU idle during a build phase
 # (seconds of host work between timed tests) starts below its steady clocks, and two rounds of a
 # graph of 3 us calls are over in a millisecond.

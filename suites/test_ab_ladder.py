@@ -29,23 +29,22 @@ import statistics
 import pytest
 
 from impl.data.workloads import AtMost
+from impl.serve.rows import DEFAULT_LADDER, DEFAULT_REQUESTS
 from moe_harness.ladder.run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
                                    run_suite_ladder, workload_key)
 from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
 
-DEFAULT_LADDER = {"cuda": "baseline;+kernels;+fp8-head;+mtp", "cpu": "baseline;+fp8-head;+mtp"}
-DEFAULT_REQUESTS = {"cuda": 1000, "cpu": 60}
 CHUNKS = 10  # accuracy figures are gated over this many consecutive chunks of the requests
 
 
-def _rows(session):
+def _rows(run):
     """The ladder's rows: --moe-ladder's, else a --moe-servers file's ([ladder] rows, or its
     servers), else the device's default rows (moe_harness.ladder.endpoints.servers.ladder_rows)."""
     from moe_harness.ladder.endpoints.servers import ladder_rows
-    device, opts = session.device.torch_device.type, session.options
-    text = opts.ladder or (None if opts.servers else _default_ladder(session, device))
+    device, opts = run.core.device.torch_device.type, run.options
+    text = opts.ladder or (None if opts.servers else _default_ladder(run, device))
     return ladder_rows(text, opts.servers, device)
 
 
@@ -57,36 +56,36 @@ def _has_mtp(model: str) -> bool:
     return model_config(model).num_mtp_layers > 0
 
 
-def _default_ladder(session, device: str) -> str:
+def _default_ladder(run, device: str) -> str:
     """The device's default rows, less +mtp for a model without a NEXTN layer to draft with (said
     once in the terminal summary; naming +mtp in --moe-ladder for such a model is a usage error)."""
     rows = DEFAULT_LADDER[device]
-    if _has_mtp(session.options.model):
+    if _has_mtp(run.options.model):
         return rows
-    note = (f"A/B: the default ladder leaves out +mtp: model {session.options.model!r} has no MTP (NEXTN) layer "
+    note = (f"A/B: the default ladder leaves out +mtp: model {run.options.model!r} has no MTP (NEXTN) layer "
             "to draft with")
-    if note not in session.ab_verdicts:
-        session.ab_verdicts.append(note)
+    if note not in run.ab_verdicts:
+        run.ab_verdicts.append(note)
     return rows.replace(";+mtp", "")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "row" in metafunc.fixturenames:
-        from pytest_moeperf.session import SESSION_KEY
-        session = metafunc.config.stash[SESSION_KEY]
-        if not session.options.bench:  # one placeholder each, skipped by the moe_bench marker saying why
+        from moe_harness.state import HARNESS_KEY
+        run = metafunc.config.stash[HARNESS_KEY]
+        if not run.core.options.bench:  # one placeholder each, skipped by the moe_bench marker saying why
             metafunc.parametrize("row", ["(not run)"])
             return
-        names = [r.name for r in _rows(session)]
+        names = [r.name for r in _rows(run)]
         metafunc.parametrize("row", names[1:] if metafunc.function.__name__ != "test_row_provenance" else names)
 
 
 @pytest.fixture(scope="module")
-def ladder(moe_session, moe_model) -> LadderRun:
-    opts = moe_session.options
+def ladder(moe_run, moe_model) -> LadderRun:
+    opts = moe_run.options
     device = moe_model.embed_tokens.weight.device
     # Without --moe-requests, the default count or all of a smaller file or split.
-    return run_suite_ladder(moe_session, moe_model, _rows(moe_session), opts.workload,
+    return run_suite_ladder(moe_run, moe_model, _rows(moe_run), opts.workload,
                             opts.requests or AtMost(DEFAULT_REQUESTS[device.type]), opts.ab_report, warmup=WARMUP)
 
 
@@ -95,12 +94,12 @@ def test_row_provenance(ladder, row):
     fail_on_provenance(ladder, row)
 
 
-def test_row_as_expected(ladder, row, moe_session):
+def test_row_as_expected(ladder, row, moe_run):
     """`--moe-expect`: the row is faster than the first (its decode tokens/s interval above 1), or
     not slower (not below 1), and runs what it declares (a speculative row whose drafts do not run
     or are never accepted fails, whatever its speed); without it, skipped (the gate judges against
     frozen figures)."""
-    expect = moe_session.options.expect
+    expect = moe_run.options.expect
     if expect is None:
         pytest.skip("no --moe-expect: the row's verdict is in the report and the terminal summary")
     comparison = next(c for c in ladder.summary["comparisons"] if c["row"] == row)

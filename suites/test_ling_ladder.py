@@ -69,55 +69,55 @@ FIGURES = (("ab_tokens_per_s", "decode_tokens_per_s", "higher"), ("ab_tpot", "tp
            ("ab_ttft", "ttft_s", "lower"))
 
 
-def _rows(session):
+def _rows(run):
     from impl import backends
     from impl.serve.rows import parse_ladder
-    if not session.options.ladder and "humming" not in backends.available("moe"):
+    if not run.options.ladder and "humming" not in backends.available("moe"):
         raise pytest.UsageError("the Ling ladder's first row runs Humming's MoE: install humming-kernels, or give "
                                 "the rows with --moe-ladder (e.g. without the humming row)")
-    return parse_ladder(session.options.ladder or LING_LADDER, session.device.torch_device.type)
+    return parse_ladder(run.options.ladder or LING_LADDER, run.core.device.torch_device.type)
 
 
-def _opted_in(session) -> bool:
-    return session.options.bench and session.options.model == LING_MODEL
+def _opted_in(run) -> bool:
+    return run.core.options.bench and run.options.model == LING_MODEL
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    from pytest_moeperf.session import SESSION_KEY
-    session = metafunc.config.stash[SESSION_KEY]
+    from moe_harness.state import HARNESS_KEY
+    run = metafunc.config.stash[HARNESS_KEY]
     if "context" in metafunc.fixturenames:
         metafunc.parametrize("context", list(LING_WORKLOADS), scope="module")
     if "row" in metafunc.fixturenames:
-        if not _opted_in(session):  # one placeholder each, skipped saying why
+        if not _opted_in(run):  # one placeholder each, skipped saying why
             metafunc.parametrize("row", ["(not run)"])
             return
-        names = [r.name for r in _rows(session)]
+        names = [r.name for r in _rows(run)]
         first = {"test_row_provenance": 0, "test_row_floor": 0, "test_rung_speed": 2}.get(metafunc.function.__name__, 1)
         metafunc.parametrize("row", names[first:])
 
 
 @pytest.fixture(scope="module")
-def ling_session(moe_session):
-    if not _opted_in(moe_session):
+def ling_run(moe_run):
+    if not _opted_in(moe_run):
         pytest.skip(f"opt-in: the full-depth ladder runs with --moe-model {LING_MODEL} (about 70 GB of device "
                     "memory)")
-    if moe_session.device.torch_device.type != "cuda":
+    if moe_run.core.device.torch_device.type != "cuda":
         pytest.skip("the full-depth ladder times CUDA graphs: it needs a CUDA device")
-    return moe_session
+    return moe_run
 
 
 _ladders: dict[str, object] = {}  # context -> its LadderRun, or the exception it raised
 
 
 @pytest.fixture(scope="module")
-def ling_ladder(ling_session, moe_model, context):
+def ling_ladder(ling_run, moe_model, context):
     """The context's ladder, run once a session: pytest sets a module-scoped parametrized fixture
     up again when its tests' order returns to a parameter (the 1k ladder ran twice in one H200
     session, the second time without the room for its humming row), and retries a failed one for
     every test that asks; at full depth each costs minutes. The outcome is kept per context."""
     if context not in _ladders:
         try:
-            _ladders[context] = _run_ladder(ling_session, moe_model, context)
+            _ladders[context] = _run_ladder(ling_run, moe_model, context)
         except Exception as e:
             _ladders[context] = e
     if isinstance(_ladders[context], Exception):
@@ -143,18 +143,18 @@ def _humming_fits(model) -> tuple[bool, str]:
                                                 f"{LADDER_HEADROOM_GIB:g} GiB do not fit the {free:.1f} GiB free")
 
 
-def _run_ladder(ling_session, moe_model, context):
+def _run_ladder(ling_run, moe_model, context):
     from impl.moe.humming import release
     workload, n, with_humming = LING_WORKLOADS[context]
-    opts = ling_session.options
-    rows = _rows(ling_session)
+    opts = ling_run.options
+    rows = _rows(ling_run)
     if any(r.config.moe == "humming" for r in rows):
         release()  # a ladder converts again what it runs; the last one's copy would only take room
         fits, why = _humming_fits(moe_model)
         if not with_humming or not fits:
             _dropped[context] = ("the 32k prompt pass needs the room" if not with_humming else why)
             rows = [r for r in rows if r.config.moe != "humming"]
-    ladder = run_suite_ladder(ling_session, moe_model, rows, workload, opts.requests or AtMost(n),
+    ladder = run_suite_ladder(ling_run, moe_model, rows, workload, opts.requests or AtMost(n),
                               Path(opts.ab_report) / f"ling-{context}", warmup=WARMUP,
                               optional=tuple(r.name for r in rows if r.config.moe == "humming"))
     if ladder.result.dropped:  # the runner has released what a dropped row converted
@@ -225,7 +225,7 @@ _bandwidth: list[float] = []  # the copy bandwidth, measured once a session on t
 _row_floors: dict[str, dict] = {}  # context -> its rows-CONTEXT table, written again after each row
 
 
-def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate, moe_device):
+def test_row_floor(ling_run, ling_ladder, moe_model, row, context, moe_gate, moe_device):
     """The row's TPOT over its byte floor, per request (impl.model.roofline.tpot_floor_s): the
     weights in the formats the row holds them (experts as its provenance says, bf16 projections,
     its head's format), the caches at the request's decode positions, and for a speculative row a
@@ -236,7 +236,7 @@ def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate,
     from impl.gpu_timing import copy_bandwidth
     from impl.model.roofline import Formats, meta_model, tpot_floor_s
     _served(ling_ladder, row, context)
-    config = {r.name: r.config for r in _rows(ling_session)}[row]
+    config = {r.name: r.config for r in _rows(ling_run)}[row]
     if not _bandwidth:
         _bandwidth.append(copy_bandwidth(moe_model.embed_tokens.weight.device, nbytes=1 << 30))
     formats = Formats(experts=ling_ladder.result.row(row).provenance["expert_format"],
@@ -259,7 +259,7 @@ def test_row_floor(ling_session, ling_ladder, moe_model, row, context, moe_gate,
     table["rows"][row] = {"config": config.spec_text(), "formats": vars(formats), "tpot_ms": statistics.median(tpots) * 1e3,
                           "floor_ms": statistics.median(floors) * 1e3, "over_floor": statistics.median(ratios),
                           "assumed_accept": config.assumed_accept}
-    _write_row_floors(Path(ling_session.options.ab_report) / f"rows-{context}", table)
+    _write_row_floors(Path(ling_run.options.ab_report) / f"rows-{context}", table)
     moe_gate.check("row_tpot_over_floor", ratios, unit="x", direction="lower",
                    tolerance=tolerance_for("ab_speed", moe_device.torch_device),
                    config=row_config(ling_ladder, row, None), portable=True)
@@ -304,7 +304,7 @@ def _gate_ratio(ladder, row, reference, figure, key, direction, moe_gate, moe_de
                    config=row_config(ladder, row, reference), portable=True)
 
 
-def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
+def test_roofline(ling_run, moe_model, context, moe_gate, moe_device):
     """Row 3's plain greedy step at the workload's context: measured / byte floor for the whole
     step and per component, at the copy bandwidth measured here; the step's ratio is gated."""
     import torch
@@ -319,7 +319,7 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     from impl.serve.rows import parse_row
     length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
     row = parse_row(ROW3, "cuda")
-    arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_session.options.model,
+    arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_run.options.model,
                                                                    moe_model.config.vocab_size), name=row.name)
     restore = (moe_model.moe_backend, moe_model.lm_head)
     dev = moe_model.embed_tokens.weight.device
@@ -345,7 +345,7 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     table["components"]["rest (norms, residuals, embedding, gaps)"] = {
         "us": times["step"]["us"] - sum(times[c]["us"] for c in timed), "bytes": parts.get("other", 0.0),
         "floor_us": floor_us.get("other", 0.0), "over_floor": None}
-    _write_roofline(Path(ling_session.options.ab_report) / f"roofline-{context}", table)
+    _write_roofline(Path(ling_run.options.ab_report) / f"roofline-{context}", table)
     moe_gate.check("roofline_step_over_floor", [t / step_floor for t in times["step"]["samples"]], unit="x",
                    direction="lower", tolerance=tolerance_for("ab_speed", moe_device.torch_device),
                    config={"context": length, "row": row.config.spec_text()}, portable=True)

@@ -118,7 +118,7 @@ def test_a_ladder_row_naming_a_backend_that_failed_to_load_says_why(installed):
 
 
 def test_a_backend_for_another_device_is_a_usage_error(installed):
-    from pytest_moeperf.plugin import parse_backend
+    from moe_harness.options import parse_backend
     with pytest.warns(UserWarning):
         assert parse_backend("user-moe-cuda", "cuda") == "user-moe-cuda"
     with pytest.raises(ValueError, match=r"--moe-backend: the 'user-moe-cuda' MoE backend runs on \['cuda'\], not on "

@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from impl import digests
-from pytest_moeperf.session import MoePerfSession, Options
+from moe_harness.options import MoeOptions
+from moe_harness.state import MoeRun
+from pytest_moeperf.options import Options
+from pytest_moeperf.session import MoePerfSession
 
 
 def test_a_file_is_named_by_its_contents_not_its_path(tmp_path):
@@ -43,9 +46,10 @@ def test_a_large_shard_is_named_by_its_size_and_edges(tmp_path, monkeypatch):
     assert digests.content_digest([shard]) == first
 
 
-def _options(model: str) -> Options:
-    return Options(bench=True, device="cpu", model=model, backend="auto", head="bf16", baselines=Path("b"),
-                   freeze=False, report=None, samples=5)
+def _run_config(model: str) -> dict:
+    """The MoE harness's part of a CPU run's configuration, with --moe-model `model`."""
+    core = MoePerfSession(Options(bench=True, device="cpu", baselines=Path("b"), freeze=False, report=None, samples=5))
+    return MoeRun(MoeOptions(model=model, backend="auto", head="bf16"), core).run_config()
 
 
 def test_a_checkpoint_folder_is_part_of_what_its_figures_are_frozen_under(tmp_path):
@@ -53,11 +57,11 @@ def test_a_checkpoint_folder_is_part_of_what_its_figures_are_frozen_under(tmp_pa
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
     (folder / "model.safetensors").write_bytes(b"weights")
-    before = MoePerfSession(_options(str(folder))).run_config
+    before = _run_config(str(folder))
     assert before["checkpoint"] == digests.folder_digest(folder)
     (folder / "model.safetensors").write_bytes(b"retrained")
-    retrained = MoePerfSession(_options(str(folder))).run_config["checkpoint"]
+    retrained = _run_config(str(folder))["checkpoint"]
     assert retrained != before["checkpoint"]
     (folder / "README.md").write_text("notes beside the weights")  # not what the figures depend on
-    assert MoePerfSession(_options(str(folder))).run_config["checkpoint"] == retrained
-    assert "checkpoint" not in MoePerfSession(_options("tiny-gsm")).run_config
+    assert _run_config(str(folder))["checkpoint"] == retrained
+    assert "checkpoint" not in _run_config("tiny-gsm")

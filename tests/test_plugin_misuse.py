@@ -238,7 +238,7 @@ def test_slow(moe_gate):
 def test_a_relative_workload_file_is_taken_from_rootdir_not_the_working_folder(tmp_path, monkeypatch):
     """One rule for every path option: `jsonl:prompts/p.jsonl` in an ini file means the same file
     whichever folder pytest was started from; a GSM8K source naming no folder there stays a hub id."""
-    from pytest_moeperf.plugin import parse_workload_option
+    from moe_harness.options import parse_workload_option
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "p.jsonl").write_text('{"prompt": "1 + 1 ="}\n')
     (tmp_path / "sub").mkdir()

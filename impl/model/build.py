@@ -12,6 +12,7 @@ from impl.model.config import PRESETS, ModelConfig, get_config
 from impl.model.kda import KDAAttention
 from impl.model.layers import EXPERT_FORMATS, Router
 from impl.model.mla import MLAAttention
+from pytest_moeperf.device import resolve_device  # noqa: F401  (one rule for a device name, the gate's)
 
 HEADS = ("bf16", "fp8")
 # Trained checkpoints committed with the repository, by name (scripts/train_tiny.py made tiny-gsm).
@@ -22,23 +23,6 @@ def _free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def resolve_device(spec: str | torch.device) -> torch.device:
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"unsupported device {spec!r}; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device {spec!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ValueError(f"unsupported device {spec!r}; use cpu, cuda or cuda:N")
-    return device
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype, experts: str = "dense") -> int:

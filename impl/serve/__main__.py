@@ -18,7 +18,7 @@ import torch
 
 from impl.serve import engine
 from impl.serve.arm import build_arms
-from impl.serve.rows import parse_ladder
+from impl.serve.rows import DEFAULT_LADDER, parse_ladder
 from impl.serve.engine import EngineRow
 from impl.serve.runner import Ladder
 
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--model", default="tiny-gsm")
-    p.add_argument("--ladder", default="baseline;+kernels;+fp8-head;+mtp")
+    p.add_argument("--ladder", default=DEFAULT_LADDER["cuda"])
     p.add_argument("--workload", default="arith",
                    help="arith, gsm8k[:FOLDER|HUB_ID], synthetic:IN:OUT or jsonl:FILE (impl.data.workloads)")
     p.add_argument("--n", type=_at_least(1), default=20, help="requests")

@@ -13,7 +13,7 @@ from pathlib import Path
 from moe_harness.ladder.figures import render_figures
 from impl.serve.result import Failure, LadderResult
 from moe_harness.ladder.summary import METRICS, QS, SPEED_METRIC
-from pytest_moeperf.baselines import atomic_write_bytes
+from pytest_moeperf.files import atomic_write_bytes
 from pytest_moeperf.stats import SMALL_SAMPLE
 
 SCHEMA = "pytest-moeperf/ab-report/1"

@@ -87,7 +87,7 @@ def report_folder_problem(folder: Path, option: str = "--moe-ab-report") -> str 
     return None if blocked is None else f"{option} {folder}: cannot be written ({blocked} is not a writable folder)"
 
 
-def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup: int = WARMUP,
+def run_suite_ladder(harness, model, rows, workload_spec, n, report_dir, warmup: int = WARMUP,
                      optional: tuple[str, ...] = ()) -> LadderRun:
     """Serve `workload_spec` (impl.data.workloads) for `n` requests (a count, or
     impl.data.workloads.AtMost for a default that a smaller file or split caps) once per row of
@@ -105,7 +105,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from pytest_moeperf.report import now
     from moe_harness.ladder.summary import summarize_ab
     from pytest_moeperf.host_load import Meter
-    opts = session.options
+    opts, session = harness.options, harness.core  # the harness's options; the gate core's session
     workload_opt, ladder_opt = opts.named("moe_workload"), opts.named("moe_ladder")
     problem = report_folder_problem(Path(report_dir), opts.named("moe_ab_report"))
     if problem:  # found before anything is served, not after
@@ -137,7 +137,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     by_id = {r.request_id: r for r in requests}
     restore = (model.moe_backend, model.lm_head)
     try:
-        rows = _build_rows(model, rows, tokenizer, session, Path(report_dir))
+        rows = _build_rows(model, rows, tokenizer, harness, Path(report_dir))
     except ArmError as e:
         _usage_exit(f"{ladder_opt}: {e}")
 
@@ -178,15 +178,15 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
                       "digest": workload.digest, "details": {"description": workload.description}},
             device=session.device.describe(), model=model_entry(model, opts.model, tokenizer), complete=complete,
             run={**run, "finished": now(), "schedule": ladder.schedule}, prompts=tuple(prompt_entry(r) for r in requests),
-            dropped=dict(ladder.dropped), host=host_entry(host_load, opts.host_stall), failure=failure)
+            dropped=dict(ladder.dropped), host=host_entry(host_load, session.options.host_stall), failure=failure)
         summary = summarize_ab(result, margin=opts.margin)
         try:
             report = write_ab_report(result, summary, report_dir)
-            session.ab_reports.append(report["markdown"])
+            harness.ab_reports.append(report["markdown"])
         except OSError as e:  # the gate still judges what was served; the run fails at its end, saying why
             report = {"markdown": f"NOT WRITTEN ({e})"}
             session.write_errors.append(f"the A/B report was NOT written: {report_dir}: {e}")
-    session.ab_verdicts += verdict_lines(summary)
+    harness.ab_verdicts += verdict_lines(summary)
     return LadderRun(result, summary, report, host_load)
 
 
@@ -196,7 +196,7 @@ def _drafts(row) -> int:
     return (config.k if config.speculative else 0) if config is not None else row.speculative
 
 
-def _build_rows(model, rows, tokenizer, session, report_dir: Path) -> list:
+def _build_rows(model, rows, tokenizer, harness, report_dir: Path) -> list:
     """The rows the runner interleaves: this engine's arms (impl.serve.engine.EngineRow) on
     `model`, and servers (moe_harness.ladder.endpoints.server_row.ServerRow), their logs beside the report."""
     from impl.model.build import EMBEDDED
@@ -205,10 +205,10 @@ def _build_rows(model, rows, tokenizer, session, report_dir: Path) -> list:
     from moe_harness.ladder.endpoints.server_row import ServerRow
     local = [r for r in rows if isinstance(r, Row)]
     arms = {a.name: EngineRow(a) for a in build_arms(model, local, tokenizer=tokenizer)} if local else {}
-    spec = session.options.model
+    spec = harness.options.model
     folder = str(EMBEDDED.get(spec, Path(spec)))
     return [arms[r.name] if isinstance(r, Row) else
-            ServerRow(r, tokenizer=tokenizer, log_dir=report_dir, model=folder, rootdir=session.rootdir or Path.cwd())
+            ServerRow(r, tokenizer=tokenizer, log_dir=report_dir, model=folder, rootdir=harness.core.rootdir or Path.cwd())
             for r in rows]
 
 
