@@ -1,4 +1,6 @@
-"""The MoE causal LM: configuration presets, layers, and building a model by name or folder."""
+"""The MoE causal LM: configuration presets, layers with softmax, KDA or MLA attention and their
+decode kernels, the NEXTN (MTP) layer, transformers-format checkpoint loading and saving, and
+building a model by preset name or checkpoint folder (`build_model`)."""
 
 from impl.model.build import build_model
 from impl.model.causal_lm import MoECausalLM
