@@ -111,19 +111,8 @@ def test_unmarked(moe_gate):
     (["--moe-bench", "--moe-baselines", "afile"], "afile: not a folder"),
     (["--moe-bench", "--moe-freeze", "--moe-baselines", "afile/sub"], "--moe-baselines */afile/sub: cannot be "
      "written (*/afile is not a writable folder)"),
-    (["--moe-bench", "--moe-samples", "abc"], "--moe-samples must be a whole number >= 3, got 'abc'"),
-    (["--moe-bench", "--moe-requests", "10000000"], "--moe-requests must be a whole number in [[]3, 100000], got "
-     "'10000000'"),
-    # The Markdown report is written beside the JSON with the suffix .md: it would overwrite it.
-    (["--moe-bench", "--moe-report", "gate.md"], "--moe-report gate.md: is the JSON report's path*give a path "
-     "ending in .json"),
-    # Only gsm8k takes few-shot examples: named at once, not after the model is built.
-    (["--moe-shots", "5"], "--moe-shots 5: only the gsm8k workload takes few-shot examples, and the workload is "
-     "arith*"),
-    (["--moe-expect", "quicker"], "--moe-expect must be one of faster, not-slower, got 'quicker'"),
 ])
-def test_outputs_that_cannot_be_written_and_bad_values_are_usage_errors_before_measuring(run, pytester, args,
-                                                                                        message):
+def test_outputs_that_cannot_be_written_are_usage_errors_before_measuring(run, pytester, args, message):
     (pytester.path / "out").mkdir()
     (pytester.path / "afile").write_text("x")
     result = run(*args)
@@ -141,7 +130,6 @@ def test_a_bool_ini_key_that_is_no_bool_is_named(run, pytester):
 @pytest.mark.parametrize("key, value, message", [
     ("moe_margin", "-2", "--moe-margin must be in (0, 50]*"),
     ("moe_samples", "2", "--moe-samples must be at least 3*"),
-    ("moe_device", "tpu", "--moe-device must be auto, cpu, cuda or cuda:N*"),
     ("moe_ladder", "baseline;nosuchpreset", "--moe-ladder: *nosuchpreset*"),
     ("moe_plant", "moe=abc", "--moe-plant: *"),
 ])
