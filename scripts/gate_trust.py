@@ -65,9 +65,10 @@ def parse_count(value: str) -> int:
 
 
 def _plugin_args() -> list[str]:
-    """`-p pytest_moeperf.plugin` where the package is not installed (a bare GPU image)."""
+    """The gate core's and the MoE harness's plugins, named where the package is not installed (a
+    bare GPU image with the repository on PYTHONPATH)."""
     installed = any(ep.value == "pytest_moeperf.plugin" for ep in entry_points(group="pytest11"))
-    return [] if installed else ["-p", "pytest_moeperf.plugin"]
+    return [] if installed else ["-p", "pytest_moeperf.plugin", "-p", "moe_harness.plugin"]
 
 
 def gpu_state() -> str | None:

@@ -46,7 +46,7 @@ def _jsonable(x):
 
 def write_ab_report(result: LadderResult, summary: dict, out_dir) -> dict[str, Path]:
     """Write ab-report.json, ab-report.md and the figures into out_dir, each atomically; `summary`
-    is ab_summary.summarize_ab(result).
+    is summary.summarize_ab(result).
 
     Returns {kind: path} for what was written: "json", "markdown", "ladder", "latency", and
     "accept" (only with a speculative row that reported acceptance) and "accuracy" (only when

@@ -24,7 +24,7 @@ MIN_REQUESTS = 3
 @dataclass(frozen=True)
 class LadderRun:
     result: LadderResult  # what every row served (impl.serve.result)
-    summary: dict  # ab_summary.summarize_ab(result), computed once for the report, verdicts and gate
+    summary: dict  # summary.summarize_ab(result), computed once for the report, verdicts and gate
     report: dict  # what write_ab_report wrote
     # The host's CPU contention while the rows were served (host_load.Meter; None on a GPU, whose
     # timings do not wait for the host's CPUs): the speed figures are judged and frozen by it.

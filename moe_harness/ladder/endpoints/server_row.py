@@ -6,7 +6,7 @@
 Provenance of a server row is what the server says of itself (engine, version, served model,
 its arguments where it tells them) and what it did: a row declared speculative (`speculative =
 k`) must show verify steps with drafts, and a mean accept length above the floor
-(ab_summary.ACCEPT_LENGTH_FLOOR); one whose counters never moved, or whose server says it does
+(moe_harness.ladder.summary.ACCEPT_LENGTH_FLOOR); one whose counters never moved, or whose server says it does
 not speculate, contradicts its definition (the reference result's trap: every flag says MTP is
 on while nothing is accepted). A row not declared speculative whose server drafts is one too.
 
