@@ -16,7 +16,6 @@ rebuilt here for the interpreter; where that cannot be done (a Triton whose inte
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 
@@ -106,43 +105,4 @@ if INTERPRET:
     _builder.options = dataclasses.replace(_builder.options, sanitize_overflow=False)
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def device_name(device: torch.device) -> str:
-    """The name tuned launch configs are keyed by: the CUDA device's, or "cpu" (cached: kernels
-    look their configs up on every call)."""
-    if device.type != "cuda":
-        return "cpu"
-    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# The devices launch configs were tuned on, by what decides which tiles and launches are fastest
-# for a memory-bound kernel of this package: the multiprocessor design (compute capability) and
-# count, which set the programs in flight, the registers and shared memory each gets and the
-# waves. An untuned device with both the same takes that device's configs (an H100 SXM, 9.0 and
-# 132 SMs, the H200's: one GH100 die with other memory); any other device, the defaults.
-TUNED_ON = {"NVIDIA H200": ((9, 0), 132)}
-
-
-@functools.lru_cache(maxsize=None)
-def _properties(index: int) -> tuple[tuple[int, int], int]:
-    p = torch.cuda.get_device_properties(index)
-    return (p.major, p.minor), p.multi_processor_count
-
-
-def config_devices(device: torch.device) -> tuple[str, ...]:
-    """The device names whose tuned launch configs `device` takes, in order: its own, then each
-    device in TUNED_ON with its compute capability and multiprocessor count. A table looks a key
-    up under each in turn, so a device tuned for some shapes keeps a sibling's for the others."""
-    name = device_name(device)
-    if device.type != "cuda":
-        return (name,)
-    mine = _properties(device.index if device.index is not None else torch.cuda.current_device())
-    return (name, *sorted(other for other, props in TUNED_ON.items() if props == mine and other != name))
-
-
-__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TUNED_ON", "TritonImportOrderError", "adopt_preimported_triton",
-           "config_devices", "device_name", "tl", "triton"]
+__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TritonImportOrderError", "adopt_preimported_triton", "tl", "triton"]

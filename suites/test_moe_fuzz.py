@@ -536,7 +536,7 @@ def triton_variants():
     """name -> launch config of each MXFP4 product path the tuner may pick: tensor-core tiles
     throughout, or the register path's dp4a products up to 4 tokens; the tiles are the defaults'
     (32 x 128), so `interpreter_cost` still bounds an example's time."""
-    from impl.moe.configs import MoELaunchConfig
+    from impl.moe.moe_launch_config import MoELaunchConfig
     return {"dot-bits": MoELaunchConfig(), "gemv-dp4a": MoELaunchConfig(gemv_max_tokens=4)}
 
 
@@ -549,7 +549,7 @@ def skip_unless_triton_mxfp4(backend, formats) -> None:
 def run_variant(inputs, variant: str, **tiles):
     """The Triton MoE on `inputs` with the variant's launch config (tile fields overridden by
     `tiles`), checking that the product the variant names is what ran on each chunk."""
-    from impl.moe.configs import M_PAD
+    from impl.moe.moe_launch_config import M_PAD
     from impl.moe.triton_backend import moe_triton
     cfg = dataclasses.replace(triton_variants()[variant], **tiles)
     with backends.record_provenance() as prov:

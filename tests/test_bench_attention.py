@@ -5,6 +5,8 @@ report a fraction of floor that is wrong by the same factor."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -101,15 +103,16 @@ def test_best_attention_config_takes_the_least_summed_time_over_every_context():
     assert ba.best_attention_config([]) is None
 
 
-def test_adopt_best_sets_the_devices_entry_and_names_the_run(monkeypatch):
+def test_adopt_best_sets_the_devices_entry_and_names_the_run(monkeypatch, tmp_path):
     from impl.model import mla_decode
-    saved = []
-    monkeypatch.setattr(mla_decode, "save_tuned", lambda device, cfg, measured: saved.append((device, cfg, measured)))
-    monkeypatch.setitem(mla_decode.TUNED, "gpu-x", mla_decode.DEFAULT_CONFIG)
+    monkeypatch.setattr(mla_decode, "TABLE", dataclasses.replace(mla_decode.TABLE, path=tmp_path / "tuned.json"))
+    monkeypatch.setitem(mla_decode.TUNED, ("gpu-x",), mla_decode.DEFAULT_CONFIG)
     a, b = ba.MLA_CONFIGS[1:3]
     rows = [dict(form="a", config=a.__dict__, measured_us=9.0), dict(form="a", config=a.__dict__, measured_us=30.0),
             dict(form="b", config=b.__dict__, measured_us=10.0), dict(form="b", config=b.__dict__, measured_us=20.0)]
     ba.adopt_best_attention(rows, "gpu-x", [1024, 32768])
-    assert mla_decode.TUNED["gpu-x"] == b
-    assert saved == [("gpu-x", b, "scripts/gpu/bench_attention.py --adopt-best, the kernel alone: "
-                                  "10.0 / 20.0 us at 1024 / 32768 rows")]
+    assert mla_decode.TUNED[("gpu-x",)] == b
+    (entry,) = json.loads(mla_decode.TABLE.path.read_text())
+    assert entry == dict(key=dict(device="gpu-x"), config=dataclasses.asdict(b),
+                         measured="scripts/gpu/bench_attention.py --adopt-best, the kernel alone: "
+                                  "10.0 / 20.0 us at 1024 / 32768 rows")

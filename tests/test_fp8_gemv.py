@@ -22,8 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from impl.head import compare_logits
-from impl.head.configs import (ANY_N, DEVICE_DEFAULTS, GENERIC, INTERPRETER, TUNED, GemvConfig, lookup,
-                               m_bucket)
+from impl.head.gemv_config import ANY, GENERIC, INTERPRETER, TUNED, GemvConfig, lookup, m_bucket
 from impl.head.fp8_gemv import _to_e4m3, fp8_gemv, fp8_gemv_reference, kernel_path
 from impl.quant import quantize_fp8
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
@@ -310,16 +309,16 @@ def test_lookup_rules_in_order():
     assert lookup(157184, 2560, 1, "NVIDIA A100-SXM4-80GB") == (GENERIC[1], "generic")
     assert lookup(5, 7, 40, "cpu") == (GENERIC[16], "generic")
     assert lookup(157184, 2560, 1, h200, interpreter=True) == (INTERPRETER, "interpreter")
-    TUNED[(ANY_N, 12345, 2, "test-gpu")] = CONFIGS["dot"]
+    TUNED[(ANY, 12345, 2, "test-gpu")] = CONFIGS["dot"]
     try:
         assert lookup(999, 12345, 2, "test-gpu") == (CONFIGS["dot"], "hidden")
     finally:
-        del TUNED[(ANY_N, 12345, 2, "test-gpu")]
+        del TUNED[(ANY, 12345, 2, "test-gpu")]
 
 
 def test_every_table_entry_is_valid_and_buckets_cover_m():
     assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 400)] == [1, 2, 4, 4, 8, 8, 16, 16, 16, 16]
-    for cfg in [*TUNED.values(), *DEVICE_DEFAULTS.values(), *GENERIC.values(), INTERPRETER]:
+    for cfg in [*TUNED.values(), *GENERIC.values(), INTERPRETER]:
         assert isinstance(cfg, GemvConfig)
         assert cfg.block_n * cfg.block_k <= 2**20  # the interpreter's block limit
 

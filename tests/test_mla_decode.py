@@ -7,6 +7,9 @@ softmax against SDPA's; measured 4e-7 on the interpreter); bf16 on the GPU: 2e-2
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,35 +205,38 @@ def test_a_build_that_spills_is_refused_before_launch_and_a_clean_one_checked_on
 
 
 def test_tuned_configs_round_trip_keep_other_devices_and_name_a_malformed_file(tmp_path):
-    from impl.model.mla_decode import load_tuned, save_tuned
+    from impl.model.mla_decode import TABLE
     path = tmp_path / "tuned.json"
-    assert load_tuned(path) == {}
-    save_tuned("gpu-a", SMALL, "run a", path)
-    save_tuned("gpu-b", SMALL_3, "run b", path)
-    save_tuned("gpu-a", SMALL_3, "run a again", path)
-    assert load_tuned(path) == {"gpu-a": SMALL_3, "gpu-b": SMALL_3}
+    table = dataclasses.replace(TABLE, path=path)
+    assert table.load() == {}
+    table.save({("gpu-a",): SMALL}, "run a")
+    table.save({("gpu-b",): SMALL_3}, "run b")
+    table.save({("gpu-a",): SMALL_3}, "run a again")
+    assert table.load() == {("gpu-a",): SMALL_3, ("gpu-b",): SMALL_3}
+    assert [e["measured"] for e in json.loads(path.read_text())] == ["run a again", "run b"]
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]  # no temporary file left
-    path.write_text('[{"device": "gpu-a", "config": {"splits": 0}}]')
+    bad = '[{"key": {"device": "gpu-a"}, "config": {"splits": 0}}]'
+    path.write_text(bad)
     with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs .*splits must be >= 1"):
-        load_tuned(path)
+        table.load()
     with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs"):
-        save_tuned("gpu-c", SMALL, "run c", path)  # nothing written over a file it cannot read
-    assert path.read_text() == '[{"device": "gpu-a", "config": {"splits": 0}}]'
+        table.save({("gpu-c",): SMALL}, "run c")  # nothing written over a file it cannot read
+    assert path.read_text() == bad
     path.write_text("[{")
     with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MLA decode configs"):
-        load_tuned(path)
+        table.load()
 
 
 def test_the_committed_tuned_configs_load():
-    from impl.model.mla_decode import TUNED_PATH, load_tuned
-    assert load_tuned(TUNED_PATH), TUNED_PATH
+    from impl.model.mla_decode import TABLE
+    assert TABLE.load(), TABLE.path
 
 
 def test_32_bit_rows_take_the_smallest_tile_of_the_devices_config(monkeypatch):
     from impl.model import mla_decode
     tuned = MLADecodeConfig(splits=132, min_chunk_rows=64, block_rows=64, num_warps=4, num_stages=3)
     monkeypatch.setattr(mla_decode, "config_devices", lambda device: ("some-gpu",))
-    monkeypatch.setitem(mla_decode.TUNED, "some-gpu", tuned)
+    monkeypatch.setitem(mla_decode.TUNED, ("some-gpu",), tuned)
     cuda = torch.device("cuda", 0)
     assert mla_decode.launch_config(cuda, 2) == tuned
     assert mla_decode.launch_config(cuda, 4) == MLADecodeConfig(splits=132, min_chunk_rows=64, block_rows=16,

@@ -237,7 +237,7 @@ def _compile_all(tiles) -> int:
     from impl.moe import triton_dp4a as td
     from impl.moe import triton_experts as te
     from impl.moe import triton_routing as tr
-    from impl.moe.configs import M_PAD
+    from impl.moe.moe_launch_config import M_PAD
     from impl.triton_env import FP32_MATH
     assert not FP32_MATH, "compile with TRITON_INTERPRET=0"
     failures = 0
@@ -368,7 +368,7 @@ def config_resources(key: dict, config: dict) -> list[dict]:
     built for sm_90: name, registers, spilled bytes a thread, shared memory, programs an SM, and
     the grid's programs over what the SMs hold at once (waves)."""
     from impl.moe import triton_experts as te
-    from impl.moe.configs import MoELaunchConfig
+    from impl.moe.moe_launch_config import MoELaunchConfig
     from impl.moe.triton_launch import expert_launch, gemv_rows, resident_programs
     cfg = MoELaunchConfig(**config)
     mxfp4 = key["format"] == "mxfp4"
@@ -419,9 +419,9 @@ def _check_configs() -> int:
     memory round trip). Prints each kernel's resources; a planted spilling config is the negative
     control of the first, the planted kernels of `_compile_all` of the second."""
     import json
-    from impl.moe.configs import TUNED_PATH
+    from impl.moe.moe_launch_config import TABLE
     failures = 0
-    for entry in json.loads(TUNED_PATH.read_text()):
+    for entry in json.loads(TABLE.path.read_text()):
         key = entry["key"]
         shape = f"{key['format']} E={key['experts']} H={key['hidden']} I={key['intermediate']} M={key['m_bucket']}"
         for r in config_resources(key, entry["config"]):

@@ -14,7 +14,7 @@ import torch
 from impl import backends
 from impl.model.build import build_model
 from impl.model.config import get_config
-from impl.moe.configs import MoELaunchConfig
+from impl.moe.moe_launch_config import MoELaunchConfig
 from impl.moe.reference import moe_reference, swiglu_act
 from tests.test_triton_moe import (DEVICE, DP4A_RTOL, RTOL, assert_rows_close, make_shared, make_weights,
                                    on_device, random_routing, run_both)

@@ -11,20 +11,21 @@ has the derivation of both).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from impl import backends
-from impl.moe import configs, triton_launch
-from impl.moe.configs import M_PAD, MoELaunchConfig, lookup, m_bucket
+from impl.moe import moe_launch_config, triton_launch
+from impl.moe.moe_launch_config import M_PAD, MoELaunchConfig, lookup, m_bucket
 from impl.moe.reference import moe_reference
 from impl.moe.shared import SharedExpert
 from impl.moe.triton_backend import moe_triton
 from impl.moe.triton_slots import slots_from_routing
 from impl.quant.mxfp4 import MXFP4Tensor, quantize_mxfp4
-from impl.triton_env import device_name
+from impl.launch_tables import device_name
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 RTOL = 1e-2 if DEVICE.type == "cuda" else 1e-5
@@ -224,10 +225,10 @@ def test_m_buckets():
 
 
 def test_lookup_falls_back_for_untuned_shapes_and_uses_tuned_ones(monkeypatch):
-    monkeypatch.setattr(configs, "TUNED", {})
+    monkeypatch.setattr(moe_launch_config, "TUNED", {})
     assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) == MoELaunchConfig()
     tuned = MoELaunchConfig(gate_up_block_n=16, gate_up_block_k=32, down_block_n=64, down_block_k=64)
-    monkeypatch.setitem(configs.TUNED, (8, 64, 32, 2, 4, "bf16", device_name(DEVICE)), tuned)
+    monkeypatch.setitem(moe_launch_config.TUNED, (8, 64, 32, 2, 4, "bf16", device_name(DEVICE)), tuned)
     assert lookup(8, 64, 32, 2, 3, "bf16", DEVICE) is tuned  # M=3 falls in the M=4 bucket
     assert lookup(8, 64, 32, 2, 5, "bf16", DEVICE) == MoELaunchConfig()  # another bucket
     assert lookup(8, 64, 32, 2, 3, "mxfp4", DEVICE) == MoELaunchConfig()  # another format
@@ -525,7 +526,7 @@ def test_layer_with_overlapping_launches_matches_reference(fmt, monkeypatch):
     cfg = get_config("tiny")
     tuned = MoELaunchConfig(gate_up_block_k=64, down_block_k=64, gemv_max_tokens=4, pdl=True, l2_prefetch=True)
     for bucket in (1, 2):
-        monkeypatch.setitem(configs.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
+        monkeypatch.setitem(moe_launch_config.TUNED, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
                                             bucket, fmt, device_name(DEVICE)), tuned)
     ours, oracle = (random_moe_block(cfg, fmt, DEVICE, backend, seed=5, dtype=torch.float32)
                     for backend in ("triton", "reference"))
@@ -614,11 +615,12 @@ def test_tuned_configs_load_missing_fields_as_defaults_and_reject_unknown_ones(t
     key = ('{"experts": 8, "hidden": 64, "intermediate": 32, "top_k": 2, "m_bucket": 1, "format": "mxfp4", '
            '"device": "cpu"}')
     path.write_text(f'[{{"key": {key}, "config": {{"gemv_max_tokens": 4}}}}]')
-    (cfg,) = configs.load_tuned(path).values()
+    table = dataclasses.replace(moe_launch_config.TABLE, path=path)
+    (cfg,) = table.load().values()
     assert (cfg.gemv_max_tokens, cfg.gate_up_lookahead, cfg.pdl) == (4, 0, False)
     path.write_text(f'[{{"key": {key}, "config": {{"gemv_decode": "word32"}}}}]')
     with pytest.raises(ValueError, match=r"tuned.json: malformed tuned MoE configs .*gemv_decode"):
-        configs.load_tuned(path)
+        table.load()
 
 
 @pytest.mark.parametrize("ids", [

@@ -46,9 +46,10 @@ import functools
 
 import torch
 
-from impl.head.configs import DOT_ROWS, GemvConfig, lookup
+from impl.head.gemv_config import DOT_ROWS, GemvConfig, lookup
+from impl.launch_tables import config_devices
 from impl.quant.fp8 import dequantize_fp8
-from impl.triton_env import FP32_MATH, INTERPRET, config_devices, tl, triton
+from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 __all__ = ["ACTIVATION_DTYPES", "OUTPUT_DTYPES", "fp8_gemv", "fp8_gemv_kernel", "fp8_gemv_reference",
            "kernel_path", "launch_config"]
@@ -233,7 +234,7 @@ def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: 
 def fp8_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
              config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32) @ (data e4m3 [N, K] * scale).T -> [M, N] in `out_dtype`
-    (default: x's dtype), accumulated in fp32. `config` overrides the table in impl.head.configs."""
+    (default: x's dtype), accumulated in fp32. `config` overrides the table in impl.head.gemv_config."""
     out_dtype = x.dtype if out_dtype is None and isinstance(x, torch.Tensor) else out_dtype
     _check(x, data, scale, out_dtype)
     m, k = x.shape

@@ -29,15 +29,14 @@ its reference.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pytest_moeperf.files import atomic_write_text
+from impl.launch_tables import LaunchTable, check_power_of_two, config_devices, device_name, first_entry
 from impl.moe.triton_pdl import pdl_release, pdl_supported, pdl_wait
-from impl.triton_env import FP32_MATH, config_devices, device_name, tl, triton
+from impl.triton_env import FP32_MATH, tl, triton
 
 
 @dataclass(frozen=True)
@@ -56,50 +55,19 @@ class MLADecodeConfig:
     def __post_init__(self) -> None:
         if self.splits < 1:
             raise ValueError(f"MLADecodeConfig.splits must be >= 1, got {self.splits}")
-        for name in ("min_chunk_rows", "block_rows", "combine_block_r"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"MLADecodeConfig.{name} must be a power of two, got {v}")
+        check_power_of_two(self, ("min_chunk_rows", "block_rows", "combine_block_r"))
         if self.block_rows < 16:
             raise ValueError(f"MLADecodeConfig.block_rows must be >= 16 (tl.dot), got {self.block_rows}")
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
-# Per device name, written by scripts/gpu/bench_attention.py --adopt-best (the config of the least
-# time summed over 1k, 8k and 32k rows, the kernel alone); the file names the run it came from.
-TUNED_PATH = Path(__file__).with_name("mla_decode_tuned.json")
+# Keyed by device name alone; written by scripts/gpu/bench_attention.py --adopt-best (the config of
+# the least time summed over 1k, 8k and 32k rows, the kernel alone), each entry naming the run it
+# came from.
+TABLE = LaunchTable(Path(__file__).with_name("mla_decode_tuned.json"), MLADecodeConfig, ("device",), "MLA decode")
+TUNED: dict[tuple[str], MLADecodeConfig] = TABLE.load()
 INTERPRETER = MLADecodeConfig(splits=4, min_chunk_rows=16, block_rows=16, num_warps=4, num_stages=1,
                               combine_block_r=16)
-
-
-def _entries(path: Path) -> list[dict]:
-    """The JSON list of {"device", "config", "measured"} entries, each config checked."""
-    if not path.exists():
-        return []
-    try:
-        entries = json.loads(path.read_text())
-        for e in entries:
-            if not isinstance(e["device"], str):
-                raise TypeError(f"device {e['device']!r} is not a name")
-            MLADecodeConfig(**e["config"])
-        return entries
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: malformed tuned MLA decode configs ({e})") from None
-
-
-def load_tuned(path: Path = TUNED_PATH) -> dict[str, MLADecodeConfig]:
-    """{device name: config} from the file's entries."""
-    return {e["device"]: MLADecodeConfig(**e["config"]) for e in _entries(path)}
-
-
-def save_tuned(device: str, config: MLADecodeConfig, measured: str, path: Path = TUNED_PATH) -> None:
-    """Set `device`'s entry (`measured`: what chose it), keeping the others; atomically."""
-    entries = [e for e in _entries(path) if e["device"] != device]
-    entries.append(dict(device=device, config=dataclasses.asdict(config), measured=measured))
-    atomic_write_text(path, json.dumps(sorted(entries, key=lambda e: e["device"]), indent=1) + "\n")
-
-
-TUNED: dict[str, MLADecodeConfig] = load_tuned()
 
 
 def launch_config(device: torch.device, element_size: int = 2) -> MLADecodeConfig:
@@ -108,7 +76,8 @@ def launch_config(device: torch.device, element_size: int = 2) -> MLADecodeConfi
     16-row tiles at 4 warps in two stages still spilled 120 bytes a thread on the H200."""
     if device.type != "cuda":
         return INTERPRETER
-    cfg = next((TUNED[name] for name in config_devices(device) if name in TUNED), DEFAULT_CONFIG)
+    hit = first_entry(TUNED, [()], config_devices(device))
+    cfg = hit[0] if hit else DEFAULT_CONFIG
     if element_size > 2:
         cfg = dataclasses.replace(cfg, block_rows=16, num_stages=1, num_warps=max(cfg.num_warps, 8))
     return cfg

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from impl import backends
-from impl.moe.configs import M_PAD, MoELaunchConfig
+from impl.moe.moe_launch_config import M_PAD, MoELaunchConfig
 from impl.moe.grouped import GROUPED_MIN_TOKENS, moe_grouped_layer
 from impl.moe.shared import SharedExpert, check_shared_expert, clip_note
 from impl.moe.triton_dp4a import check_split, empty_split, split_int8_kernel

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from impl.moe.configs import M_PAD, MoELaunchConfig, lookup
+from impl.moe.moe_launch_config import M_PAD, MoELaunchConfig, lookup
 from impl.quant.mxfp4 import MXFP4Tensor
 from impl.triton_env import FP32_MATH, triton
 

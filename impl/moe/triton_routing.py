@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from impl.moe.configs import M_PAD
+from impl.moe.moe_launch_config import M_PAD
 from impl.moe.triton_dp4a import check_split, store_split_int8
 from impl.moe.triton_slots import Slots, write_slots
 from impl.moe.triton_pdl import pdl_release, pdl_wait, prefetch_l2, use_pdl

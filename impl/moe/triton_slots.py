@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from impl.moe.configs import M_PAD
+from impl.moe.moe_launch_config import M_PAD
 from impl.triton_env import tl, triton
 
 

@@ -304,11 +304,11 @@ def adopt_best_attention(rows: list[dict], device: str, contexts: list[int]) -> 
     from impl.model import mla_decode
     if (best := best_attention_config(rows)) is not None:
         cfg, times = best
-        mla_decode.TUNED[device] = cfg
+        mla_decode.TUNED[(device,)] = cfg
         measured = ("scripts/gpu/bench_attention.py --adopt-best, the kernel alone: "
                     + " / ".join(f"{t:.1f}" for t in times) + " us at " + " / ".join(map(str, contexts)) + " rows")
-        mla_decode.save_tuned(device, cfg, measured)
-        log(f"adopted: TUNED[{device!r}] = {cfg!r} ({measured})")
+        mla_decode.TABLE.save({(device,): cfg}, measured)
+        log(f"adopted: TUNED[{(device,)!r}] = {cfg!r} ({measured})")
 
 
 def main(argv=None) -> int:

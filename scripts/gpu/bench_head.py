@@ -8,7 +8,7 @@ For each head shape (Ling-3.0-flash 157184 x 2560, Ling-flash-2.0 157184 x 4096)
      median over replays, divided by 10): bf16 cuBLAS (F.linear), `torch._scaled_mm` per-tensor and
      row-wise (activations pre-quantized to e4m3, M padded to 16: the GEMM alone), the FP8Head
      "fp8-scaled-mm" backend (with its on-the-fly activation quantization), the Triton kernel with
-     per-row and per-tensor scales (impl.head.configs table), naive dequantize-to-bf16-then-GEMV;
+     per-row and per-tensor scales (impl.head.gemv_config table), naive dequantize-to-bf16-then-GEMV;
   3. a sweep of launch configurations of the Triton kernel (per-row scales), per shape and M;
   4. device-to-device copy bandwidth in the same process (a 4 GiB copy: 8.6 GB read + written);
      every time is also given as % of the FP8 byte floor (N*K bytes) at that bandwidth. A kernel
@@ -66,7 +66,7 @@ def graph_time_us(fn, rep_ms: int = 200) -> float:
 
 def sweep_configs(kind: str, m: int):
     """Launch configurations to time: (path, block_n, block_k, num_warps, num_stages, block_m)."""
-    from impl.head.configs import GemvConfig
+    from impl.head.gemv_config import GemvConfig
     main = [("split", 128, 256, 4, 3, 8), ("split", 128, 128, 4, 4, 8), ("split", 128, 256, 4, 4, 8),
             ("split", 128, 256, 8, 3, 8), ("split", 256, 128, 8, 3, 8), ("split", 64, 256, 4, 4, 8),
             ("split", 128, 512, 4, 2, 8), ("split", 128, 128, 4, 4, 16), ("split", 128, 256, 4, 3, 16)]
@@ -106,7 +106,7 @@ def main() -> int:
     import triton
 
     from impl.head import FP8Head
-    from impl.head.configs import lookup
+    from impl.head.gemv_config import lookup
     from impl.head.fp8_gemv import fp8_gemv, fp8_gemv_reference
     from impl.quant.fp8 import dequantize_fp8, quantize_fp8
 

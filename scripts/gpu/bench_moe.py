@@ -1,7 +1,7 @@
 """The MoE kernels on the GPU, in one call: parity of the Triton MoE against the fp32 oracle, then every
 contender timed side by side under CUDA graphs, reported as microseconds and as a fraction of
 the bytes-read floor at the copy bandwidth measured in the same run; optionally a launch-config
-sweep whose winners are printed as `TUNED` entries for impl/moe/configs.py.
+sweep whose winners are printed as `TUNED` entries for impl/moe/moe_launch_config.py.
 
     python scripts/gpu/bench_moe.py [--tune [--tune-budget-s 180] [--write-configs]] [--ms 1,4]
         [--shapes ling-3.0-flash,ling-flash-2.0] [--formats mxfp4,bf16] [--out DIR]
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import triton
 
 from impl.model.config import get_config
-from impl.moe.configs import TUNED_PATH, MoELaunchConfig, lookup, m_bucket, save_tuned
-from impl.triton_env import device_name
+from impl.moe.moe_launch_config import TABLE, MoELaunchConfig, lookup, m_bucket
+from impl.launch_tables import device_name
 from impl import backends
 from impl.moe.gather import moe_gather
 from impl.moe.humming import humming_layer
@@ -192,7 +192,7 @@ def time_contenders(block, cfg, fmt, m, bw, rows, tuned_cfg=None, routing_varian
     except Exception as e:  # a contender that cannot be set up is reported, the others still run
         log(f"experts only: {type(e).__name__}: {e}")
     if tuned_cfg is None and plan(m, cfg.top_k, gu, dn, DEV).config != MoELaunchConfig():
-        # What the committed config (this device's, or a sibling's: impl.triton_env.config_devices)
+        # What the committed config (this device's, or a sibling's: impl.launch_tables.config_devices)
         # gains over the defaults an untuned device runs.
         contenders["triton (ours), untuned defaults"] = [lambda x=x: layer_call(block, cfg, x, MoELaunchConfig())
                                                          for x in xs]
@@ -439,7 +439,7 @@ def main() -> None:
                         new[key] = cfg_m
                     tuned.update(new)
                     if args.write_configs:  # now, so that a run cut short by a timeout keeps it
-                        save_tuned(new)
+                        TABLE.save(new)
                 if not args.skip_contenders:
                     time_contenders(block, cfg, fmt, m, bw, rows, cfg_m, routing_variants=fmt == formats[0])
             del block
@@ -455,7 +455,7 @@ def main() -> None:
     for key, c in tuned.items():
         log(f"TUNED[{key!r}] = {c!r}")
     if tuned and args.write_configs:
-        log(f"wrote {len(tuned)} tuned config(s) into {TUNED_PATH}")
+        log(f"wrote {len(tuned)} tuned config(s) into {TABLE.path}")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def profile_moe(shape: str, fmt: str, m: int, without_shared: bool = False, labe
 def parse_override(value: str) -> dict:
     """"a=1,b=true" -> {"a": 1, "b": True} (ints, booleans, else strings), checked against
     MoELaunchConfig: an unknown field or a bad value is a usage error naming it."""
-    from impl.moe.configs import MoELaunchConfig
+    from impl.moe.moe_launch_config import MoELaunchConfig
     fields = {f.name for f in dataclasses.fields(MoELaunchConfig)}
     out = {}
     for item in filter(None, value.split(",")):
@@ -149,10 +149,10 @@ def main() -> None:
     ap.add_argument("--without-shared", action="store_true",
                     help="also time each MoE layer without its shared expert")
     args = ap.parse_args()
-    from impl.moe import configs
-    committed = configs.TUNED
+    from impl.moe import moe_launch_config
+    committed = moe_launch_config.TUNED
     for override in args.override or [{}]:
-        configs.TUNED = {k: dataclasses.replace(c, **override) for k, c in committed.items()}
+        moe_launch_config.TUNED = {k: dataclasses.replace(c, **override) for k, c in committed.items()}
         label = f" [{', '.join(f'{k}={v}' for k, v in override.items())}]" if override else ""
         if args.model:
             profile_model(args.model, args.moe_backend)

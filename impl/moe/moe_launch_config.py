@@ -1,23 +1,20 @@
-"""Launch configurations of the Triton MoE, as data keyed by problem shape and device.
+"""The Triton MoE layer's launch configuration (`MoELaunchConfig`) and its table of tuned ones.
 
-Keys are (experts, hidden, intermediate, top_k, M bucket, weight format, device name); the
-values live in `tuned_configs.json` beside this file, written by
-`scripts/gpu/bench_moe.py --tune --write-configs` on that device and committed. A shape nobody
-tuned gets the defaults of `MoELaunchConfig` (32 x 128 tiles, 4 warps, 3 stages), which ran
+The table (`TABLE`, impl.launch_tables) is keyed by (experts, hidden, intermediate, top_k,
+M bucket, weight format, device name); its entries live in `tuned_configs.json` beside this file,
+written by `scripts/gpu/bench_moe.py --tune --write-configs` on that device and committed. A shape
+nobody tuned gets the defaults of `MoELaunchConfig` (32 x 128 tiles, 4 warps, 3 stages), which ran
 correctly everywhere they were tried.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pytest_moeperf.files import atomic_write_text
-from impl.triton_env import config_devices
+from impl.launch_tables import LaunchTable, check_power_of_two, config_devices, first_entry
 
 M_BUCKETS = (1, 2, 4, 8, 16)
 M_PAD = M_BUCKETS[-1]  # tokens per kernel call; larger batches run in chunks of M_PAD
@@ -63,18 +60,11 @@ class MoELaunchConfig:
     l2_prefetch: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("gate_up_block_k", "down_block_k", "shared_block_k"):
-            v = getattr(self, name)
-            if name == "shared_block_k" and v == 0:
-                continue
-            if v < 32 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 32 (one MXFP4 scale block), got {v}")
+        shared_k = ("shared_block_k",) if self.shared_block_k else ()  # 0: the routed experts' K tiles
+        check_power_of_two(self, ("gate_up_block_k", "down_block_k", *shared_k), least=32, why="one MXFP4 scale block")
         if self.gemv_max_tokens not in (0, 1, 2, 4):
             raise ValueError(f"gemv_max_tokens must be 0, 1, 2 or 4, got {self.gemv_max_tokens}")
-        for name in ("gate_up_block_n", "down_block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tensor-core tile), got {v}")
+        check_power_of_two(self, ("gate_up_block_n", "down_block_n"), least=16, why="tensor-core tile")
         if self.shared_split not in (1, 2, 4, 8):
             raise ValueError(f"shared_split must be 1, 2, 4 or 8, got {self.shared_split}")
         for name in ("pdl", "l2_prefetch"):
@@ -95,35 +85,14 @@ def m_bucket(m: int) -> int:
     return next(b for b in M_BUCKETS if m <= b)
 
 
-TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
-KEY_FIELDS = ("experts", "hidden", "intermediate", "top_k", "m_bucket", "format", "device")
-
-
-def load_tuned(path: Path = TUNED_PATH) -> dict[tuple, MoELaunchConfig]:
-    """{key tuple: config} from the JSON list of {"key": {...}, "config": {...}} entries."""
-    if not path.exists():
-        return {}
-    try:
-        entries = json.loads(path.read_text())
-        return {tuple(e["key"][f] for f in KEY_FIELDS): MoELaunchConfig(**e["config"]) for e in entries}
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: malformed tuned MoE configs ({e})") from None
-
-
-def save_tuned(tuned: dict[tuple, MoELaunchConfig], path: Path = TUNED_PATH) -> None:
-    merged = {**load_tuned(path), **tuned}
-    entries = [{"key": dict(zip(KEY_FIELDS, k)), "config": dataclasses.asdict(c)} for k, c in sorted(merged.items())]
-    # Atomically: a tuning cut short mid-write must not leave a truncated file.
-    atomic_write_text(path, json.dumps(entries, indent=1) + "\n")
-
-
-TUNED: dict[tuple, MoELaunchConfig] = load_tuned()
+TABLE = LaunchTable(Path(__file__).with_name("tuned_configs.json"), MoELaunchConfig,
+                    ("experts", "hidden", "intermediate", "top_k", "m_bucket", "format", "device"), "MoE")
+TUNED: dict[tuple, MoELaunchConfig] = TABLE.load()
 
 
 def lookup(experts: int, hidden: int, intermediate: int, top_k: int, m: int, fmt: str,
            device: torch.device) -> MoELaunchConfig:
-    shape = (experts, hidden, intermediate, top_k, m_bucket(m), fmt)
-    # This device's config, or a sibling's (config_devices); a shape nobody tuned gets the
-    # defaults (every shape of the fuzz suite runs with them).
-    return next((TUNED[(*shape, name)] for name in config_devices(device) if (*shape, name) in TUNED),
-                MoELaunchConfig())
+    """The config of this shape on `device`: its own entry, or a sibling's (config_devices); a
+    shape nobody tuned gets the defaults (every shape of the fuzz suite runs with them)."""
+    hit = first_entry(TUNED, [(experts, hidden, intermediate, top_k, m_bucket(m), fmt)], config_devices(device))
+    return hit[0] if hit else MoELaunchConfig()
