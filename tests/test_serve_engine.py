@@ -286,9 +286,9 @@ def test_a_prompt_past_the_graphed_buckets_takes_its_own_positions(model):
     persistent positions; a longer one runs eagerly over positions of its own length (it once took
     the bucket's 2048 positions for a prompt of 8188: a ValueError at full depth on the H200). On a
     CPU nothing is captured, so the buckets are stood in for here."""
-    from impl.serve.engine import _DraftPrompt
+    from impl.decode_runner import DraftPrompt
     draft = model.mtp[0]
-    prompt = _DraftPrompt(model, draft, torch.device("cpu"), model.config.max_seq_len)
+    prompt = DraftPrompt(model, draft, torch.device("cpu"), model.config.max_seq_len)
     prompt.pos, prompt.graphs = torch.arange(16), {16: None}  # a 16-position bucket, never replayed here
     model.setup_caches(1, model.config.max_seq_len)
     s = 40

@@ -101,7 +101,7 @@ def test_graphed_draft_prompt_pass_writes_the_eager_cache(models, s):
     model = models["float32"]
     row = EngineRow(build_arm(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer()))
     row.prepare()
-    loop = row._loop
+    loop = row._runner
     assert loop.draft_prompt.graphs, "no bucket graphs captured on CUDA"
     cache = model.mtp[0].block.self_attn.kv_cache
     g = torch.Generator(device="cuda").manual_seed(s)
