@@ -315,11 +315,11 @@ def test_roofline(ling_session, moe_model, context, moe_gate, moe_device):
     from impl.model.roofline import token_bytes
     from impl.data.text import tokenizer_for
     from impl.data.workloads import parse_workload
-    from impl.serve import build_arm
+    from impl.serve import build_row
     from impl.serve.rows import parse_row
     length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
     row = parse_row(ROW3, "cuda")
-    arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_session.options.model,
+    arm = build_row(moe_model, row.config, tokenizer=tokenizer_for(ling_session.options.model,
                                                                    moe_model.config.vocab_size), name=row.name)
     restore = (moe_model.moe_backend, moe_model.lm_head)
     dev = moe_model.embed_tokens.weight.device

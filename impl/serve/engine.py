@@ -153,77 +153,77 @@ class _Output:
 
 
 class EngineRow:
-    """An arm served by this engine, as the ladder runner interleaves it (impl.serve.runner): it
-    owns what serving the arm builds, its step buffers and captured graphs (built by `prepare` or
-    the first request) and the provenance of what ran, so the arm itself stays configuration."""
+    """A row served by this engine, as the ladder runner interleaves it (impl.serve.ladder): it
+    owns what serving the row builds, its step buffers and captured graphs (built by `prepare` or
+    the first request) and the provenance of what ran, so the row itself stays configuration."""
 
-    def __init__(self, arm) -> None:
-        self.arm = arm
-        self.name = arm.name
+    def __init__(self, built) -> None:
+        self.built = built
+        self.name = built.name
         self._runner = self._reader = self._cache_key = None
         self.provenance: RowProvenance | None = None
 
     def _ready(self):
-        arm, model = self.arm, self.arm.model
+        built, model = self.built, self.built.model
         model.setup_caches(1, model.config.max_seq_len)
         runner = self._runner
         if runner is None or self._cache_key != cache_key(model):
             # First request, or someone reallocated the model's caches, which the graphs read: capture again.
-            self._runner = runner = (SpecRunner(arm.decoder) if arm.decoder is not None
-                                     else PlainRunner(model, arm.config.sampling)).capture()
+            self._runner = runner = (SpecRunner(built.decoder) if built.decoder is not None
+                                     else PlainRunner(model, built.config.sampling)).capture()
             # Reads pending at once: the steps queued ahead and the one waited for.
-            self._reader = Reader(arm.device, runner.width, LOOKAHEAD + 1)
+            self._reader = Reader(built.device, runner.width, LOOKAHEAD + 1)
             self._cache_key = cache_key(model)
         if self.provenance is None:
-            from impl.serve.arm import expert_format
-            self.provenance = RowProvenance(arm.name, arm.device.type, expert_format(model), graphs=runner.graphs)
+            from impl.serve.built_row import expert_format
+            self.provenance = RowProvenance(built.name, built.device.type, expert_format(model), graphs=runner.graphs)
         return runner
 
     def prepare(self) -> None:
-        """Allocate the arm's buffers and capture its step now (the first request does it otherwise)."""
-        self.arm.activate()
+        """Allocate the row's buffers and capture its step now (the first request does it otherwise)."""
+        self.built.activate()
         self._ready()
 
     def check(self) -> None:
         """ProvenanceError unless what ran is what the row's name and configuration say."""
-        check_provenance(self.name, self.arm.config, self.provenance)
+        check_provenance(self.name, self.built.config, self.provenance)
 
     def release(self) -> None:
         """Let go of the buffers and graphs (a row dropped for want of device memory); its MoE
         backend's converted weights too (`Backend.release`)."""
         self._runner = self._reader = self._cache_key = self.provenance = None
-        release = backends.get("moe", self.arm.config.moe).release
+        release = backends.get("moe", self.built.config.moe).release
         if release is not None:
             release()
 
     def suspend(self) -> None:
-        """Nothing to take down: the arm's model is shared with the other rows and stays loaded."""
+        """Nothing to take down: the row's model is shared with the other rows and stays loaded."""
 
     def resume(self) -> None:
         """Nothing to bring back (see suspend)."""
 
     def entry(self) -> RowEntry:
         """The row as the report shows it (impl.serve.result.RowEntry)."""
-        arm, prov, c = self.arm, self.provenance, self.arm.config
-        common = {"name": arm.name, "config": c.spec_text(), "speculative": c.speculative, "greedy": c.sampling.greedy,
+        built, prov, c = self.built, self.provenance, self.built.config
+        common = {"name": built.name, "config": c.spec_text(), "speculative": c.speculative, "greedy": c.sampling.greedy,
                   "head": "bf16" if c.head == "bf16" else f"fp8:{c.head_backend}:{c.head_scales}",
-                  "assumed": c.assumed_accept is not None, "runs_as": arm.runs_as()}
+                  "assumed": c.assumed_accept is not None, "runs_as": built.runs_as()}
         if prov is None:
             return RowEntry(**common, provenance_error="the row served no request")
         shown = prov.as_dict()
         shown["draft_shares_head"] = all(prov.draft_head_is_target_head) if prov.speculative else None
         shown["drafts_per_step"] = max(prov.drafts_per_step, default=0)
         return RowEntry(**common, provenance=shown,
-                        provenance_error="; ".join(provenance_problems(arm.name, c, prov)) or None)
+                        provenance_error="; ".join(provenance_problems(built.name, c, prov)) or None)
 
     def serve(self, request, on_text: Callable[[str], bool] | None = None) -> ServedRequest:
-        """Serve `request` (request_id, prompt_ids, max_tokens, stop, ignore_eos) on the arm: what
+        """Serve `request` (request_id, prompt_ids, max_tokens, stop, ignore_eos) on the row: what
         came out and how long it took. `on_text(delta)`, if given, receives the text as it is
         committed (what may still turn into a stop string held back), the rest once the request
         ends; its returning False ends the request there ("abort": a streaming client went away),
         its acceptance counting only the verify steps whose text the client was sent."""
-        arm = self.arm
-        arm.activate()
+        built = self.built
+        built.activate()
         runner = self._ready()
         prompt = torch.as_tensor(list(request.prompt_ids), dtype=torch.long)
         t = prompt.shape[0]
@@ -233,18 +233,18 @@ class EngineRow:
             raise ValueError(f"request {request.request_id!r}: max_tokens must be an int >= 1, got {request.max_tokens!r}")
         room = runner.max_tokens_for(t)
         if request.max_tokens > room:
-            extra = f" + k ({runner.k})" if arm.decoder is not None else ""
+            extra = f" + k ({runner.k})" if built.decoder is not None else ""
             raise ValueError(f"request {request.request_id!r}: prompt ({t}) + max_tokens ({request.max_tokens}){extra} "
                              f"exceeds the model's context of {runner.capacity} tokens (at most {room} new tokens fit)")
-        sampling = arm.config.sampling
-        if not sampling.greedy or (arm.decoder is not None and arm.decoder.assumed is not None):
-            runner.seed(request_seed(arm.config.seed, request.request_id))
-        spec = arm.decoder is not None
+        sampling = built.config.sampling
+        if not sampling.greedy or (built.decoder is not None and built.decoder.assumed is not None):
+            runner.seed(request_seed(built.config.seed, request.request_id))
+        spec = built.decoder is not None
         lengths: list[int] = []  # tokens committed per verify step
-        out = _Output(arm.tokenizer, request)
+        out = _Output(built.tokenizer, request)
         reader = self._reader
-        lookahead = min(LOOKAHEAD, reader.slots - 3) if arm.device.type == "cuda" else 0
-        _sync(arm.device)
+        lookahead = min(LOOKAHEAD, reader.slots - 3) if built.device.type == "cuda" else 0
+        _sync(built.device)
         with torch.inference_mode(), backends.record_provenance() as prov:
             start = time.perf_counter()
             pending = deque([(True, reader.read(runner.begin(prompt, request.max_tokens)))])
@@ -277,17 +277,17 @@ class EngineRow:
                             break
                         sent, delivered = len(visible), len(lengths)
             latency = time.perf_counter() - start
-        _sync(arm.device)  # a step queued ahead finishes outside the request's time
+        _sync(built.device)  # a step queued ahead finishes outside the request's time
         if on_text is not None and out.reason != "abort" and len(out.text) > sent:
             on_text(out.text[sent:])
-        acceptance = Acceptance.from_lengths(lengths, arm.decoder.k) if spec else None
+        acceptance = Acceptance.from_lengths(lengths, built.decoder.k) if spec else None
         target, draft = events(prov) | runner.target_seen, set(runner.draft_seen)
         steps = acceptance.verify_steps if spec else 0
         if runner.graphs and (steps if spec else out.count > 1):
             target |= runner.graph_target
             draft |= runner.graph_draft
-        self.provenance.observe(arm, target, draft, steps)
+        self.provenance.observe(built, target, draft, steps)
         n = out.count
-        return ServedRequest(arm.name, request.request_id, t, n, ttft, latency, out.text,
+        return ServedRequest(built.name, request.request_id, t, n, ttft, latency, out.text,
                              tuple(out.ids[:n]),  # what the rows' outputs are compared by (the text may decode alike)
                              out.reason, acceptance)

@@ -99,7 +99,7 @@ def run_suite_ladder(session, model, rows, workload_spec, n, report_dir, warmup:
     from impl.data.gsm8k import GSM8KError
     from impl.data.text import TokenizerError, tokenizer_for
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
-    from impl.serve import ArmError, Ladder, LadderStopped
+    from impl.serve import Ladder, LadderStopped, RowError as ArmError
     from moe_harness.ladder.endpoints.server_row import ServerRow
     from moe_harness.ladder.report import write_ab_report, write_unfinished_ab_report
     from pytest_moeperf.report import now
@@ -200,7 +200,7 @@ def _build_rows(model, rows, tokenizer, session, report_dir: Path) -> list:
     """The rows the runner interleaves: this engine's arms (impl.serve.engine.EngineRow) on
     `model`, and servers (moe_harness.ladder.endpoints.server_row.ServerRow), their logs beside the report."""
     from impl.model.build import EMBEDDED
-    from impl.serve import EngineRow, build_arms
+    from impl.serve import EngineRow, build_rows as build_arms
     from impl.serve.rows import Row
     from moe_harness.ladder.endpoints.server_row import ServerRow
     local = [r for r in rows if isinstance(r, Row)]
