@@ -2,15 +2,16 @@
 
 A plant names a registered backend (`kind`, `name`) and a fraction f. `activate` puts a wrapped
 copy of that backend in the registry (impl.backends) in its place, `deactivate` puts the original
-back: every call of the backend then takes (1 + f) times as long as it did. The decoder kinds are
-planted the same way, since the decode runners (impl.decode_runner) call their steps through the
-registry: nothing in a hot path knows about plants. After the
-call, the host (CPU) or the device (CUDA) waits for f times the call's own elapsed time. On a
-GPU this is two tiny kernels around the call: one stamps the device's global timer before it,
-one spins after it until f times the stamped interval has passed, less the pair's own measured
-cost. Both run on the current stream, so a plant is captured into CUDA graphs with the work it
-slows and needs no host sync; each call's slowdown follows that call's own time, whatever its
-shape. Planted calls record a `planted_slowdown` provenance event.
+back. The decoder kinds are planted the same way: the decode runners (impl.decode_runner) call
+their steps through the registry, so nothing in a hot path knows about plants.
+
+Every call of a planted backend takes (1 + f) times as long as it did: after the call, the host
+(CPU) or the device (CUDA) waits for f times the call's own elapsed time. On a GPU this is two
+tiny kernels around the call: one stamps the device's global timer before it, one spins after it
+until f times the stamped interval has passed, less the pair's own measured cost. Both run on the
+current stream, so a plant is captured into CUDA graphs with the work it slows and needs no host
+sync; each call's slowdown follows that call's own time, whatever its shape. Planted calls record
+a `planted_slowdown` provenance event.
 
 Plants exist for gate-trust runs (`--moe-plant`, `scripts/gate_trust.py`): they are active only
 between `activate` and `deactivate`; what looked a backend up before `activate` keeps the original.
