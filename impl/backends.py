@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import sys
 import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -121,12 +120,9 @@ def get(kind: str, name: str) -> Backend:
         raise ValueError(f"unknown backend kind {kind!r}; expected one of {KINDS}")
     _load_entry_points()
     try:
-        backend = _registry[(kind, name)]
+        return _registry[(kind, name)]
     except KeyError:
         raise ValueError(f"unknown {kind} backend {name!r}; available: {available(kind)}{load_failures()}") from None
-    # A planted slowdown (impl.plant, gate-trust runs) is handed out in the backend's place.
-    plant = sys.modules.get("impl.plant")
-    return backend if plant is None else plant.planted_backend(backend)
 
 
 def load_failures() -> str:

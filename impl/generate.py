@@ -1,17 +1,20 @@
-"""Batch-1 decoding with a static KV cache: prefill, one-token decode steps, sampling.
+"""Decoding with a static KV cache: prefill, one-token decode steps, sampling, and `generate`, the
+eager reference loop the parity tests compare against.
 
 The token loop keeps tokens and positions on the device and never reads them back, so a GPU
-step can be captured as a CUDA graph; the host syncs once, after the loop.
+step can be captured as a CUDA graph (impl.decode_runner does, for every decode measurement); the
+host syncs once, after the loop. `next_token` is the registered `decoder:plain` backend.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from impl import backends, plant
+from impl import backends
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,12 @@ def prefill(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling
     prompt = check_prompt(model, prompt, max_new_tokens)
     batch, t = prompt.shape
     device = model.embed_tokens.weight.device
-    model.setup_caches(batch, model.config.max_seq_len)
     if state is not None and state.tokens.shape != (batch, t + max_new_tokens):
         # A captured step reads the given buffers: replacing them would go unnoticed there.
         raise ValueError(f"the given DecodeState holds tokens of shape {tuple(state.tokens.shape)}, this "
                          f"generation needs {(batch, t + max_new_tokens)}")
+    # Caches as long as a given state (a runner's capacity), else the model's context.
+    model.setup_caches(batch, model.config.max_seq_len if state is None else state.tokens.shape[1])
     if state is None:
         state = DecodeState(torch.empty(batch, t + max_new_tokens, dtype=torch.long, device=device),
                             torch.zeros(1, dtype=torch.long, device=device))
@@ -131,25 +135,24 @@ def prefill(model, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling
     return state
 
 
+def next_token(model, ids: torch.Tensor, pos: torch.Tensor, sampling: SamplingConfig = SamplingConfig(),
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The token after `ids` [B, 1] at position `pos` [1] for every row -> [B]: the target's forward
+    over one token, then sampling."""
+    return sample(model(ids, pos)[:, -1], sampling, generator)
+
+
 def decode_step(model, state: DecodeState, sampling: SamplingConfig = SamplingConfig(),
-                generator: torch.Generator | None = None) -> None:
-    """One token for every row: no host sync, static shapes."""
-    with plant.site("decoder", "plain", state.tokens.device):
-        logits = model(state.tokens.index_select(1, state.pos), state.pos)
-        state.tokens.index_copy_(1, state.pos + 1, sample(logits[:, -1], sampling, generator)[:, None])
-        state.pos += 1
-
-
-def greedy_step_at(model, token: torch.Tensor, pos: torch.Tensor) -> None:
-    """The greedy decode step of token [B, 1] at position pos [1], writing the next token back
-    into `token`: the same cache position is rewritten every time, so it can be replayed without
-    limit (the decode benchmark times it)."""
-    with plant.site("decoder", "plain", token.device):
-        token.copy_(model(token, pos)[:, -1].argmax(-1, keepdim=True))
+                generator: torch.Generator | None = None, decode: Callable = next_token) -> None:
+    """One token for every row: no host sync, static shapes. `decode`: how the token is made
+    (impl.decode_runner passes the registered `decoder:plain` backend)."""
+    token = decode(model, state.tokens.index_select(1, state.pos), state.pos, sampling, generator)
+    state.tokens.index_copy_(1, state.pos + 1, token[:, None])
+    state.pos += 1
 
 
 backends.register(backends.Backend(
-    "decoder", "plain", decode_step, "one plain decode step: the target's forward over the last token, then sampling"))
+    "decoder", "plain", next_token, "one plain decode step: the target's forward over the last token, then sampling"))
 
 
 @torch.inference_mode()

@@ -24,7 +24,7 @@ def capture_graph(calls: list[Callable[[], object]], pool=None) -> "torch.cuda.C
     torch.cuda.current_stream().wait_stream(side)
     # Python's collector is kept out of the capture: an earlier graph left unreachable (a cycle
     # through its step's closure) freed mid-capture is the likely cause of the "operation failed
-    # due to a previous error during capture" a fourth arm's capture in one test process hit on
+    # due to a previous error during capture" a fourth row's capture in one test process hit on
     # the H200; collecting first and pausing the collector, it has not recurred.
     gc.collect()
     collecting = gc.isenabled()

@@ -1,26 +1,29 @@
 """Planted slowdowns: a known regression put into a backend, so the gate can be shown to catch it.
 
-A plant names a backend (`kind`, `name`) and a fraction f. Every call of that backend, and
-every pass through a `site` of that name, then takes (1 + f) times as long as it did: after the
-call, the host (CPU) or the device (CUDA) waits for f times the call's own elapsed time. On a
-GPU this is two tiny kernels around the call: one stamps the device's global timer before it,
-one spins after it until f times the stamped interval has passed, less the pair's own measured
-cost. Both run on the current stream, so a plant is captured into CUDA graphs with the work it
-slows and needs no host sync; each call's slowdown follows that call's own time, whatever its
-shape. Planted calls record a `planted_slowdown` provenance event.
+A plant names a registered backend (`kind`, `name`) and a fraction f. `activate` puts a wrapped
+copy of that backend in the registry (impl.backends) in its place, `deactivate` puts the original
+back. The decoder kinds are planted the same way: the decode runners (impl.decode_runner) call
+their steps through the registry, so nothing in a hot path knows about plants.
+
+Every call of a planted backend takes (1 + f) times as long as it did: after the call, the host
+(CPU) or the device (CUDA) waits for f times the call's own elapsed time. On a GPU this is two
+tiny kernels around the call: one stamps the device's global timer before it, one spins after it
+until f times the stamped interval has passed, less the pair's own measured cost. Both run on the
+current stream, so a plant is captured into CUDA graphs with the work it slows and needs no host
+sync; each call's slowdown follows that call's own time, whatever its shape. Planted calls record
+a `planted_slowdown` provenance event.
 
 Plants exist for gate-trust runs (`--moe-plant`, `scripts/gate_trust.py`): they are active only
-between `activate` and `deactivate`, and `backends.get` hands out the planted backends then.
+between `activate` and `deactivate`; what looked a backend up before `activate` keeps the original.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -74,52 +77,36 @@ def parse_plants(value: str, defaults: dict[str, str]) -> tuple[Plant, ...]:
 _active: dict[tuple[str, str], Plant] = {}
 _slots: dict[torch.device, torch.Tensor] = {}  # one int64 stamp per plant, per CUDA device
 _overhead_ns: dict[torch.device, int] = {}
-_wrapped: dict[int, backends.Backend] = {}
+_originals: dict[tuple[str, str], backends.Backend] = {}  # the registered backends the plants replace
 
 
 def activate(plants: tuple[Plant, ...], device: torch.device | None = None) -> None:
-    """Plant `plants` for every later backend lookup; on a CUDA `device`, compile and calibrate
-    the spin there now (not inside a graph capture)."""
-    _active.clear()
-    _wrapped.clear()
+    """Replace each planted backend in the registry by its slowed copy (earlier plants are lifted
+    first); on a CUDA `device`, compile and calibrate the spin there now (not inside a graph
+    capture)."""
+    deactivate()
     _active.update({(p.kind, p.name): p for p in plants})
+    for plant in plants:
+        backend = backends.get(plant.kind, plant.name)
+        slowed = {"fn": _slowed(plant, backend.fn)}
+        if backend.layer is not None:
+            slowed["layer"] = _slowed(plant, backend.layer)
+        _originals[(plant.kind, plant.name)] = backend
+        backends.register(dataclasses.replace(backend, **slowed), replace=True)
     if device is not None and device.type == "cuda" and plants:
         _calibrate(device)
 
 
 def deactivate() -> None:
+    """Put the original backends back in the registry."""
+    for backend in _originals.values():
+        backends.register(backend, replace=True)
+    _originals.clear()
     _active.clear()
-    _wrapped.clear()
 
 
 def active() -> tuple[Plant, ...]:
     return tuple(_active.values())
-
-
-def planted_backend(backend: backends.Backend) -> backends.Backend:
-    """`backend` with its plant, if one is active for it (the same object for every lookup)."""
-    plant = _active.get((backend.kind, backend.name))
-    if plant is None:
-        return backend
-    if id(backend) not in _wrapped:
-        slowed = {"fn": _slowed(plant, backend.fn)}
-        if backend.layer is not None:
-            slowed["layer"] = _slowed(plant, backend.layer)
-        _wrapped[id(backend)] = dataclasses.replace(backend, **slowed)
-    return _wrapped[id(backend)]
-
-
-@contextlib.contextmanager
-def site(kind: str, name: str, device: torch.device) -> Iterator[None]:
-    """The work inside runs (1 + f) times as long when `kind:name` is planted (a decoder's step,
-    which is no single backend call); free otherwise."""
-    plant = _active.get((kind, name))
-    if plant is None:
-        yield
-        return
-    token = _begin(plant, device)
-    yield
-    _end(plant, token)
 
 
 def _slowed(plant: Plant, fn: Callable) -> Callable:
@@ -134,7 +121,10 @@ def _slowed(plant: Plant, fn: Callable) -> Callable:
 
 
 def _device_of(args, kwargs) -> torch.device:
-    for a in (*args, *kwargs.values()):
+    """The device of the first tensor among the arguments, else among their attributes (a decoder
+    step's state object)."""
+    values = (*args, *kwargs.values())
+    for a in (*values, *(v for a in values if hasattr(a, "__dict__") for v in vars(a).values())):
         if isinstance(a, torch.Tensor):
             return a.device
     return torch.device("cpu")

@@ -84,7 +84,7 @@ def compare(current, frozen, direction: str, tolerance: float, confidence: float
 
 
 # ---------------------------------------------------------------------------------------------
-# Paired statistics of an A/B configuration ladder: both arms answer the same prompts, so each
+# Paired statistics of an A/B configuration ladder: both rows answer the same prompts, so each
 # request is a pair and every comparison below is per request (paired), never two pooled samples.
 # ---------------------------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ VERDICTS = ("equivalent", "different", "inconclusive")
 
 @dataclass(frozen=True)
 class PairedAccuracy:
-    """Accuracy of arm B against arm A on the same questions (B - A throughout)."""
+    """Accuracy of row B against row A on the same questions (B - A throughout)."""
     n: int
     accuracy_a: float
     accuracy_b: float
@@ -245,11 +245,11 @@ def _booleans(name: str, values) -> list[bool]:
 
 def paired_accuracy(correct_a, correct_b, margin: float = 0.01, alpha: float = 0.05,
                     power: float = 0.8) -> PairedAccuracy:
-    """Paired comparison of two arms' per-question correctness (index i = the same question).
+    """Paired comparison of two rows' per-question correctness (index i = the same question).
 
     Interval for B - A: Tango's score interval. Newcombe's hybrid score interval (his method 10)
     was the other candidate; it collapses to a single point when there is no discordant pair and
-    both arms score 50% (its two Wilson half-widths cancel), which would declare equivalence from
+    both rows score 50% (its two Wilson half-widths cancel), which would declare equivalence from
     four questions. Tango's depends on the discordant counts and n only and keeps a width of about
     z^2 / n then.
 

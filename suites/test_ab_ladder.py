@@ -3,7 +3,7 @@
 The model under test serves the workload (`--moe-workload`, default `arith`) once per row of the
 ladder (`--moe-ladder`; default baseline, +kernels, +fp8-head, +mtp on CUDA, and on a CPU, where
 the kernels exist only interpreted, baseline, +fp8-head, +mtp), rows interleaved request by
-request (impl.serve.runner: A B, then B A), each request timed as a serving loop times it: TTFT
+request (impl.serve.ladder: A B, then B A), each request timed as a serving loop times it: TTFT
 (prefill included), TPOT = (latency - TTFT) / (output tokens - 1), latency, decode tokens/s,
 accept length per verify step. Answers are scored per request (impl.data.workloads). The run's
 report (JSON, Markdown, PNG figures: moe_harness.ladder.report) goes to `--moe-ab-report`, also

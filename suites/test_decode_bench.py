@@ -20,7 +20,7 @@ import contextlib
 import pytest
 import torch
 
-from impl.generate import greedy_step_at
+from impl.decode_runner import PlainRunner
 from impl.graphs import StepGraph
 from impl.model.layers import MLP, MoEBlock
 from impl.moe.gather import moe_gather
@@ -50,20 +50,12 @@ def decode_step(moe_model):
     """One batch-1 decode step at a fixed position of a filled static cache (its cost is the same
     at every position: attention reads the whole masked cache)."""
     g = torch.Generator().manual_seed(0)
-    device = moe_model.embed_tokens.weight.device
-    prompt = torch.randint(0, moe_model.config.vocab_size, (1, CONTEXT), generator=g).to(device)
-    moe_model.setup_caches(1, moe_model.config.max_seq_len)
+    runner = PlainRunner(moe_model)
     with torch.inference_mode():
-        moe_model(prompt, torch.arange(CONTEXT, device=device))
-    token = prompt[:, -1:].clone()
-    pos = torch.tensor([CONTEXT], device=device)
-
-    def step():
-        greedy_step_at(moe_model, token, pos)
-
+        runner.begin(torch.randint(0, moe_model.config.vocab_size, (CONTEXT,), generator=g), 1)
     # Replayed from a CUDA graph on a GPU, as a decode loop runs there (a plain call on CPU): the
     # same position is rewritten every time, so replays can repeat without limit.
-    return _graphed(step, moe_model)
+    return _graphed(runner.held_step(CONTEXT), moe_model)
 
 
 @pytest.fixture(scope="module")

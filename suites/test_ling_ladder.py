@@ -309,27 +309,25 @@ def test_roofline(ling_run, moe_model, context, moe_gate, moe_device):
     step and per component, at the copy bandwidth measured here; the step's ratio is gated."""
     import torch
 
-    from impl.generate import greedy_step_at
+    from impl.decode_runner import PlainRunner
     from impl.gpu_timing import copy_bandwidth
     from impl.model.components import component_bytes, component_times
     from impl.model.roofline import token_bytes
     from impl.data.text import tokenizer_for
     from impl.data.workloads import parse_workload
-    from impl.serve import build_arm
+    from impl.serve import build_row
     from impl.serve.rows import parse_row
     length = parse_workload(LING_WORKLOADS[context][0]).input_len.tokens
     row = parse_row(ROW3, "cuda")
-    arm = build_arm(moe_model, row.config, tokenizer=tokenizer_for(ling_run.options.model,
+    built = build_row(moe_model, row.config, tokenizer=tokenizer_for(ling_run.options.model,
                                                                    moe_model.config.vocab_size), name=row.name)
     restore = (moe_model.moe_backend, moe_model.lm_head)
     dev = moe_model.embed_tokens.weight.device
     try:
-        arm.activate()
-        moe_model.setup_caches(1, moe_model.config.max_seq_len)
-        token = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        pos = torch.tensor([length], device=dev)
+        built.activate()
+        step = PlainRunner(moe_model).held_step(length)
         with torch.inference_mode():
-            times = component_times(moe_model, lambda: greedy_step_at(moe_model, token, pos))
+            times = component_times(moe_model, step)
         bandwidth = copy_bandwidth(dev, nbytes=1 << 30)  # 2 GiB in all: the card is nearly full
     finally:
         moe_model.set_moe_backend(restore[0])

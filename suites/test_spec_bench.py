@@ -1,9 +1,10 @@
 """MTP speculative decoding against plain decoding on the model under test, greedy, k = 3.
 
 * Speed: tokens/s of speculative and of plain decoding measured interleaved in one process (A B
-  A B), each run replayed from CUDA graphs on a GPU (plain calls on CPU), after an untimed reset
-  to its prompt (prefill; for speculation also its first step). On the byte-level arithmetic
-  checkpoint every run stops where its answer ends (the `#### N` line and END), as a serving loop
+  A B), each run's steps replayed from CUDA graphs on a GPU (plain calls on CPU) by
+  impl.decode_runner, after an untimed reset to its prompt (prefill; for speculation also the
+  draft's pass over the prompt, so that every verify step, the first included, replays the
+  captured step). On the byte-level arithmetic checkpoint every run stops where its answer ends (the `#### N` line and END), as a serving loop
   with END as its stop sequence does, on ANSWER_PROMPTS held-out problems; each side counts the
   tokens it committed in its timed steps up to its own END (a speculative step that runs past END
   is timed whole and counted only up to END). What a checkpoint writes after an answer was never
@@ -30,7 +31,8 @@ import pytest
 import torch
 
 from impl.data.arith import answer_length, take, text_of, writes_answers
-from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+from impl.decode_runner import PlainRunner, Run, SpecRunner
+from impl.speculative import SpeculativeDecoder
 from moe_harness.tolerances import tolerance_for
 
 pytestmark = pytest.mark.moe_bench
@@ -63,56 +65,62 @@ def decoder(moe_model) -> SpeculativeDecoder:
     return SpeculativeDecoder(moe_model, K)
 
 
+@pytest.fixture(scope="module")
+def runners(moe_model, decoder) -> tuple[PlainRunner, SpecRunner]:
+    """One plain and one speculative runner, shared by every prompt's runs (each run resets them)."""
+    return PlainRunner(moe_model).capture(), SpecRunner(decoder).capture()
+
+
 @dataclass
-class Run:
+class Runs:
     """One prompt's plain and speculative runs: steps replayed and tokens committed in them."""
 
-    plain: GraphedDecoding
-    spec: GraphedSpeculation
+    plain: Run
+    spec: Run
     plain_steps: int
     spec_steps: int
     plain_tokens: int
     spec_tokens: int
 
 
-def _answer_runs(model, decoder: SpeculativeDecoder, prompts: list[torch.Tensor]) -> list[Run]:
+def _answer_runs(runners, prompts: list[torch.Tensor]) -> list[Runs]:
     """Runs that stop where each side's answer ends (see the module docstring)."""
+    plain_runner, spec_runner = runners
     runs = []
     for prompt in prompts:
-        plain = GraphedDecoding(model, prompt, ANSWER_CAP)
+        plain = Run(plain_runner, prompt, ANSWER_CAP)
         plain.reset()
         plain.run()
         n = answer_length(text_of(plain.new_tokens()))
-        spec = GraphedSpeculation(decoder, prompt, ANSWER_CAP // 3)
+        spec = Run(spec_runner, prompt, ANSWER_CAP // 3)
         spec.reset()
-        first = spec.start_n - spec.state.prompt_len  # committed by the untimed prefill and first step
         steps = 0
         while (m := answer_length(text_of(spec.new_tokens()))) is None and steps < spec.steps:
-            spec.graph()
+            spec.run(1)
             steps += 1
         if n is None or m is None:
             pytest.fail(f"no answer end within {ANSWER_CAP} plain tokens ({n}) or {spec.steps} speculative "
                         f"steps ({m}): the checkpoint does not close its answers with END")
-        if steps:  # an answer closed by the untimed first step leaves nothing to time
-            runs.append(Run(plain, spec, n - 1, steps, n - 1, m - first))
-    if not runs:
-        pytest.fail("every answer was closed by the first speculative step: nothing to time")
+        # The prefill's token is untimed on both sides.
+        runs.append(Runs(plain, spec, n - 1, steps, n - 1, m - 1))
     return runs
 
 
-def _fixed_run(model, decoder: SpeculativeDecoder, prompt: torch.Tensor) -> Run:
-    plain = GraphedDecoding(model, prompt, PLAIN_STEPS)
-    spec = GraphedSpeculation(decoder, prompt, SPEC_STEPS)
+def _fixed_run(runners, prompt: torch.Tensor) -> Runs:
+    plain_runner, spec_runner = runners
+    plain = Run(plain_runner, prompt, PLAIN_STEPS)
+    spec = Run(spec_runner, prompt, SPEC_STEPS)
     spec.reset()
     spec.run()
-    return Run(plain, spec, PLAIN_STEPS, SPEC_STEPS, PLAIN_STEPS, spec.committed())  # greedy: deterministic
+    committed = len(spec.new_tokens()) - 1  # greedy: deterministic
+    return Runs(plain, spec, PLAIN_STEPS, SPEC_STEPS, PLAIN_STEPS, committed)
 
 
-def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
+def test_mtp_speedup(moe_model, runners, moe_sampler, moe_gate):
     device = moe_model.embed_tokens.weight.device
     to_answer = writes_answers(moe_model)
     prompts = [p.to(device) for p in _prompts(moe_model, ANSWER_PROMPTS if to_answer else 1)]
-    runs = _answer_runs(moe_model, decoder, prompts) if to_answer else [_fixed_run(moe_model, decoder, prompts[0])]
+    runs = _answer_runs(runners, prompts) if to_answer else [_fixed_run(runners, prompts[0])]
     fns = {f"{side}/{i}": functools.partial(getattr(r, side).run, getattr(r, f"{side}_steps"))
            for i, r in enumerate(runs) for side in ("spec", "plain")}
     setup = {f"{side}/{i}": getattr(r, side).reset for i, r in enumerate(runs) for side in ("spec", "plain")}
@@ -131,9 +139,10 @@ def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
     ms = {"decode step": 1e3 * statistics.median(samples["plain/0"]) / r0.plain_steps,
           "speculative step": 1e3 * statistics.median(samples["spec/0"]) / r0.spec_steps}
     r0.spec.reset()
+    parts = r0.spec.runner.parts()
     # Reported only: not metered, so the host load the gate reads is the gated measurement's own.
     ms.update({name: 1e3 * statistics.median(moe_sampler.sample(fn, inner=20, metered=False))
-               for name, fn in r0.spec.parts().items()})
+               for name, fn in parts.items()})
     accept = sum(r.spec_tokens for r in runs) / sum(r.spec_steps for r in runs)
     print(f"\nmtp k={K}: {accept:.2f} tokens per speculative step over {len(runs)} run(s) "
           f"({'to the end of each answer' if to_answer else 'fixed length'}); per step (ms): "
@@ -146,15 +155,15 @@ def test_mtp_speedup(moe_model, decoder, moe_sampler, moe_gate):
                                  else f"{PLAIN_STEPS} plain / {SPEC_STEPS} speculative steps"})
 
 
-def test_mtp_greedy_agreement(moe_model, decoder, moe_gate):
+def test_mtp_greedy_agreement(moe_model, runners, moe_gate):
     device = moe_model.embed_tokens.weight.device
     fractions, divergences = [], []
     for prompt in _prompts(moe_model, AGREEMENT_PROMPTS):
         prompt = prompt.to(device)
-        plain = GraphedDecoding(moe_model, prompt, AGREEMENT_TOKENS - 1)
+        plain = Run(runners[0], prompt, AGREEMENT_TOKENS - 1)
         plain.reset()
         plain.run()
-        spec = GraphedSpeculation(decoder, prompt, AGREEMENT_TOKENS // (K + 1) + 1)
+        spec = Run(runners[1], prompt, AGREEMENT_TOKENS // (K + 1) + 1)
         spec.reset()
         spec.run()
         a, b = plain.new_tokens(), spec.new_tokens()

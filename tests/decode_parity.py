@@ -139,12 +139,12 @@ def assert_speculative_equals_greedy(model, prompt: torch.Tensor, tokens: int) -
 def check_ladder_runs_unchanged(model, prompts: list[str], max_tokens: int) -> None:
     """One mechanism: the serving rows (FP8 head, MTP with the head shared) on `model` (CPU);
     provenance holds for every row and greedy +mtp serves exactly what +fp8-head serves."""
-    from impl.serve.arm import build_arms
+    from impl.serve.built_row import build_rows
     from impl.serve.rows import parse_ladder
     from impl.serve.engine import EngineRow
-    from impl.serve.runner import Ladder
+    from impl.serve.ladder import Ladder
     from tests.test_serve_engine import ByteTokenizer, request
-    rows = [EngineRow(a) for a in build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
+    rows = [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
                                              tokenizer=ByteTokenizer())]
     served = Ladder(rows, [request(p, max_tokens, ignore_eos=True) for p in prompts]).run()
     for row in rows:

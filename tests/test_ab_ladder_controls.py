@@ -49,16 +49,16 @@ def _one_thread():
 
 TRAP = ONE_THREAD + '''
 import impl.serve
-from impl.serve import unshared_head_arm
+from impl.serve import unshared_head_row
 
-_build = impl.serve.build_arms
+_build = impl.serve.build_rows
 
 
 def _planted(model, rows, *, tokenizer):
-    return [unshared_head_arm(a, "weight") if a.name == "+mtp" else a for a in _build(model, rows, tokenizer=tokenizer)]
+    return [unshared_head_row(a, "weight") if a.name == "+mtp" else a for a in _build(model, rows, tokenizer=tokenizer)]
 
 
-impl.serve.build_arms = _planted
+impl.serve.build_rows = _planted
 '''
 
 NOISY = ONE_THREAD + f'''

@@ -53,14 +53,14 @@ def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, defa
 
 def test_a_row_naming_a_layer_backend_for_a_model_without_such_layers_is_refused():
     """Nothing to switch: the row would run exactly as without its key, so naming one is an error."""
-    from impl.serve.arm import build_arm
+    from impl.serve.built_row import build_row
     from tests.test_serve_engine import ByteTokenizer
     model = build_model("tiny")
     with pytest.raises(ValueError, match=r"mine: projection: model 'tiny' has no KDA or MLA layers, whose "
                                          r"projection projection=cublas would choose"):
-        build_arm(model, parse_row("mine=moe=gather,projection=cublas", "cpu").config, tokenizer=ByteTokenizer(),
+        build_row(model, parse_row("mine=moe=gather,projection=cublas", "cpu").config, tokenizer=ByteTokenizer(),
                   name="mine")
-    build_arm(model, parse_row("+fp8-head", "cpu").config, tokenizer=ByteTokenizer())  # the defaults are fine
+    build_row(model, parse_row("+fp8-head", "cpu").config, tokenizer=ByteTokenizer())  # the defaults are fine
 
 
 def test_a_model_without_kda_or_mla_has_no_layer_backends():
@@ -151,12 +151,12 @@ def test_provenance_refuses_a_row_whose_layers_ran_other_backends(spec, device, 
 def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     """Rows of the ladder on ling-3.0-tiny (CPU): the defaults and attention=torch,projection=cublas
     each run their backends (checked from provenance) and serve the same greedy text."""
-    from impl.serve.arm import build_arms
+    from impl.serve.built_row import build_rows
     from impl.serve.rows import parse_ladder
     from impl.serve.engine import EngineRow
-    from impl.serve.runner import Ladder
+    from impl.serve.ladder import Ladder
     from tests.test_serve_engine import ByteTokenizer, request
-    rows = [EngineRow(a) for a in build_arms(
+    rows = [EngineRow(a) for a in build_rows(
         ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas", "cpu"),
         tokenizer=ByteTokenizer())]
     try:

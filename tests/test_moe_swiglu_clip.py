@@ -133,10 +133,10 @@ def test_a_backend_that_does_not_clip_is_refused_by_a_model_that_does(non_clippi
 
 def test_a_ladder_row_on_a_backend_that_does_not_clip_is_refused(non_clipping_backend):
     from impl.data.text import ByteTokenizer
-    from impl.serve import ArmError, ServeConfig, build_arm
+    from impl.serve import RowError, ServeConfig, build_row
     model = build_model(clipping_tiny())
-    with pytest.raises(ArmError, match=r"clip-test-plain.*does not clip SwiGLU"):
-        build_arm(model, ServeConfig(moe="clip-test-plain"), tokenizer=ByteTokenizer())
+    with pytest.raises(RowError, match=r"clip-test-plain.*does not clip SwiGLU"):
+        build_row(model, ServeConfig(moe="clip-test-plain"), tokenizer=ByteTokenizer())
 
 
 def test_the_one_reason_the_ladder_and_the_model_suites_give_names_the_clip(non_clipping_backend):

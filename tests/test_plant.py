@@ -58,16 +58,32 @@ def test_only_the_named_backend_is_planted():
     assert backends.get("moe", "gather").layer is None and "planted" not in backends.get("moe", "gather").fn.__name__
 
 
-def test_a_site_slows_the_work_inside_it():
+def test_a_planted_decoder_slows_the_runners_step_and_is_lifted_after():
+    """The decoder kinds are planted in the registry like the others: a runner built while
+    `decoder:plain` is planted calls the slowed step (its device found through the state object
+    the step is given), one built after `deactivate` the original; `decoder:mtp` stays untouched."""
+    from impl.decode_runner import PlainRunner
+    from impl.generate import next_token
+    from impl.model import build_model
+    from impl.speculative import SpeculativeDecoder
+    model = build_model("tiny", seed=0)
     plant.activate(plant.parse_plants("decoder:plain=1.0", {}))
-    with plant.site("decoder", "plain", torch.device("cpu")):
-        start = time.perf_counter()
-        time.sleep(CALL_S)
-    assert time.perf_counter() - start >= 2 * CALL_S
-    start = time.perf_counter()
-    with plant.site("decoder", "mtp", torch.device("cpu")):  # not planted: free
-        pass
-    assert time.perf_counter() - start < CALL_S
+    runner = PlainRunner(model)
+    assert runner.decode.__wrapped__ is next_token
+    assert backends.get("decoder", "mtp").fn is SpeculativeDecoder.step
+    with torch.inference_mode(), backends.record_provenance() as prov:
+        runner.begin(torch.zeros(4, dtype=torch.long), 2)
+        runner.held_step(4)()
+    assert ("decoder", "plain", "planted_slowdown") in {(e.kind, e.backend, e.kernel) for e in prov.events}
+    plant.deactivate()
+    assert PlainRunner(model).decode is next_token
+
+
+def test_the_device_of_a_planted_call_is_found_in_its_state_object():
+    from impl.generate import DecodeState
+    state = DecodeState(torch.zeros(1, 2, dtype=torch.long, device="meta"), torch.zeros(1, dtype=torch.long))
+    assert plant._device_of((object(), state, None), {}).type == "meta"
+    assert plant._device_of((object(),), {}).type == "cpu"
 
 
 def test_the_moe_plant_defaults_to_the_backend_under_test():
@@ -97,7 +113,7 @@ def test_a_planted_moe_block_computes_the_same_and_records_the_plant():
     x = torch.randn(1, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     plain = block(x)
     plant.activate(plant.parse_plants("moe=1.0", {"moe": "gather"}))
-    block.backend = backends.get("moe", "gather")
+    block.backend = backends.get("moe", "gather")  # what a model built after activation looks up
     with backends.record_provenance() as prov:
         planted = block(x)
     assert torch.equal(planted, plain)

@@ -13,7 +13,7 @@ import torch
 
 from impl.data.arith import take, text_of
 from impl.generate import generate
-from impl.serve.arm import build_arm
+from impl.serve.built_row import build_row
 from impl.serve.rows import parse_serve_config, resolve_preset
 from impl.serve.engine import _Output
 from serving import serve
@@ -69,7 +69,7 @@ def prompts() -> list[str]:
 
 
 def arm_of(model, spec: str, tokenizer=None, name: str | None = None):
-    return build_arm(model, parse_serve_config(spec, "cpu"), tokenizer=tokenizer or ByteTokenizer(), name=name)
+    return build_row(model, parse_serve_config(spec, "cpu"), tokenizer=tokenizer or ByteTokenizer(), name=name)
 
 
 def reference_text(model, head_arm, prompt: str, n: int) -> str:
@@ -239,7 +239,7 @@ def test_arms_refuse_what_the_model_cannot_run(model):
     with pytest.raises(ValueError, match="experts: the row expects bf16 experts but the model holds fp32"):
         arm_of(model, "moe=gather,experts=bf16")
     with pytest.raises(TypeError, match="tokenizer"):
-        build_arm(model, resolve_preset("baseline", "cpu"), tokenizer=object())
+        build_row(model, resolve_preset("baseline", "cpu"), tokenizer=object())
 
 
 def test_an_assumed_acceptance_row_serves_at_its_stated_mean():
@@ -286,9 +286,9 @@ def test_a_prompt_past_the_graphed_buckets_takes_its_own_positions(model):
     persistent positions; a longer one runs eagerly over positions of its own length (it once took
     the bucket's 2048 positions for a prompt of 8188: a ValueError at full depth on the H200). On a
     CPU nothing is captured, so the buckets are stood in for here."""
-    from impl.serve.engine import _DraftPrompt
+    from impl.decode_runner import DraftPrompt
     draft = model.mtp[0]
-    prompt = _DraftPrompt(model, draft, torch.device("cpu"), model.config.max_seq_len)
+    prompt = DraftPrompt(model, draft, torch.device("cpu"), model.config.max_seq_len)
     prompt.pos, prompt.graphs = torch.arange(16), {16: None}  # a 16-position bucket, never replayed here
     model.setup_caches(1, model.config.max_seq_len)
     s = 40

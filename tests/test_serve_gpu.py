@@ -10,11 +10,11 @@ import torch
 
 from impl.data.arith import take, text_of
 from impl.generate import generate
-from impl.serve.arm import build_arm, build_arms
+from impl.serve.built_row import build_row, build_rows
 from impl.serve.rows import PRESETS, parse_ladder, parse_serve_config
 from impl.serve.engine import EngineRow
-from impl.serve.provenance import ProvenanceError, check_provenance, unshared_head_arm
-from impl.serve.runner import Ladder
+from impl.serve.provenance import ProvenanceError, check_provenance, unshared_head_row
+from impl.serve.ladder import Ladder
 from serving import engine_row, serve
 from tests.test_serve_engine import ByteTokenizer, request
 
@@ -37,7 +37,7 @@ def prompts():
 
 def test_presets_run_the_kernels_from_graphs(models, prompts):
     model = models["bfloat16"]
-    arms = [EngineRow(a) for a in build_arms(model, parse_ladder(",".join(PRESETS), "cuda"),
+    arms = [EngineRow(a) for a in build_rows(model, parse_ladder(",".join(PRESETS), "cuda"),
                                              tokenizer=ByteTokenizer())]
     served = Ladder(arms, [request(p, N, ignore_eos=True) for p in prompts]).run()
     for arm in arms:
@@ -56,8 +56,8 @@ def test_presets_run_the_kernels_from_graphs(models, prompts):
 
 def test_greedy_rows_equal_generate_on_the_device(models, prompts):
     model = models["float32"]
-    plain = build_arm(model, parse_serve_config("moe=triton", "cuda"), tokenizer=ByteTokenizer())
-    mtp = build_arm(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer())
+    plain = build_row(model, parse_serve_config("moe=triton", "cuda"), tokenizer=ByteTokenizer())
+    mtp = build_row(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer())
     for p in [*prompts, "Q: 1"]:
         plain.activate()
         ref = text_of(generate(model, torch.tensor(list(p.encode())), N).new_tokens[0].cpu())
@@ -73,7 +73,7 @@ def test_sampled_rows_under_graphs(models, prompts):
     model = models["bfloat16"]
     spec = "moe=triton,temperature=3.0,top_k=20,top_p=0.95,seed=3"
     for text in (spec, spec + ",spec=mtp:3"):
-        arm = build_arm(model, parse_serve_config(text, "cuda"), tokenizer=ByteTokenizer())
+        arm = build_row(model, parse_serve_config(text, "cuda"), tokenizer=ByteTokenizer())
         a, b, c = (serve(arm, request(prompts[0], N, rid=r, ignore_eos=True)).text for r in ("x", "x", "y"))
         assert a == b and a != c
         assert engine_row(arm).provenance.graphs
@@ -81,10 +81,10 @@ def test_sampled_rows_under_graphs(models, prompts):
 
 def test_unshared_head_is_refused_on_the_device(models, prompts):
     model = models["bfloat16"]
-    good = build_arm(model, parse_serve_config("+mtp", "cuda"), tokenizer=ByteTokenizer(), name="+mtp")
+    good = build_row(model, parse_serve_config("+mtp", "cuda"), tokenizer=ByteTokenizer(), name="+mtp")
     serve(good, request(prompts[0], N, ignore_eos=True))
     check_provenance("+mtp", good.config, good.provenance)
-    bad = unshared_head_arm(good, "weight")
+    bad = unshared_head_row(good, "weight")
     rec = serve(bad, request(prompts[0], N, ignore_eos=True))
     print(f"\naccept lengths, shared head: {good.provenance.verify_steps} steps; unshared: {rec['accept_lengths']}")
     with pytest.raises(ProvenanceError, match="only its weight tensor is shared"):
@@ -99,9 +99,9 @@ def test_graphed_draft_prompt_pass_writes_the_eager_cache(models, s):
     the gather prefill where the eager one takes the decode kernels, which sum in another order
     (fp32 rounding, about 1e-7 a term over the few hundred terms of a row)."""
     model = models["float32"]
-    row = EngineRow(build_arm(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer()))
+    row = EngineRow(build_row(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer()))
     row.prepare()
-    loop = row._loop
+    loop = row._runner
     assert loop.draft_prompt.graphs, "no bucket graphs captured on CUDA"
     cache = model.mtp[0].block.self_attn.kv_cache
     g = torch.Generator(device="cuda").manual_seed(s)

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from impl.data.arith import take
-from impl.serve.arm import build_arm
+from impl.serve.built_row import build_row
 from impl.serve.rows import PRESETS, parse_serve_config, resolve_preset
-from impl.serve.provenance import ProvenanceError, check_provenance, provenance_problems, unshared_head_arm
+from impl.serve.provenance import ProvenanceError, check_provenance, provenance_problems, unshared_head_row
 from serving import engine_row
 from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
 
@@ -22,7 +22,7 @@ def prompt() -> str:
 
 
 def preset_arm(model, name):
-    return build_arm(model, resolve_preset(name, "cpu"), tokenizer=ByteTokenizer(), name=name)
+    return build_row(model, resolve_preset(name, "cpu"), tokenizer=ByteTokenizer(), name=name)
 
 
 def served(arm, prompt, n=12):
@@ -51,7 +51,7 @@ def test_each_preset_runs_what_it_says(model, prompt, name):
                                           ("copy", "another module object around the same storage")])
 def test_a_draft_without_the_target_head_module_is_refused(model, prompt, mode, shared):
     good = preset_arm(model, "+mtp")
-    bad = unshared_head_arm(good, mode)
+    bad = unshared_head_row(good, mode)
     # Every flag of the defective arm says MTP and FP8: the configuration is the same.
     assert bad.config == good.config and bad.decoder.k == good.decoder.k
     check_provenance("+mtp", good.config, served(good, prompt))
@@ -71,8 +71,8 @@ def test_a_draft_without_the_target_head_module_is_refused(model, prompt, mode, 
 
 
 def test_a_bf16_draft_head_around_the_same_weight_is_refused(model, prompt):
-    good = build_arm(model, parse_serve_config("spec=mtp:2", "cpu"), tokenizer=ByteTokenizer(), name="bf16-mtp")
-    bad = unshared_head_arm(good, "weight")
+    good = build_row(model, parse_serve_config("spec=mtp:2", "cpu"), tokenizer=ByteTokenizer(), name="bf16-mtp")
+    bad = unshared_head_row(good, "weight")
     prov = served(bad, prompt)
     assert prov.draft_head == prov.head == {("bf16", "F.linear")}
     with pytest.raises(ProvenanceError, match="bf16-mtp: the draft's head is a different module"):
@@ -91,8 +91,8 @@ def test_a_head_that_is_not_the_configured_one_is_refused(model, prompt):
 
 def test_the_fp8_backend_is_switched_per_arm(model, prompt):
     # Two arms share one FP8Head module with different backends: each request runs its own.
-    a = build_arm(model, parse_serve_config("head=fp8:scaled_mm", "cpu"), tokenizer=ByteTokenizer(), name="a")
-    b = build_arm(model, parse_serve_config("head=fp8:dequant", "cpu"), tokenizer=ByteTokenizer(), name="b")
+    a = build_row(model, parse_serve_config("head=fp8:scaled_mm", "cpu"), tokenizer=ByteTokenizer(), name="a")
+    b = build_row(model, parse_serve_config("head=fp8:dequant", "cpu"), tokenizer=ByteTokenizer(), name="b")
     assert a.head is b.head
     for _ in range(2):
         served(a, prompt, 3), served(b, prompt, 3)
@@ -103,7 +103,7 @@ def test_the_fp8_backend_is_switched_per_arm(model, prompt):
 
 
 def test_a_row_named_after_a_preset_must_run_it(model, prompt):
-    arm = build_arm(model, resolve_preset("+fp8-head", "cpu"), tokenizer=ByteTokenizer(), name="+mtp")
+    arm = build_row(model, resolve_preset("+fp8-head", "cpu"), tokenizer=ByteTokenizer(), name="+mtp")
     problems = provenance_problems("+mtp", arm.config, served(arm, prompt))
     assert problems and problems[0].startswith("+mtp: the row is named after the preset but runs")
     mtp_named_baseline = dataclasses.replace(preset_arm(model, "+mtp"), name="baseline")

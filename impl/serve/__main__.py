@@ -17,10 +17,10 @@ import statistics
 import torch
 
 from impl.serve import engine
-from impl.serve.arm import build_arms
+from impl.serve.built_row import build_rows
 from impl.serve.rows import DEFAULT_LADDER, parse_ladder
 from impl.serve.engine import EngineRow
-from impl.serve.runner import Ladder
+from impl.serve.ladder import Ladder
 
 
 def _median(values) -> float:
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             model = build_model(args.model, args.device, dtype)
             tokenizer = tokenizer_for(args.model, model.config.vocab_size)
             row = parse_row(args.row, args.device)
-            served_rows = build_arms(model, [row], tokenizer=tokenizer)
+            served_rows = build_rows(model, [row], tokenizer=tokenizer)
         except (ValueError, TypeError, RuntimeError) as e:
             p.error(str(e))
         from impl.model.build import EMBEDDED
@@ -85,10 +85,10 @@ def main(argv=None) -> int:
         model = build_model(args.model, args.device, dtype)
         tokenizer = tokenizer_for(args.model, model.config.vocab_size)
         rows = parse_ladder(args.ladder, args.device)
-        served_rows = [EngineRow(arm) for arm in build_arms(model, rows, tokenizer=tokenizer)]
+        served_rows = [EngineRow(built) for built in build_rows(model, rows, tokenizer=tokenizer)]
         k = max(r.config.k for r in rows)  # a verify step writes k positions past the last token
         workload = load_workload(args.workload, tokenizer, model.config.max_seq_len - k, n=args.n)
-    except (ValueError, TypeError, RuntimeError) as e:  # CheckpointError, ArmError, WorkloadError, ...
+    except (ValueError, TypeError, RuntimeError) as e:  # CheckpointError, RowError, WorkloadError, ...
         p.error(str(e))
     requests = list(workload)
     # Provenance is printed per row below, not raised: the table says which row is not what it says.

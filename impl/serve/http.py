@@ -83,7 +83,7 @@ def make_app(row, model_id: str, root: str, version: str):
     @app.get("/metrics")
     def metrics():
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
-    config = row.arm.config
+    config = row.built.config
     speculative = {"method": "mtp", "num_speculative_tokens": config.k} if config.speculative else None
 
     @app.get("/health")
@@ -97,12 +97,12 @@ def make_app(row, model_id: str, root: str, version: str):
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "pytest-moeperf",
-                                            "root": root, "max_model_len": row.arm.model.config.max_seq_len}]}
+                                            "root": root, "max_model_len": row.built.model.config.max_seq_len}]}
 
     @app.get("/server_info")
     def server_info():
         return {"version": version, "rows": config.spec_text(), "speculative_config": speculative,
-                "model_config": {"model": root, "dtype": str(row.arm.model.embed_tokens.weight.dtype)}}
+                "model_config": {"model": root, "dtype": str(row.built.model.embed_tokens.weight.dtype)}}
 
     def _request(body: dict) -> WorkloadRequest:
         if body.get("model", model_id) != model_id:
@@ -118,7 +118,7 @@ def make_app(row, model_id: str, root: str, version: str):
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         try:
-            ids = row.arm.tokenizer.encode(prompt)
+            ids = row.built.tokenizer.encode(prompt)
         except ValueError as e:
             raise HTTPException(400, f"prompt: {e}") from None
         return WorkloadRequest(f"cmpl-{uuid.uuid4().hex[:12]}", prompt, ids, None, max_tokens, stop,

@@ -16,7 +16,7 @@ module (a copy around the same tensor, or a bf16 path reading the e4m3 bytes wit
 scales). Every flag still says MTP and FP8 are on; the draft drafts from a different function and
 the accept length collapses. `check_provenance` refuses such a row by name.
 
-`unshared_head_arm` builds exactly that defective arm, for negative controls only.
+`unshared_head_row` builds exactly that defective built, for negative controls only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 
 from impl.serve.rows import ServeConfig, preset_mismatch
 
-__all__ = ["ProvenanceError", "RowProvenance", "check_provenance", "provenance_problems", "unshared_head_arm"]
+__all__ = ["ProvenanceError", "RowProvenance", "check_provenance", "provenance_problems", "unshared_head_row"]
 
 Event = tuple[str, str, str]  # (kind, backend, kernel)
 
@@ -85,8 +85,8 @@ class RowProvenance:
     drafts_per_step: set[int] = field(default_factory=set)
     verify_steps: int = 0
 
-    def observe(self, arm, target: set[Event], draft: set[Event], verify_steps: int) -> None:
-        """Add one request: the events its target and draft recorded, and the arm's objects now."""
+    def observe(self, built, target: set[Event], draft: set[Event], verify_steps: int) -> None:
+        """Add one request: the events its target and draft recorded, and the row's objects now."""
         from impl.head import FP8Head
         self.requests += 1
         for kind, backend, kernel in (*target, *draft):
@@ -96,17 +96,17 @@ class RowProvenance:
                 getattr(self, kind).add((backend, kernel))
         self.head |= {(b, k) for kind, b, k in target if kind == "head"}
         self.draft_head |= {(b, k) for kind, b, k in draft if kind == "head"}
-        head = arm.model.lm_head
+        head = built.model.lm_head
         self.head_class.add(type(head).__name__)
         if isinstance(head, FP8Head):
             self.head_scales.add(head.granularity)
-        if arm.decoder is not None:
+        if built.decoder is not None:
             self.speculative = True
-            dhead = getattr(arm.decoder.draft, "head", None)
+            dhead = getattr(built.decoder.draft, "head", None)
             self.draft_head_class.add(type(dhead).__name__)
             self.draft_head_is_target_head.add(dhead is head)
             self.draft_head_sharing.add(_sharing(dhead, head))
-            self.drafts_per_step.add(arm.decoder.k)
+            self.drafts_per_step.add(built.decoder.k)
             self.verify_steps += verify_steps
 
     def backends(self, part: str) -> set[str]:
@@ -238,8 +238,8 @@ class _BytesAsValues(nn.Module):
         return F.linear(x, self.weight.to(x.dtype))
 
 
-def unshared_head_arm(arm, mode: str = "weight"):
-    """A copy of speculative `arm` (sharing its model) whose draft holds a different head module
+def unshared_head_row(built, mode: str = "weight"):
+    """A copy of speculative built row `built` (sharing its model) whose draft holds a different head module
     around the target head's own tensors, for negative controls:
 
     * "weight": only the weight tensor (for an FP8 head, its e4m3 data read without scales; for a
@@ -249,11 +249,11 @@ def unshared_head_arm(arm, mode: str = "weight"):
     The decoder is built with the contract check off, which only negative controls may do."""
     from impl.head import BF16Head, FP8Head
     from impl.speculative import SpeculativeDecoder
-    from impl.serve.arm import Arm
+    from impl.serve.built_row import BuiltRow
 
-    if arm.decoder is None:
-        raise ValueError(f"arm {arm.name!r} is not speculative: there is no draft to give a head")
-    head = arm.head
+    if built.decoder is None:
+        raise ValueError(f"built {built.name!r} is not speculative: there is no draft to give a head")
+    head = built.head
     if mode == "copy":
         bad = copy.copy(head)
     elif mode == "weight":
@@ -264,7 +264,7 @@ def unshared_head_arm(arm, mode: str = "weight"):
             bad.weight = head.weight
     else:
         raise ValueError(f"mode must be 'weight' or 'copy', got {mode!r}")
-    model = arm.model
+    model = built.model
     draft = _DraftWithHead(model.mtp[0], bad)
-    decoder = SpeculativeDecoder(model, arm.config.k, arm.config.sampling, draft=draft, require_shared_head=False)
-    return Arm(arm.name, arm.config, model, arm.tokenizer, head, decoder)
+    decoder = SpeculativeDecoder(model, built.config.k, built.config.sampling, draft=draft, require_shared_head=False)
+    return BuiltRow(built.name, built.config, model, built.tokenizer, head, decoder)

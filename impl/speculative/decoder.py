@@ -17,8 +17,9 @@ last hidden state at j):
     such layer's state to the one after the first m+1 verified tokens, kept by the verify pass.
 
 `SpeculativeDecoder.step` (draft, verify, accept, commit) keeps every position and count on the
-device, so it can be replayed from a CUDA graph (`impl.speculative.graphed`). `generate` reads one number
-per step back to the host: the accepted count, which decides when to stop.
+device, so it can be replayed from a CUDA graph (impl.decode_runner.SpecRunner); it is the
+registered `decoder:mtp` backend. `generate` reads one number per step back to the host: the
+accepted count, which decides when to stop.
 
 Head sharing is a checked contract: the draft must call the very head module the target calls
 (`draft.head is target.lm_head`). An FP8 head's weight is e4m3 data plus fp32 scales, only
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from impl import backends, plant
+from impl import backends
 from impl.generate import SamplingConfig, check_prompt, filtered_probs
 from impl.speculative.commit import commit, commit_greedy
 from impl.speculative.sampling import MAX_K, rejection_verify
@@ -297,10 +298,6 @@ class SpeculativeDecoder:
     def step(self, state: SpecState, generator: torch.Generator | None = None) -> None:
         """Draft k tokens, verify them in one target pass, commit the accepted prefix and the next
         token, and leave the verified span for the next step: all on the device, no host sync."""
-        with plant.site("decoder", "mtp", state.n.device):
-            self._step(state, generator)
-
-    def _step(self, state: SpecState, generator: torch.Generator | None) -> None:
         verify_at = self._verify_positions(state.n)
         draft, qs = self.draft_tokens(state, generator, verify_at)
         pos, v_logits, v_hidden = self.verify_pass(state, draft, verify_at)

@@ -1,5 +1,5 @@
 """The figures of an A/B ladder's report, as PNG bytes (matplotlib's Agg canvas, no pyplot
-state): throughput and TPOT per arm, TTFT and TPOT distributions, accept lengths, accuracy."""
+state): throughput and TPOT per row, TTFT and TPOT distributions, accept lengths, accuracy."""
 
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ def _tick(s: dict) -> str:
     return _short(s["name"]) + ("\n(FLAGGED)" if s["flags"] else "")
 
 
-def _set_ticks(ax, arms) -> None:
-    # Long arm names are slanted so that neighbours do not run into each other.
-    slant = max(len(_short(s["name"])) for s in arms) > 12
-    ax.set_xticks(range(len(arms)), [_tick(s) for s in arms], fontsize=9,
+def _set_ticks(ax, rows) -> None:
+    # Long row names are slanted so that neighbours do not run into each other.
+    slant = max(len(_short(s["name"])) for s in rows) > 12
+    ax.set_xticks(range(len(rows)), [_tick(s) for s in rows], fontsize=9,
                   rotation=20 if slant else 0, ha="right" if slant else "center", rotation_mode="anchor")
 
 
@@ -66,10 +66,10 @@ def _title(summary: dict) -> str:
 
 def _bars(ax, summary, key, scale, unit, colors, cmp):
     label, _, _, better = METRICS[key]
-    arms = summary["rows"]
-    xs = range(len(arms))
+    rows = summary["rows"]
+    xs = range(len(rows))
     top = 0.0
-    for x, s, col in zip(xs, arms, colors):
+    for x, s, col in zip(xs, rows, colors):
         m = s["metrics"][key]
         if m is None:
             ax.text(x, 0.5, "no data", ha="center", transform=ax.get_xaxis_transform(), fontsize=8, color="0.4")
@@ -84,8 +84,8 @@ def _bars(ax, summary, key, scale, unit, colors, cmp):
             f"\nn={m['n']}" if s["partial"] else "")
         ax.annotate(note, (x, hi), xytext=(0, 4), textcoords="offset points", ha="center", va="bottom", fontsize=8)
         top = max(top, hi)
-    _set_ticks(ax, arms)
-    ax.set_xlim(-0.6, len(arms) - 0.4)
+    _set_ticks(ax, rows)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.set_ylim(0, top * 1.25 if top else 1)
     ax.set_ylabel(f"{label} ({unit}), mean with 95% CI")
     ax.set_title(f"{label} ({better} is better; x = ratio vs {summary['reference']})", fontsize=10)
@@ -93,10 +93,10 @@ def _bars(ax, summary, key, scale, unit, colors, cmp):
 
 
 def _ladder_png(summary) -> bytes:
-    arms = summary["rows"]
-    colors = _colors(len(arms))
+    rows = summary["rows"]
+    colors = _colors(len(rows))
     cmp = {c["row"]: c for c in summary["comparisons"]}
-    fig = _new_figure(max(9.0, 2.4 * len(arms)), 4.6)
+    fig = _new_figure(max(9.0, 2.4 * len(rows)), 4.6)
     ax1, ax2 = fig.subplots(1, 2)
     _bars(ax1, summary, "decode_tokens_per_s", 1.0, "tok/s", colors, cmp)
     _bars(ax2, summary, "tpot_s", 1e3, "ms", colors, cmp)
@@ -105,13 +105,13 @@ def _ladder_png(summary) -> bytes:
 
 
 def _latency_png(summary, values) -> bytes:
-    arms = summary["rows"]
-    colors = _colors(len(arms))
-    fig = _new_figure(max(9.0, 2.4 * len(arms)), 4.6)
+    rows = summary["rows"]
+    colors = _colors(len(rows))
+    fig = _new_figure(max(9.0, 2.4 * len(rows)), 4.6)
     axes = fig.subplots(1, 2)
     for ax, key in zip(axes, ("ttft_s", "tpot_s")):
         label, unit, scale, _ = METRICS[key]
-        data = [[v * scale for v in values[key][s["name"]]] for s in arms]
+        data = [[v * scale for v in values[key][s["name"]]] for s in rows]
         present = [i for i, d in enumerate(data) if d]
         if present:
             bp = ax.boxplot([data[i] for i in present], positions=present, whis=(1, 99), widths=0.55,
@@ -126,8 +126,8 @@ def _latency_png(summary, values) -> bytes:
         for i, d in enumerate(data):
             if not d:
                 ax.text(i, 0.5, "no data", ha="center", transform=ax.get_xaxis_transform(), fontsize=8, color="0.4")
-        _set_ticks(ax, arms)
-        ax.set_xlim(-0.6, len(arms) - 0.4)
+        _set_ticks(ax, rows)
+        ax.set_xlim(-0.6, len(rows) - 0.4)
         ax.set_ylabel(f"{label} ({unit})")
         ax.set_title(f"{label} per request (box p25-p75, line p50, whiskers p1-p99)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
@@ -185,18 +185,18 @@ def _accept_png(summary) -> bytes | None:
 
 
 def _accuracy_png(summary) -> bytes | None:
-    arms = summary["rows"]
-    if all(s["accuracy"] is None for s in arms):
+    rows = summary["rows"]
+    if all(s["accuracy"] is None for s in rows):
         return None
-    colors = _colors(len(arms))
-    fig = _new_figure(max(6.0, 1.6 * len(arms)), 4.2)
+    colors = _colors(len(rows))
+    fig = _new_figure(max(6.0, 1.6 * len(rows)), 4.2)
     ax = fig.subplots()
-    ref = arms[0]["accuracy"]
+    ref = rows[0]["accuracy"]
     if ref is not None:
         ax.axhline(100 * ref["accuracy"], color="0.5", linestyle="--", linewidth=1,
-                   label=f"{_short(arms[0]['name'])} {100 * ref['accuracy']:.1f}%")
+                   label=f"{_short(rows[0]['name'])} {100 * ref['accuracy']:.1f}%")
     lows, highs = [], []
-    for i, s in enumerate(arms):
+    for i, s in enumerate(rows):
         a = s["accuracy"]
         if a is None:
             ax.text(i, 0.5, "not scored", ha="center", transform=ax.get_xaxis_transform(), fontsize=8, color="0.4")
@@ -208,11 +208,11 @@ def _accuracy_png(summary) -> bytes | None:
                     va="center", fontsize=8)
         lows.append(lo)
         highs.append(hi)
-    _set_ticks(ax, arms)
-    ax.set_xlim(-0.5, len(arms) - 0.2)
+    _set_ticks(ax, rows)
+    ax.set_xlim(-0.5, len(rows) - 0.2)
     ax.set_ylim(max(0.0, min(lows, default=0.0) - 4), min(100.5, max(highs, default=100.0) + 4))
     ax.set_ylabel("accuracy (%), Wilson 95% CI")
-    ax.set_title(f"Accuracy per arm: {_title(summary)}", fontsize=10)
+    ax.set_title(f"Accuracy per row: {_title(summary)}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     if ref is not None:
         ax.legend(fontsize=8, loc="lower left")
@@ -220,7 +220,7 @@ def _accuracy_png(summary) -> bytes | None:
 
 
 def render_figures(summary: dict, values: dict[str, dict[str, list[float]]]) -> dict[str, bytes]:
-    """PNG bytes per figure kind; `values`: {record key: {arm: per-request values}}."""
+    """PNG bytes per figure kind; `values`: {record key: {row: per-request values}}."""
     out = {"ladder": _ladder_png(summary), "latency": _latency_png(summary, values)}
     for kind, png in (("accept", _accept_png(summary)), ("accuracy", _accuracy_png(summary))):
         if png is not None:

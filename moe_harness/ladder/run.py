@@ -94,12 +94,12 @@ def run_suite_ladder(harness, model, rows, workload_spec, n, report_dir, warmup:
     `rows` (impl.serve.rows.Row), interleaved, on `model`; the report goes to `report_dir`, also
     when the run stops part-way (it holds what completed). The model's MoE backend and head are
     put back afterwards. `optional`: rows warmed up last and left out, the reason in the result's
-    "dropped", where their warm-up runs out of device memory (impl.serve.runner). A workload or a
+    "dropped", where their warm-up runs out of device memory (impl.serve.ladder). A workload or a
     row this model cannot run stops the session as a usage error."""
     from impl.data.gsm8k import GSM8KError
     from impl.data.text import TokenizerError, tokenizer_for
     from impl.data.workloads import FEWER_SHOTS, ContextError, WorkloadError, load_workload
-    from impl.serve import ArmError, Ladder, LadderStopped
+    from impl.serve import Ladder, LadderStopped, RowError
     from moe_harness.ladder.endpoints.server_row import ServerRow
     from moe_harness.ladder.report import write_ab_report, write_unfinished_ab_report
     from pytest_moeperf.report import now
@@ -138,7 +138,7 @@ def run_suite_ladder(harness, model, rows, workload_spec, n, report_dir, warmup:
     restore = (model.moe_backend, model.lm_head)
     try:
         rows = _build_rows(model, rows, tokenizer, harness, Path(report_dir))
-    except ArmError as e:
+    except RowError as e:
         _usage_exit(f"{ladder_opt}: {e}")
 
     def scored(served):  # marks and the answers each extraction read
@@ -197,17 +197,17 @@ def _drafts(row) -> int:
 
 
 def _build_rows(model, rows, tokenizer, harness, report_dir: Path) -> list:
-    """The rows the runner interleaves: this engine's arms (impl.serve.engine.EngineRow) on
+    """The rows the ladder interleaves: this engine's built rows (impl.serve.engine.EngineRow) on
     `model`, and servers (moe_harness.ladder.endpoints.server_row.ServerRow), their logs beside the report."""
     from impl.model.build import EMBEDDED
-    from impl.serve import EngineRow, build_arms
+    from impl.serve import EngineRow, build_rows
     from impl.serve.rows import Row
     from moe_harness.ladder.endpoints.server_row import ServerRow
     local = [r for r in rows if isinstance(r, Row)]
-    arms = {a.name: EngineRow(a) for a in build_arms(model, local, tokenizer=tokenizer)} if local else {}
+    built = {b.name: EngineRow(b) for b in build_rows(model, local, tokenizer=tokenizer)} if local else {}
     spec = harness.options.model
     folder = str(EMBEDDED.get(spec, Path(spec)))
-    return [arms[r.name] if isinstance(r, Row) else
+    return [built[r.name] if isinstance(r, Row) else
             ServerRow(r, tokenizer=tokenizer, log_dir=report_dir, model=folder, rootdir=harness.core.rootdir or Path.cwd())
             for r in rows]
 

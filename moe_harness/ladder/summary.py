@@ -32,7 +32,7 @@ METRICS = {
 SPEED_METRIC = "decode_tokens_per_s"
 QS = (50, 90, 99)
 ACCURACY_KEYS = SCORE_KEYS
-# A speculative arm whose mean accept length is below this is flagged. A draft that is never
+# A speculative row whose mean accept length is below this is flagged. A draft that is never
 # accepted commits exactly 1 token per verify step (the bonus); the draft reading the head's FP8
 # bytes as bf16 lands there. 1.5 is half a draft token accepted per step, far below what a working
 # MTP draft does on this project's model (about 3.9 at k = 3) yet above run-to-run noise around 1.

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ling_flash import build_row3, cuda_device  # noqa: E402
 from impl import backends  # noqa: E402
-from impl.generate import greedy_step_at  # noqa: E402
+from impl.decode_runner import PlainRunner  # noqa: E402
 from impl.gpu_timing import interleaved_replay_us  # noqa: E402
 from impl.graphs import capture_graph  # noqa: E402
 from impl.model import gemv  # noqa: E402
@@ -119,17 +119,15 @@ def main(argv=None) -> int:
     for v in variants.values():
         check_tiles(v.tiles, dev)
     model = build_row3(dev)
-    token = torch.zeros(1, 1, dtype=torch.long, device=dev)
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
-        model.setup_caches(1, min(model.config.max_seq_len, ctx + CACHE_SLACK))
-        pos = torch.tensor([ctx], device=dev)
+        step = PlainRunner(model, capacity=min(model.config.max_seq_len, ctx + CACHE_SLACK)).held_step(ctx)
         graphs = {}
         with torch.inference_mode():
             for name, variant in variants.items():
                 apply(model, variant, committed)
                 with backends.record_provenance() as prov:
-                    graphs[name] = capture_graph([lambda: greedy_step_at(model, token, pos)])
+                    graphs[name] = capture_graph([step])
                 ran = sorted({f"{e.kind}={e.backend}:{e.kernel}" for e in prov.events if e.kind in PARTS})
                 print(f"context {ctx} {name}: layer kernels captured: {', '.join(ran)}", flush=True)
         apply(model, Variant(), committed)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from impl.generate import greedy_step_at
+from impl.decode_runner import PlainRunner
 from impl.gpu_timing import copy_bandwidth, graph_us
 from impl.model.build import build_model, weight_bytes
 from pytest_moeperf.baselines import atomic_write_text
@@ -78,11 +78,9 @@ def main(argv=None) -> int:
         # Caches as long as the run needs (gpt-fast's fixed max_seq_len per run): MLA's decode
         # attends over the whole static cache, masked, so a cache of the model's full context
         # would be read at every context.
-        model.setup_caches(1, min(c.max_seq_len, ctx + CACHE_SLACK))
-        token = prompt[:, -1:].clone()
-        pos = torch.tensor([ctx], device=dev)
+        step = PlainRunner(model, capacity=min(c.max_seq_len, ctx + CACHE_SLACK)).held_step(ctx)
         with torch.inference_mode():
-            us = graph_us([lambda: greedy_step_at(model, token, pos)])
+            us = graph_us([step])
         steps.append(dict(context=ctx, step_us=round(us, 1)))
         print(f"decode step at context {ctx}: {us:.1f} us (one CUDA graph)", flush=True)
     row["decode"] = steps

@@ -88,16 +88,17 @@ def timeline(kernels, per_step: int) -> None:
 def profile_model(name: str, moe_backend: str) -> None:
     from impl.data.arith import take
     from impl.model.build import build_model
-    from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+    from impl.decode_runner import PlainRunner, Run, SpecRunner
+    from impl.speculative import SpeculativeDecoder
     model = build_model(name, device="cuda", dtype=torch.bfloat16, moe_backend=moe_backend)
     prompt = torch.tensor(list(take("heldout", 1, seed=2)[0].prompt.encode("ascii")), device="cuda")
-    plain = GraphedDecoding(model, prompt, 40)
+    plain = Run(PlainRunner(model), prompt, 40)
     name = f"{name} ({moe_backend} MoE)"
-    kernel_table(f"{name} decode step", plain.graph.graph.replay, reset=plain.reset)
-    spec = GraphedSpeculation(SpeculativeDecoder(model, 3), prompt, 40)
-    kernel_table(f"{name} speculative step k=3", spec.graph.graph.replay, reset=spec.reset)
+    kernel_table(f"{name} decode step", plain.runner.graph.graph.replay, reset=plain.reset)
+    spec = Run(SpecRunner(SpeculativeDecoder(model, 3)), prompt, 40)
+    kernel_table(f"{name} speculative step k=3", spec.runner.graph.graph.replay, reset=spec.reset)
     spec.reset()
-    for part, graph in spec.parts().items():
+    for part, graph in spec.runner.parts().items():
         kernel_table(f"{name} {part}", graph.graph.replay)
 
 

@@ -1,5 +1,5 @@
 """A ladder row served over HTTP by an OpenAI-compatible server, as the runner interleaves rows
-(impl.serve.runner): `prepare` (start a managed server, wait for it, ask what it is), `serve`
+(impl.serve.ladder): `prepare` (start a managed server, wait for it, ask what it is), `serve`
 (one streamed request, timed, with the acceptance the server reports), `check`, `release`,
 `entry` (what the report shows), `stop`.
 

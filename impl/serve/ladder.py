@@ -7,7 +7,7 @@ paired per-request comparison sees the same machine state on both sides.
 
 A row is anything with a `name` and `prepare()`, `serve(request) -> ServedRequest`, `check()`
 (raise unless what ran is what its name says), `release()`, `suspend()` / `resume()` (take down and
-bring back what it holds: a server) and `entry() -> RowEntry`: this engine's arms
+bring back what it holds: a server) and `entry() -> RowEntry`: this engine's rows
 (impl.serve.engine.EngineRow) and server rows alike.
 
 Where rows cannot be up together (two servers that each fill one GPU's memory), `block` serves
@@ -45,7 +45,7 @@ from typing import Callable, Collection, Iterable, Iterator
 import torch
 
 from impl import backends
-from impl.serve.arm import ArmError
+from impl.serve.built_row import RowError
 from impl.serve.result import Failure, LadderStopped, ServedRequest
 
 __all__ = ["Ladder", "interleaved_order"]
@@ -119,7 +119,7 @@ class Ladder:
         self._stop_said = False
 
     def _stop(self, row, request, error: Exception) -> LadderStopped:
-        refused = isinstance(error, (backends.Unsupported, ArmError))
+        refused = isinstance(error, (backends.Unsupported, RowError))
         what = "the model's steps" if request is None else f"request {request.request_id!r}"
         why = (f"a backend it names does not cover {what}: " if isinstance(error, backends.Unsupported) else "")
         failure = Failure(row.name, None if request is None else request.request_id,

@@ -1,8 +1,8 @@
-"""Graph-replayable decoding runs (impl/speculative/graphed.py) on CPU, fp32, where a "graph" is a plain
-call of the same step: plain runs equal `generate`, speculative runs equal plain greedy decoding
-token for token, `reset` restarts the same run, and replaying a step's parts changes nothing.
-Also the negative control of suites/test_spec_bench.py's agreement check: a verify pass fed the
-wrong positions makes it fail."""
+"""The captured-step runners (impl/decode_runner.py) on CPU, fp32, where a "graph" is a plain call
+of the same step: plain runs equal `generate`, speculative runs equal plain greedy decoding token
+for token, `reset` restarts the same run, replaying a step's parts changes nothing, and the held
+step rewrites one position. Also the negative control of suites/test_spec_bench.py's agreement
+check: a verify pass fed the wrong positions makes it fail."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from impl.generate import SamplingConfig, generate
+from impl.decode_runner import PlainRunner, Run, SpecRunner
+from impl.generate import generate
 from impl.model import build_model
-from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
+from impl.speculative import SpeculativeDecoder
 from tests.test_spec_decoder import echo_draft_
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +30,9 @@ def prompt(seed: int) -> torch.Tensor:
     return torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(seed))
 
 
-def test_graphed_decoding_equals_generate(models):
+def test_plain_run_equals_generate(models):
     model = models["random"]
-    run = GraphedDecoding(model, prompt(0), STEPS)
+    run = Run(PlainRunner(model), prompt(0), STEPS)
     run.reset()
     run.run()
     assert torch.equal(run.new_tokens(), generate(model, prompt(0), STEPS + 1).new_tokens[0])
@@ -39,38 +40,82 @@ def test_graphed_decoding_equals_generate(models):
 
 @pytest.mark.parametrize("draft", ["random", "echo"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_graphed_speculation_equals_plain_greedy(models, draft, k):
+def test_speculative_run_equals_plain_greedy(models, draft, k):
     model = models[draft]
-    spec = GraphedSpeculation(SpeculativeDecoder(model, k), prompt(1), STEPS)
+    spec = Run(SpecRunner(SpeculativeDecoder(model, k)), prompt(1), STEPS)
     spec.reset()
     spec.run()
     got = spec.new_tokens()
-    # The prefill's token, then 1 to k+1 tokens per step (the eager first step too).
-    assert STEPS <= spec.committed() <= STEPS * (k + 1)
-    assert STEPS + 1 <= len(got) - 1 <= (STEPS + 1) * (k + 1)
+    # The prefill's token, then 1 to k+1 tokens per step.
+    assert STEPS <= len(got) - 1 <= STEPS * (k + 1)
     ref = generate(model, prompt(1), len(got)).new_tokens[0]
     assert torch.equal(got, ref), f"first divergence at {int((got != ref).int().argmax())}"
 
 
+def test_a_prompt_shorter_than_k_plus_1_takes_one_eager_step(models):
+    model = models["echo"]
+    spec = Run(SpecRunner(SpeculativeDecoder(model, 3)), prompt(1)[:2], 4)
+    spec.reset()
+    assert spec.runner.eager_first
+    spec.run()
+    got = spec.new_tokens()
+    assert torch.equal(got, generate(model, prompt(1)[:2], len(got)).new_tokens[0])
+
+
 def test_reset_restarts_the_same_run_and_parts_change_nothing(models):
-    spec = GraphedSpeculation(SpeculativeDecoder(models["echo"], 3), prompt(2), STEPS)
+    spec = Run(SpecRunner(SpeculativeDecoder(models["echo"], 3)), prompt(2), STEPS)
     spec.reset()
     spec.run()
-    first, committed = spec.new_tokens(), spec.committed()
+    first = spec.new_tokens()
     spec.reset()
-    n = int(spec.state.n)
-    for part in spec.parts().values():
+    state = spec.runner.state
+    n = int(state.n)
+    for part in spec.runner.parts().values():
         part()
         part()
-    assert int(spec.state.n) == n
+    assert int(state.n) == n
     spec.run()
-    assert spec.committed() == committed and torch.equal(spec.new_tokens(), first)
+    assert torch.equal(spec.new_tokens(), first)
 
 
-def test_sampled_speculation_is_refused(models):
-    decoder = SpeculativeDecoder(models["random"], 2, SamplingConfig(temperature=1.0))
-    with pytest.raises(ValueError, match="greedy"):
-        GraphedSpeculation(decoder, prompt(0), 4)
+def test_runs_of_two_prompts_share_a_runner(models):
+    model = models["random"]
+    runner = PlainRunner(model)
+    a, b = Run(runner, prompt(3), STEPS), Run(runner, prompt(4), STEPS)
+    for run, p in ((a, prompt(3)), (b, prompt(4)), (a, prompt(3))):
+        run.reset()
+        run.run()
+        assert torch.equal(run.new_tokens(), generate(model, p, STEPS + 1).new_tokens[0])
+
+
+def test_a_run_longer_than_the_runner_is_refused(models):
+    model = models["random"]
+    with pytest.raises(ValueError, match="do not fit the runner's capacity"):
+        Run(PlainRunner(model), prompt(0), model.config.max_seq_len)
+    run = Run(PlainRunner(model), prompt(0), 4)
+    with pytest.raises(ValueError, match=r"steps must be in \[0, 4\]"):
+        run.run(5)
+
+
+def test_the_held_step_rewrites_one_position(models):
+    """The step the decode bench times: every call decodes at the same position, from the token
+    the last call wrote there; the cache before that position stays as the prefill left it."""
+    model = models["random"]
+    runner = PlainRunner(model)
+    p = prompt(5)
+    t = len(p)
+    ref = generate(model, p, 2).new_tokens[0]
+    with torch.inference_mode():
+        runner.begin(p, 1)
+        step = runner.held_step(t)
+        step()
+        assert int(runner.state.tokens[0, t]) == int(ref[1])  # fed the prefill's token
+        step()
+    # Fed ref[1] at position t: the prompt followed by ref[1], whatever came before at t.
+    again = generate(model, torch.cat([p, ref[1:2]]), 1).new_tokens[0]
+    assert int(runner.state.tokens[0, t]) == int(again[0])
+    with pytest.raises(ValueError, match="pos must be in"):
+        runner.held_step(runner.capacity)
 
 
 WRONG_POSITIONS = '''

@@ -1,4 +1,4 @@
-"""impl.serve.runner: interleaving order, warm-up, what a run stopped part-way keeps and where it
+"""impl.serve.ladder: interleaving order, warm-up, what a run stopped part-way keeps and where it
 stopped, progress lines, provenance refused before the run, memory flat over many requests."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ import re
 import pytest
 
 from impl.data.arith import take
-from impl.serve.arm import build_arms
+from impl.serve.built_row import build_rows
 from impl.serve.rows import parse_ladder
 from impl.serve.engine import EngineRow
-from impl.serve.provenance import ProvenanceError, unshared_head_arm
+from impl.serve.provenance import ProvenanceError, unshared_head_row
 from impl.serve.result import LadderStopped
-from impl.serve.runner import Ladder, interleaved_order
+from impl.serve.ladder import Ladder, interleaved_order
 from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
 def arms(model):
     """The ladder's rows: each arm served by its own EngineRow, kept for the module."""
-    return [EngineRow(a) for a in build_arms(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
+    return [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
                                              tokenizer=ByteTokenizer())]
 
 
@@ -77,7 +77,7 @@ def test_a_run_stopped_part_way_keeps_what_completed_and_says_where(arms):
 
 
 def test_a_defective_row_is_refused_after_its_warm_up(model, arms):
-    bad = EngineRow(unshared_head_arm(arms[2].arm, "copy"))
+    bad = EngineRow(unshared_head_row(arms[2].built, "copy"))
     ladder = Ladder([arms[0], bad], requests(2))
     with pytest.raises(ProvenanceError, match=r"(?s)row '\+mtp'.*the draft's head is a different module"):
         ladder.run()
@@ -94,7 +94,7 @@ def test_a_row_whose_backend_refuses_the_request_is_named(model, monkeypatch):
         raise backends.Unsupported("tokens past my tiles")
     monkeypatch.setattr(backends, "_registry", dict(backends._registry))
     backends.register(backends.Backend("moe", "refusing", refuse, "refuses everything"))
-    rows = [EngineRow(a) for a in build_arms(model, parse_ladder("baseline;no=moe=refusing", "cpu"),
+    rows = [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;no=moe=refusing", "cpu"),
                                              tokenizer=ByteTokenizer())]
     with pytest.raises(LadderStopped, match=r"row 'no' refused while preparing its steps: a backend it names does "
                                             r"not cover the model's steps: Unsupported: tokens past my tiles") as e:
@@ -149,7 +149,7 @@ def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(arms, monkeypat
         real(row)
 
     monkeypatch.setattr(EngineRow, "prepare", prepare)
-    key = ("moe", arms[1].arm.config.moe)
+    key = ("moe", arms[1].built.config.moe)
     monkeypatch.setitem(backends._registry, key, dataclasses.replace(backends._registry[key],
                                                                        release=lambda: released.append(key)))
     lines = []
