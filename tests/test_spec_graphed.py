@@ -14,7 +14,7 @@ import torch
 from impl.generate import SamplingConfig, generate
 from impl.model import build_model
 from impl.speculative import GraphedDecoding, GraphedSpeculation, SpeculativeDecoder
-from tests.test_spec_decoder import echo_draft_
+from tests.helpers import echo_draft_
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
