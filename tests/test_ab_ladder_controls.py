@@ -28,6 +28,7 @@ import pytest
 
 from pytest_moeperf.stats import paired_ratio
 from moe_harness.tolerances import tolerance_for
+from tests.pytester_runs import ONE_THREAD_CONFTEST
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "suites" / "test_ab_ladder.py"
@@ -37,17 +38,7 @@ NOISE = 8.0  # logit noise std of the planted head (the checkpoint's top logit l
 pytestmark = pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(),
                                 reason=f"no trained checkpoint at {CHECKPOINT}")
 
-ONE_THREAD = '''
-import pytest
-import torch
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
-'''
-
-TRAP = ONE_THREAD + '''
+TRAP = ONE_THREAD_CONFTEST + '''
 import impl.serve
 from impl.serve import unshared_head_arm
 
@@ -61,7 +52,7 @@ def _planted(model, rows, *, tokenizer):
 impl.serve.build_arms = _planted
 '''
 
-NOISY = ONE_THREAD + f'''
+NOISY = ONE_THREAD_CONFTEST + f'''
 from impl import backends
 
 _base = backends.get("head", "fp8-dequant")
@@ -77,7 +68,7 @@ backends.register(backends.Backend("head", "fp8-noisy", _noisy, "planted: the FP
 '''
 
 
-SLOW = ONE_THREAD + '''
+SLOW = ONE_THREAD_CONFTEST + '''
 import time
 
 from impl import backends
@@ -184,7 +175,8 @@ def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
 
 
 def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
-    outcomes, text, report = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
+    outcomes, text, report = run_ladder(pytester, ONE_THREAD_CONFTEST, "a=baseline;b=baseline", 60,
+                                        "--moe-margin", "5")
     assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "equivalent", comparison["accuracy"]
@@ -196,7 +188,8 @@ def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
     # row would miss the same figure twice.
     misses = _aa_speed_misses(report)
     if misses:
-        outcomes, text, again = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
+        outcomes, text, again = run_ladder(pytester, ONE_THREAD_CONFTEST, "a=baseline;b=baseline", 60,
+                                           "--moe-margin", "5")
         assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
         confirmed = {m[0] for m in misses} & {m[0] for m in _aa_speed_misses(again)}
         assert not confirmed, (misses, _aa_speed_misses(again))

@@ -17,19 +17,14 @@ import pytest
 
 from pytest_moeperf.baselines import load_file
 from pytest_moeperf.workers import parse_worker_gpus, visible_gpus, worker_index
+from tests.pytester_runs import gate_suite
 
 pytest.importorskip("xdist")
 
 # Four timed figures with deterministic samples (1% spread); the one measured on GPU "1" is
 # slowed by SLOW_GPU1 (a planted slowdown on that worker's GPU; SLOW_ALL on the others). Each
 # test records the GPU it saw.
-SUITE = """
-import os
-import pytest
-
-pytestmark = pytest.mark.moe_bench
-SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
-
+SUITE = gate_suite("""
 @pytest.mark.parametrize("name", ["a", "b", "c", "d"])
 def test_latency(moe_gate, name):
     gpu = os.environ["MOEPERF_WORKER_GPU"]
@@ -38,7 +33,7 @@ def test_latency(moe_gate, name):
     slow = float(os.environ.get("SLOW_GPU1", "1")) if gpu == "1" else float(os.environ.get("SLOW_ALL", "1"))
     moe_gate.check(f"latency_{name}_us", [100 * s * slow for s in SPREAD], unit="us", direction="lower",
                    tolerance=0.10)
-"""
+""")
 
 
 @pytest.fixture
