@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers import rel_rows
+
 
 def add_nextn_extras(folder, layer: int, hidden: int, final_norm: str, seed: int) -> dict[str, torch.Tensor]:
     """Write a NEXTN layer's own tensors (enorm, hnorm, eh_proj, and its final norm under the
@@ -62,11 +64,6 @@ def write_mla_checkpoint(folder, causal_lm, base_model, config, layers: int, hid
     return folder, ref.double(), nextn.double(), {name: t.double() for name, t in extras.items()}
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per position ||a - b|| / ||b|| over the last (vocabulary or hidden) dimension."""
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).flatten()
-
-
 def cached_logits(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:
     """Prefill `prompt` tokens, then one decode step per remaining token (teacher forced)."""
     model.setup_caches(1, 64)
@@ -81,7 +78,7 @@ def assert_decode_matches(model, ref, tokens: torch.Tensor, prompt: int, tol: fl
     within `tol` of transformers' `ref` over the whole sequence at once."""
     with torch.no_grad():
         want = ref(tokens).logits
-    err = rel(cached_logits(model, tokens, prompt), want)
+    err = rel_rows(cached_logits(model, tokens, prompt), want).flatten()
     assert err.shape == (tokens.shape[1],) and tokens.shape[1] - prompt >= 32
     assert err.max() <= tol, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
 
@@ -120,7 +117,7 @@ def assert_nextn_matches(model, checkpoint: tuple, tokens: torch.Tensor, tol: fl
     position (`checkpoint`: a parity checkpoint's (folder, ref, nextn, extras)); returns the reference."""
     _, ref, nextn, extras = checkpoint
     want = nextn_reference(ref, nextn, extras, tokens)
-    err = rel(nextn_logits(model, tokens), want)
+    err = rel_rows(nextn_logits(model, tokens), want).flatten()
     assert err.max() <= tol, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
     return want
 
@@ -143,9 +140,9 @@ def check_ladder_runs_unchanged(model, prompts: list[str], max_tokens: int) -> N
     from impl.serve.rows import parse_ladder
     from impl.serve.engine import EngineRow
     from impl.serve.ladder import Ladder
-    from tests.test_serve_engine import ByteTokenizer, request
+    from tests.helpers import byte_tokenizer, request
     rows = [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
-                                             tokenizer=ByteTokenizer())]
+                                             tokenizer=byte_tokenizer())]
     served = Ladder(rows, [request(p, max_tokens, ignore_eos=True) for p in prompts]).run()
     for row in rows:
         row.check()

@@ -7,8 +7,11 @@ from pytest_moeperf.device import DeviceInfo
 
 
 # For timed suites: one thread is less exposed to whatever else runs on a 2-core machine.
-ONE_THREAD = """
-@pytest.fixture(autouse=True)
+def one_thread(scope: str = "function") -> str:
+    """An autouse fixture (source) that runs each test of its `scope` on one torch thread and
+    gives the previous count back (an in-process inner run shares the outer process's torch)."""
+    return f"""
+@pytest.fixture(scope="{scope}", autouse=True)
 def one_thread():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -16,15 +19,34 @@ def one_thread():
     torch.set_num_threads(before)
 """
 
-# Synthetic latencies and ratios with a 1% spread; each measurement takes its factor from the
-# next entry of PLANTED_FACTORS.
-REMEASURE_SUITE = """
-import os
-import pytest
 
-pytestmark = pytest.mark.moe_bench
+ONE_THREAD = one_thread()  # for a suite's own text (it imports pytest and torch itself)
+# A whole inner session on one thread: an inner run's conftest.py, or the head of one.
+ONE_THREAD_CONFTEST = "import pytest\nimport torch\n" + one_thread("session")
+
+# Samples with a 1% spread, like the CPU decode step's per-sample CV measured on this machine kind.
 SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
 
+
+def gate_suite(*tests: str, imports: tuple[str, ...] = ()) -> str:
+    """A synthetic timed suite for an inner run: `tests` (the source of test functions that hand
+    made-up samples, scaled from SPREAD, to `moe_gate`) under one head: marked moe_bench, `os`,
+    `pytest`, the `imports` lines and SPREAD in scope."""
+    head = "\n".join(("import os", "import pytest", *imports, "", "pytestmark = pytest.mark.moe_bench",
+                      f"SPREAD = {SPREAD!r}"))
+    return head + "\n" + "".join("\n" + test.strip("\n") + "\n" for test in tests)
+
+
+# 100 us, scaled by the PLANTED_FACTOR run_inner sets.
+LATENCY_TEST = """
+def test_latency(moe_gate):
+    factor = float(os.environ.get("PLANTED_FACTOR", "1"))
+    moe_gate.check("latency_us", [100 * s * factor for s in SPREAD], unit="us", direction="lower", tolerance=0.10)
+"""
+
+# Synthetic latencies and ratios; each measurement takes its factor from the next entry of
+# PLANTED_FACTORS.
+REMEASURE_SUITE = gate_suite("""
 def test_latency(moe_gate):
     factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
 
@@ -33,7 +55,7 @@ def test_latency(moe_gate):
         return [100 * s * f for s in SPREAD]
 
     moe_gate.check("latency_us", measure(), unit="us", direction="lower", tolerance=0.10, remeasure=measure)
-
+""", """
 def test_ratio(moe_gate):
     factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1").split(","))
 
@@ -42,7 +64,7 @@ def test_ratio(moe_gate):
         return [2.0 * s * f for s in SPREAD], [1.0 * s for s in SPREAD]
 
     moe_gate.check_ratio("new_over_old", side_by_side, direction="lower", tolerance=0.10)
-"""
+""")
 
 # A ratio of the "bf16" head backend (the backend a gate-trust run plants) over a plain F.linear,
 # measured side by side; 25% tolerance: one thread, 15 samples on a 2-core VM.

@@ -5,13 +5,16 @@ on the trained checkpoint (checkpoints/tiny-gsm, CPU, one torch thread, the arit
   head's weight tensor (its e4m3 data read as values, scales dropped) instead of the target's head
   module, the decoder's own check switched off: the row's provenance test fails naming the head
   sharing, and the report marks the row.
-- `noisy head`: an FP8 head backend that adds noise to the logits (std NOISE): over 30 problems
-  the row's answers test fails, McNemar's exact test finding the answers `different` (measured:
-  every one of the baseline's 24 right answers lost, none gained, p = 1.2e-7).
-- `A/A`: the baseline twice: nothing fails, the answers come out `equivalent` (margin 5 points:
-  at 60 requests a 1-point equivalence is out of reach, the smallest interval half-width with no
-  discordant pair being z^2 / (n + z^2) = 4.3 points), and no speed ratio is one the gate would
-  call a regression (within the CPU tolerance of 1, or its interval containing 1).
+- `noisy head`: an FP8 head backend that adds noise to the logits (std NOISE): over NOISY_REQUESTS
+  problems the row's answers test fails, McNemar's exact test finding the answers `different`
+  (measured over 30: every one of the baseline's 24 right answers lost, none gained, p = 1.2e-7;
+  k right answers lost and none gained is p = 2 * 2**-k, under the test's alpha of 0.05 from
+  k = 6: 15 problems leave a wide margin).
+- `A/A`: the baseline twice: nothing fails, the answers come out `equivalent` (margin 10 points
+  over AA_REQUESTS = 30: with no discordant pair the 90% interval's half-width is
+  z^2 / (n + z^2) = 8.3 points; a 1-point equivalence is out of reach of any CI-sized run, a
+  5-point one needs 52 requests), and no speed ratio is one the gate would call a regression
+  (within the CPU tolerance of 1, or its interval containing 1).
 
 No baselines are frozen for these runs (an empty folder): the gated figures skip as
 NO-BASELINE, the provenance and answer checks, which need no baseline, decide.
@@ -28,26 +31,19 @@ import pytest
 
 from pytest_moeperf.stats import paired_ratio
 from moe_harness.tolerances import tolerance_for
+from tests.pytester_runs import ONE_THREAD_CONFTEST
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "suites" / "test_ab_ladder.py"
 CHECKPOINT = ROOT / "checkpoints" / "tiny-gsm"
 NOISE = 8.0  # logit noise std of the planted head (the checkpoint's top logit leads by ~10-20)
+NOISY_REQUESTS = 15
+AA_REQUESTS, AA_MARGIN = 30, "10"  # requests of each A/A row; the accuracy margin in points (--moe-margin)
 
 pytestmark = pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(),
                                 reason=f"no trained checkpoint at {CHECKPOINT}")
 
-ONE_THREAD = '''
-import pytest
-import torch
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
-'''
-
-TRAP = ONE_THREAD + '''
+TRAP = ONE_THREAD_CONFTEST + '''
 import impl.serve
 from impl.serve import unshared_head_row
 
@@ -61,7 +57,7 @@ def _planted(model, rows, *, tokenizer):
 impl.serve.build_rows = _planted
 '''
 
-NOISY = ONE_THREAD + f'''
+NOISY = ONE_THREAD_CONFTEST + f'''
 from impl import backends
 
 _base = backends.get("head", "fp8-dequant")
@@ -77,7 +73,7 @@ backends.register(backends.Backend("head", "fp8-noisy", _noisy, "planted: the FP
 '''
 
 
-SLOW = ONE_THREAD + '''
+SLOW = ONE_THREAD_CONFTEST + '''
 import time
 
 from impl import backends
@@ -149,14 +145,16 @@ def test_moe_expect_faster_fails_a_row_that_is_slower_and_passes_one_that_is_fas
 
 
 def test_a_head_that_perturbs_logits_gives_different_answers(pytester):
-    outcomes, text, report = run_ladder(pytester, NOISY, "baseline;noisy=head=fp8:fp8-noisy", 30, "-k", "answers")
+    outcomes, text, report = run_ladder(pytester, NOISY, "baseline;noisy=head=fp8:fp8-noisy", NOISY_REQUESTS,
+                                        "-k", "answers")
     assert outcomes.get("test_row_answers[noisy]") == "FAILED", text[-3000:]
     assert "answers differ from 'baseline'" in text and "exact McNemar" in text
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "different", comparison["accuracy"]
     # The terminal gives each row's verdict against the first, without opening the report.
     assert re.search(r"^A/B arith: noisy vs baseline: decode tok/s x\d\.\d{3} \[[\d.]+, [\d.]+\], .*answers differ; "
-                     r"outputs identical in \d+ of 30 \(FLAGGED: see the report\)$", text, re.MULTILINE), text[-3000:]
+                     rf"outputs identical in \d+ of {NOISY_REQUESTS} \(FLAGGED: see the report\)$", text,
+                     re.MULTILINE), text[-3000:]
 
 
 def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
@@ -184,11 +182,12 @@ def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
 
 
 def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
-    outcomes, text, report = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
+    outcomes, text, report = run_ladder(pytester, ONE_THREAD_CONFTEST, "a=baseline;b=baseline", AA_REQUESTS,
+                                        "--moe-margin", AA_MARGIN)
     assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
     (comparison,) = report["summary"]["comparisons"]
     assert comparison["accuracy"]["verdict"] == "equivalent", comparison["accuracy"]
-    assert comparison["outputs"]["identical"] == comparison["outputs"]["n"] == 60, comparison["outputs"]
+    assert comparison["outputs"]["identical"] == comparison["outputs"]["n"] == AA_REQUESTS, comparison["outputs"]
     # No speed figure of the A/A run is one the gate would call a regression. A miss is confirmed
     # by a fresh run before it fails, as the gate confirms a timing regression on a shared machine
     # (`remeasure`): one CI run on the 2-core runner had the A/A TTFT at 1.154 (99.75% CI
@@ -196,7 +195,8 @@ def test_the_baseline_against_itself_is_equivalent_and_no_faster(pytester):
     # row would miss the same figure twice.
     misses = _aa_speed_misses(report)
     if misses:
-        outcomes, text, again = run_ladder(pytester, ONE_THREAD, "a=baseline;b=baseline", 60, "--moe-margin", "5")
+        outcomes, text, again = run_ladder(pytester, ONE_THREAD_CONFTEST, "a=baseline;b=baseline", AA_REQUESTS,
+                                           "--moe-margin", AA_MARGIN)
         assert "FAILED" not in outcomes.values() and "ERROR" not in outcomes.values(), text[-3000:]
         confirmed = {m[0] for m in misses} & {m[0] for m in _aa_speed_misses(again)}
         assert not confirmed, (misses, _aa_speed_misses(again))

@@ -17,24 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from gsm8k_checkpoint import GSM8K_DIR, build_checkpoint
+from tests.gsm8k_checkpoint import GSM8K_DIR, build_checkpoint
+from tests.pytester_runs import ONE_THREAD_CONFTEST
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "suites" / "test_ab_ladder.py"
 CHECKPOINT = ROOT / "checkpoints" / "tiny-gsm"
 FIGURES = ("ttft_s", "latency_s", "tpot_s", "decode_tokens_per_s", "output_tokens", "prompt_tokens")
 
-ONE_THREAD = '''
-import pytest
-import torch
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
-'''
-
-STOPS_AT_FIFTH = ONE_THREAD + '''
+STOPS_AT_FIFTH = ONE_THREAD_CONFTEST + '''
 from impl.serve.engine import EngineRow
 
 _serve = EngineRow.serve
@@ -74,8 +65,9 @@ def qwen3_checkpoint(tmp_path_factory) -> Path:
 @pytest.mark.skipif(not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K data not found at {GSM8K_DIR}")
 def test_gsm8k_five_shot_on_a_checkpoint_with_its_own_tokenizer_reports_every_figure(pytester, qwen3_checkpoint):
     ckpt = qwen3_checkpoint
-    result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-workload", f"gsm8k:{GSM8K_DIR}",
-                          "--moe-requests", "3", "--moe-ladder", "a=baseline;b=baseline", "-k", "provenance")
+    result, report = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", str(ckpt), "--moe-workload",
+                          f"gsm8k:{GSM8K_DIR}", "--moe-requests", "3", "--moe-ladder", "a=baseline;b=baseline",
+                          "-k", "provenance")
     assert result.ret == 0, result.stdout.str()[-3000:]
     assert report["summary"]["workload"]["shots"] == 5
     # The report names the tokenizer that made the prompts (the checkpoint's own, not bytes) and the weights.
@@ -96,7 +88,8 @@ def test_the_default_ladder_leaves_out_mtp_for_a_checkpoint_without_a_nextn_laye
     """Before: the default rows named +mtp, so every checkpoint without MTP weights (most Qwen3-MoE
     ones) stopped the whole main job with a usage error it had not asked for."""
     ckpt = qwen3_checkpoint
-    result, report = _run(pytester, ONE_THREAD, "--moe-model", str(ckpt), "--moe-requests", "3", "-k", "provenance")
+    result, report = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", str(ckpt), "--moe-requests", "3",
+                          "-k", "provenance")
     assert result.ret == 0, result.stdout.str()[-3000:] + result.stderr.str()[-2000:]
     assert [a["name"] for a in report["rows"]] == ["baseline", "+fp8-head"]
     result.stdout.fnmatch_lines(["A/B: the default ladder leaves out +mtp: model '*qwen3-moe' has no MTP (NEXTN) "
@@ -159,7 +152,7 @@ def _usage_exit(result) -> str:
 def test_a_row_the_model_cannot_run_stops_the_session_once_as_a_usage_error(pytester):
     """A layer backend named for layers tiny-gsm does not have: one usage error (exit 4) naming
     the row and the key, instead of the same error in every test of the ladder."""
-    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", "synthetic:8:4",
+    result, _ = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", "tiny", "--moe-workload", "synthetic:8:4",
                      "--moe-ladder", "baseline;ta=attention=torch")
     out = _usage_exit(result)
     assert "usage error: --moe-ladder: ta: attention: model 'tiny' has no KDA or MLA layers" in out
@@ -169,7 +162,7 @@ def test_a_row_the_model_cannot_run_stops_the_session_once_as_a_usage_error(pyte
 def test_a_workload_the_model_cannot_serve_stops_the_session_once_as_a_usage_error(pytester):
     prompts = pytester.path / "long.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "word " * 400, "max_tokens": 8}) + "\n" for _ in range(4)))
-    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+    result, _ = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
                      "--moe-ladder", "baseline;+fp8-head")
     out = _usage_exit(result)
     assert f"usage error: --moe-workload jsonl:{prompts}" in out and "more than the model's context" in out
@@ -183,7 +176,7 @@ def test_a_run_that_stops_before_its_report_leaves_no_earlier_report_behind(pyte
     (old / "ab-ladder.png").write_bytes(b"old figure")
     prompts = pytester.path / "long.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": "word " * 400, "max_tokens": 8}) + "\n" for _ in range(4)))
-    result, report = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+    result, report = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
                           "--moe-ladder", "baseline;+fp8-head")
     _usage_exit(result)
     assert sorted(p.name for p in old.iterdir()) == ["ab-report.json", "ab-report.md"]
@@ -192,7 +185,7 @@ def test_a_run_that_stops_before_its_report_leaves_no_earlier_report_behind(pyte
     assert report["status"] == "did not finish" and set(report["run"]) == {"commit", "started"}
 
 
-FULL_DISK = ONE_THREAD + '''
+FULL_DISK = ONE_THREAD_CONFTEST + '''
 import errno
 import moe_harness.ladder.report as ab_report
 
@@ -222,7 +215,7 @@ def test_without_a_request_count_a_small_prompts_file_is_served_whole(pytester, 
     median needs is a usage error, not a failure of every speed test."""
     prompts = pytester.path / "mine.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "max_tokens": 4}) + "\n" for i in range(lines)))
-    result, report = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+    result, report = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
                           "--moe-ladder", "baseline;+fp8-head", "-k", "provenance")
     if outcome == "served":
         assert result.ret == 0, result.stdout.str()[-3000:]
@@ -261,7 +254,7 @@ def test_a_report_folder_that_cannot_be_written_is_a_usage_error_before_serving(
     """Not found after every row was served (then every test of the ladder erred and nothing was gated)."""
     (pytester.path / "afile").write_text("x")
     target = pytester.path / "afile" if where == "a file" else pytester.path / "afile" / "sub"
-    pytester.makeconftest(ONE_THREAD)
+    pytester.makeconftest(ONE_THREAD_CONFTEST)
     pytester.makepyfile(test_ab_ladder=SUITE.read_text())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-model", "tiny",
                                            "--moe-workload", "synthetic:8:4", "--moe-ladder", "baseline;+fp8-head",
@@ -275,7 +268,7 @@ def test_a_workload_of_one_token_answers_is_a_usage_error(pytester):
     fail with a misleading message)."""
     prompts = pytester.path / "one.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "max_tokens": 1}) + "\n" for i in range(4)))
-    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
+    result, _ = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", "tiny", "--moe-workload", f"jsonl:{prompts}",
                      "--moe-ladder", "baseline;+fp8-head")
     assert "every request ends at its first output token (max_tokens < 2)" in _usage_exit(result)
 
@@ -285,7 +278,7 @@ def test_a_checkpoint_whose_tokenizer_cannot_load_is_a_usage_error(pytester):
     for name in ("config.json", "model.safetensors"):
         (folder / name).write_bytes((CHECKPOINT / name).read_bytes())
     (folder / "tokenizer.json").write_text("{}")
-    result, _ = _run(pytester, ONE_THREAD, "--moe-model", str(folder), "--moe-ladder", "baseline;+fp8-head")
+    result, _ = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", str(folder), "--moe-ladder", "baseline;+fp8-head")
     out = _usage_exit(result)
     assert "could not load its tokenizer" in out and "ERROR at setup" not in out
 
@@ -294,7 +287,7 @@ def test_a_usage_error_found_during_the_run_names_the_ini_key_it_came_from(pytes
     """The workload set in pytest.ini, not on the command line: the message says where to look,
     and that the context it gives is the model's less what a speculative row writes ahead."""
     pytester.makeini("[pytest]\nmoe_workload = synthetic:380:3\n")
-    result, _ = _run(pytester, ONE_THREAD, "--moe-model", "tiny", "--moe-ladder", "baseline;+mtp")
+    result, _ = _run(pytester, ONE_THREAD_CONFTEST, "--moe-model", "tiny", "--moe-ladder", "baseline;+mtp")
     out = _usage_exit(result)
     assert "usage error: ini key moe_workload (--moe-workload) synthetic:380:3:" in out
     assert "the model's 384 positions less the 3 a speculative row writes ahead" in out
@@ -309,7 +302,7 @@ def test_figures_frozen_on_a_prompts_file_are_not_gated_against_another_file_at_
         prompts.write_text("".join(json.dumps({"prompt": f"{prefix}{i} + {i} =", "max_tokens": 4}) + "\n"
                                    for i in range(6)))
 
-    pytester.makeconftest(ONE_THREAD)
+    pytester.makeconftest(ONE_THREAD_CONFTEST)
     pytester.makepyfile(test_ab_ladder=SUITE.read_text())
     baselines = pytester.mkdir("baselines")
 

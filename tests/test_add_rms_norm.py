@@ -19,6 +19,7 @@ import torch
 from impl.model.add_rms_norm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton
 from impl.model.layers import RMSNorm
 from impl.triton_env import INTERPRET
+from tests.helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_REL = 2.0 ** -7
@@ -32,19 +33,15 @@ def inputs(rows: int, hidden: int, dtype: torch.dtype, seed: int, device: str = 
     return delta.to(device, dtype), residual.to(device, dtype), weight.to(device, dtype)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 @pytest.mark.parametrize("rows,hidden", [(1, 2560), (3, 96), (5, 4096)])
 def test_the_kernel_matches_the_torch_form_in_fp32(rows, hidden):
     delta, residual, weight = inputs(rows, hidden, torch.float32, seed=rows + hidden)
     out, total = add_rms_norm_triton(delta, residual, weight, 1e-6)
     ref_out, ref_total = add_rms_norm_reference(delta, residual, weight, 1e-6)
     assert torch.equal(total, ref_total)
-    assert rel(out, ref_out) <= 1e-6
+    assert rel_err(out, ref_out) <= 1e-6
     # Negative control: the norm of the stream without this branch's output is far off.
-    assert rel(out, add_rms_norm_reference(delta * 0, residual, weight, 1e-6)[0]) > 0.1
+    assert rel_err(out, add_rms_norm_reference(delta * 0, residual, weight, 1e-6)[0]) > 0.1
 
 
 def test_the_kernel_rounds_as_the_torch_form_in_bf16():
@@ -95,5 +92,5 @@ def test_the_model_on_the_kept_apart_stream_is_the_layer_written_out():
         for layer in model.layers:
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, None, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        assert rel(got, x) <= 1e-6
-        assert rel(model.hidden_states(ids), model.norm(x)) <= 1e-6
+        assert rel_err(got, x) <= 1e-6
+        assert rel_err(model.hidden_states(ids), model.norm(x)) <= 1e-6

@@ -15,7 +15,7 @@ from impl.decode_runner import PlainRunner, Run, SpecRunner
 from impl.generate import generate
 from impl.model import build_model
 from impl.speculative import SpeculativeDecoder
-from tests.test_spec_decoder import echo_draft_
+from tests.helpers import echo_draft_
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12

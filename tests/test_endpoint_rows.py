@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from broken_checkpoints import scrambled_nextn_copy
+from tests.broken_checkpoints import scrambled_nextn_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "suites" / "test_ab_ladder.py"

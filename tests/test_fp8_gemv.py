@@ -26,6 +26,7 @@ from impl.head.gemv_config import ANY, GENERIC, INTERPRETER, TUNED, GemvConfig, 
 from impl.head.fp8_gemv import _to_e4m3, fp8_gemv, fp8_gemv_reference, kernel_path
 from impl.quant import quantize_fp8
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
+from tests.helpers import rel_err
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 EXACT = 1e-5
@@ -33,11 +34,6 @@ EXACT = 1e-5
 
 def tolerance(path: str) -> float:
     return 2e-3 if (path == "split" and not INTERPRET) else EXACT
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def weights(n: int, k: int, gen: torch.Generator, granularity: str = "row"):

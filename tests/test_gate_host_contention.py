@@ -19,19 +19,12 @@ from pathlib import Path
 import pytest
 
 from pytest_moeperf import host_load
-from pytester_runs import run_inner, this_device_store
+from tests.pytester_runs import ONE_THREAD_CONFTEST, gate_suite, run_inner, this_device_store
 
 # Synthetic latencies (1% spread) scaled per measurement by the next entry of PLANTED_FACTORS; each
 # measurement is metered like moe_sampler's timed rounds, and before it starts sets the switch a
 # ScriptedHost reads, SIMULATED_HOST_CONTENDED, to the next entry of PLANTED_CONTENTION ("1": contended).
-SUITE = """
-import os
-import time
-import pytest
-
-pytestmark = pytest.mark.moe_bench
-SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
-
+SUITE = gate_suite("""
 def test_latency(moe_gate, moe_host_meter):
     factors = iter(float(f) for f in os.environ.get("PLANTED_FACTORS", "1,1,1,1").split(","))
     contention = iter(os.environ.get("PLANTED_CONTENTION", "").split(","))
@@ -44,7 +37,7 @@ def test_latency(moe_gate, moe_host_meter):
         return [100 * s * f for s in SPREAD]
 
     moe_gate.check("latency_us", measure(), unit="us", direction="lower", tolerance=0.10, remeasure=measure)
-"""
+""", imports=("import time",))
 
 SLOW = "1.3,1.3,1.3,1.3"  # a real regression: every measurement 30% slower
 
@@ -316,9 +309,7 @@ def test_the_ladders_speed_figures_are_not_frozen_on_a_contended_host(pytester, 
     # Another module name than the suite's: an in-process run beside the suites (CI) has that one imported.
     pytester.makepyfile(test_ladder_on_a_busy_host=suite.read_text())
     # One thread: the simulated host's CPUs are all busy, half of them (not the run's own) with other work.
-    pytester.makeconftest("import pytest\nimport torch\n\n@pytest.fixture(scope='session', autouse=True)\n"
-                          "def one_thread():\n    before = torch.get_num_threads()\n    torch.set_num_threads(1)\n    yield\n"
-                          "    torch.set_num_threads(before)\n")
+    pytester.makeconftest(ONE_THREAD_CONFTEST)
     host(None if contended else 0)
     result = run_inner(pytester, "--moe-bench", "--moe-freeze", "--moe-model", "tiny", "--moe-workload",
                        "synthetic:8:4", "--moe-requests", "3", "--moe-ladder", "baseline;+fp8-head",

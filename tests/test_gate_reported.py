@@ -13,29 +13,17 @@ import pytest
 
 from pytest_moeperf import device
 from pytest_moeperf.baselines import BaselineStore
-from pytester_runs import frozen, run_inner, this_device_store
+from tests.pytester_runs import LATENCY_TEST, frozen, gate_suite, run_inner, this_device_store
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_BASELINES = ROOT / "baselines" / "cpu-amd-epyc-2c.json"
 
-SUITE = """
-import os
-import pytest
-
-from moe_harness.tolerances import tolerance_for
-
-pytestmark = pytest.mark.moe_bench
-SPREAD = [1.0, 1.004, 0.996, 1.01, 0.99, 1.002, 0.998, 1.006, 0.994, 1.0]
-
+SUITE = gate_suite("""
 def test_moe_over_dense(moe_gate):
     level = float(os.environ.get("MOE_OVER_DENSE", "5.136"))
     moe_gate.check_ratio("moe_over_dense_equivalent", lambda: ([level * s for s in SPREAD], [1.0] * len(SPREAD)),
                          direction="lower", tolerance=tolerance_for("moe_over_dense", "cpu"))
-
-def test_latency(moe_gate):
-    factor = float(os.environ.get("PLANTED_FACTOR", "1"))
-    moe_gate.check("latency_us", [100 * s * factor for s in SPREAD], unit="us", direction="lower", tolerance=0.10)
-"""
+""", LATENCY_TEST, imports=("from moe_harness.tolerances import tolerance_for",))
 REPORTED = "test_suite.py::test_moe_over_dense::moe_over_dense_equivalent"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytester_runs import PLANTED_SUITE
+from tests.pytester_runs import PLANTED_SUITE
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gate_trust.py"
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import impl.model.gemv as gemv_module
 from impl import backends
 from impl.model.gemv import GemvLaunch, gemv, gemv_applies, gemv_reference, launch_for, linear
+from tests.helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,10 +28,6 @@ def inputs(n: int, k: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(1, k, generator=g).to(DEVICE, dtype),
             (torch.randn(n, k, generator=g) * 0.02).to(DEVICE, dtype))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 @pytest.mark.parametrize("n,k,launch", [
@@ -44,9 +41,9 @@ def test_the_kernel_matches_the_fp32_product(n, k, launch):
     out = gemv(x, w, launch)
     ref = x @ w.t()
     assert out.shape == (1, n)
-    assert rel(out, ref) <= 1e-6
+    assert rel_err(out, ref) <= 1e-6
     # Negative control: every row's last K tile dropped is far off (the tail mask matters).
-    assert rel(out, x[:, : k - 32] @ w[:, : k - 32].t()) > 1e-3
+    assert rel_err(out, x[:, : k - 32] @ w[:, : k - 32].t()) > 1e-3
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 rounding as compiled needs a CUDA device")
@@ -54,7 +51,7 @@ def test_the_kernel_matches_the_fp32_product(n, k, launch):
 def test_bf16_rounds_once_on_the_gpu(n, k):
     x, w = inputs(n, k, torch.bfloat16, seed=k)
     out = gemv(x, w, GemvLaunch(block_n=8, block_k=512))
-    assert rel(out, gemv_reference(x, w)) <= 2.0 ** -7
+    assert rel_err(out, gemv_reference(x, w)) <= 2.0 ** -7
 
 
 def test_bad_inputs_name_the_problem():
@@ -134,4 +131,4 @@ def test_a_ling_decode_step_through_the_kernel_matches_cublas():
     model.set_layer_backend("projection", "cublas")
     want, ran = last_logits()
     assert ran == {("cublas", "F.linear")}
-    assert rel(got, want) <= 2e-2
+    assert rel_err(got, want) <= 2e-2

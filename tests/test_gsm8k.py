@@ -17,7 +17,7 @@ from impl.data.text import ByteTokenizer, HFTokenizer, tokenizer_for
 from impl.data.workloads import ContextError, WorkloadError, load_workload
 from impl.generate import check_prompt, generate
 from impl.model import build_model
-from gsm8k_checkpoint import CONTEXT, GSM8K_DIR, build_checkpoint
+from tests.gsm8k_checkpoint import CONTEXT, GSM8K_DIR, build_checkpoint
 
 if not (GSM8K_DIR / "test.jsonl").is_file():
     pytest.skip(f"GSM8K data not found at {GSM8K_DIR}", allow_module_level=True)

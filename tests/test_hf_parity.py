@@ -26,6 +26,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3MoeConfig, Qwen
 from impl.model import build_model
 from impl.model.layers import MoEBlock
 from impl.model.loading import CheckpointError, read_config
+from tests.helpers import rel_err
 
 RTOL = 1e-5  # fp32 vs fp32 with another op order: ~1e-7 observed; real bugs give >= 1e-2
 BATCH, SEQ = 2, 17
@@ -53,10 +54,6 @@ CASES = {
                                                   mscale_all_dim=1.0, original_max_position_embeddings=16,
                                                   partial_rotary_factor=0.5))),
 }
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:

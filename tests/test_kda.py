@@ -17,6 +17,7 @@ from impl.model.kda import KDAAttention, KDAState, recurrent_kda_step
 transformers = pytest.importorskip("transformers")
 from transformers.models.bailing_hybrid.configuration_bailing_hybrid import BailingHybridConfig  # noqa: E402
 from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridDeltaAttention  # noqa: E402
+from tests.helpers import rel_rows  # noqa: E402
 
 HIDDEN = 32
 
@@ -62,11 +63,6 @@ def ref_config(ref: BailingHybridDeltaAttention) -> BailingHybridConfig:
     return tiny_config(ref.forget_gate.safe_gate)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per token: ||a - b|| / ||b|| over the hidden dimension."""
-    return (a - b).norm(dim=-1) / b.norm(dim=-1)
-
-
 def test_parameter_names_match_transformers():
     ref = reference()
     m = KDAAttention.from_hf_config(ref_config(ref))
@@ -91,7 +87,7 @@ def test_prefill_then_decode_matches_transformers(safe_gate):
     got = [m(x[:, :prompt], input_pos=torch.arange(prompt))]
     for i in range(prompt, prompt + steps):
         got.append(m(x[:, i:i + 1], input_pos=torch.tensor([i])))
-    err = rel_err(torch.cat(got, dim=1), expected)[0]
+    err = rel_rows(torch.cat(got, dim=1), expected)[0]
     assert err.shape == (prompt + steps,)
     assert err.max() <= REL_TOL, f"worst step {int(err.argmax())}: {float(err.max()):.2e}"
     # The layer is not trivial: outputs differ between steps and the state is far from zero.
@@ -104,7 +100,7 @@ def test_stateless_call_matches_transformers():
     m = ours_from(ref, chunk_size=16)
     torch.manual_seed(4)
     x = torch.randn(2, 37, HIDDEN)               # batch 2, three chunks, the last partial
-    assert rel_err(m(x), ref(x)).max() <= REL_TOL
+    assert rel_rows(m(x), ref(x)).max() <= REL_TOL
 
 
 @torch.no_grad()
@@ -119,14 +115,14 @@ def test_recurrent_steps_leave_the_prefill_state():
     ya = a(x, input_pos=torch.arange(t))
     yb = torch.cat([b(x[:, i:i + 1], input_pos=torch.tensor([i])) for i in range(t)], dim=1)
     # Same fp32 function, chunked vs sequential association: rounding only (measured 8e-7 relative).
-    assert rel_err(ya, yb).max() <= REL_TOL
+    assert rel_rows(ya, yb).max() <= REL_TOL
     torch.testing.assert_close(a.state.recurrent, b.state.recurrent, rtol=1e-5, atol=1e-6)
     # The conv state holds the last three projected q|k|v inputs; the projections of 29 rows and of
     # one row use different GEMM blockings, so they agree to fp32 rounding, not bit for bit.
     torch.testing.assert_close(a.state.conv, b.state.conv, rtol=1e-6, atol=1e-6)
     # And the next token sees the same state.
     nxt = torch.randn(1, 1, HIDDEN)
-    assert rel_err(a(nxt, input_pos=torch.tensor([t])), b(nxt, input_pos=torch.tensor([t]))).max() <= REL_TOL
+    assert rel_rows(a(nxt, input_pos=torch.tensor([t])), b(nxt, input_pos=torch.tensor([t]))).max() <= REL_TOL
 
 
 @torch.no_grad()
@@ -256,7 +252,7 @@ def test_decode_matches_transformers_own_cache():
     for i in range(prompt, prompt + steps):
         expected.append(ref(x[:, i:i + 1], cache=cache))
         got.append(m(x[:, i:i + 1], input_pos=torch.tensor([i])))
-    err = rel_err(torch.cat(got, 1), torch.cat(expected, 1))[0]
+    err = rel_rows(torch.cat(got, 1), torch.cat(expected, 1))[0]
     assert err.max() <= REL_TOL, f"worst step {int(err.argmax())}: {float(err.max()):.2e}"
     torch.testing.assert_close(m.state.recurrent, cache.get_recurrent_state(0, state_idx=0), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m.state.conv, cache.get_conv_state(0, state_idx=0)[..., 1:].float(),

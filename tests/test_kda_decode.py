@@ -18,6 +18,7 @@ import torch
 from impl.model.layer_backends import set_layer_backend
 from impl.model.kda import KDAAttention
 from impl.model.kda_decode import kda_decode
+from tests.helpers import rel_err
 
 REL = 5e-5
 # The kernel runs where the tensors are: compiled on a GPU, interpreted on a CPU-only machine.
@@ -35,10 +36,6 @@ def module(hidden=64, heads=2, dim=32, safe_gate=True, seed=0, device=DEVICE) ->
         m.o_norm.weight.uniform_(0.5, 1.5)
     set_layer_backend(m, "attention", "torch")  # the module's own torch step is the reference here
     return m
-
-
-def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def kernel_step(m: KDAAttention, x: torch.Tensor, state, conv, keep: float):
@@ -63,7 +60,8 @@ def test_kernel_steps_equal_the_torch_steps(safe_gate, batch):
             x = torch.randn(batch, 1, 64, generator=g, device=DEVICE)
             want = m(x, input_pos=torch.tensor([t], device=DEVICE))
             got = kernel_step(m, x, state, conv, keep=1.0)
-            assert rel(got, want) <= REL and rel(state, m.state.recurrent) <= REL and rel(conv, m.state.conv) <= REL
+            assert rel_err(got, want) <= REL and rel_err(state, m.state.recurrent) <= REL
+            assert rel_err(conv, m.state.conv) <= REL
 
 
 def test_keep_zero_starts_a_new_sequence():
@@ -76,7 +74,7 @@ def test_keep_zero_starts_a_new_sequence():
         x = torch.randn(1, 1, 64, generator=g, device=DEVICE)
         want = m(x, input_pos=torch.tensor([0], device=DEVICE))  # position 0: the stored state is forgotten
         got = kernel_step(m, x, state, conv, keep=0.0)
-    assert rel(got, want) <= REL and rel(state, m.state.recurrent) <= REL
+    assert rel_err(got, want) <= REL and rel_err(state, m.state.recurrent) <= REL
 
 
 def test_a_planted_fault_is_caught():
@@ -92,7 +90,7 @@ def test_a_planted_fault_is_caught():
         with torch.no_grad():
             m.forget_gate.A_log.fill_(-30.0)  # rate ~ 1e-13: g ~ 0 for the kernel's step only
         got = kernel_step(m, x, state, conv, keep=1.0)
-    assert rel(got, want) > 100 * REL
+    assert rel_err(got, want) > 100 * REL
 
 
 @pytest.mark.gpu
@@ -123,7 +121,7 @@ def test_module_dispatch_on_the_device(dtype, tokens):
         set_layer_backend(m, "attention", "torch")
         want = m(x, input_pos=pos)
     tol = REL if dtype == torch.float32 else 2e-2
-    err, state_err = rel(got.float(), want.float()), rel(after.recurrent, m.state.recurrent)
+    err, state_err = rel_err(got.float(), want.float()), rel_err(after.recurrent, m.state.recurrent)
     assert err <= tol and state_err <= tol, (err, state_err)
 
 
@@ -177,9 +175,9 @@ def test_a_verify_pass_through_the_kernel_equals_the_torch_pass(tokens, count):
         got = m._verify_kernel(x, pos)
         got_live = m.state_snapshot()
         m.keep_verified(torch.tensor([count], device=DEVICE))
-    assert rel(got, want) <= REL and rel(got_live.recurrent, want_live.recurrent) <= REL
-    assert rel(m.state.recurrent, want_kept.recurrent) <= REL and rel(m.state.conv, want_kept.conv) <= REL
+    assert rel_err(got, want) <= REL and rel_err(got_live.recurrent, want_live.recurrent) <= REL
+    assert rel_err(m.state.recurrent, want_kept.recurrent) <= REL and rel_err(m.state.conv, want_kept.conv) <= REL
     # Negative control: keeping another count than the torch pass kept is far off.
     other = 1 if count != 1 else tokens
     m.keep_verified(torch.tensor([other], device=DEVICE))
-    assert rel(m.state.recurrent, want_kept.recurrent) > 100 * REL
+    assert rel_err(m.state.recurrent, want_kept.recurrent) > 100 * REL

@@ -54,13 +54,13 @@ def test_every_kda_and_mla_layer_is_switched_the_draft_included(ling, kind, defa
 def test_a_row_naming_a_layer_backend_for_a_model_without_such_layers_is_refused():
     """Nothing to switch: the row would run exactly as without its key, so naming one is an error."""
     from impl.serve.built_row import build_row
-    from tests.test_serve_engine import ByteTokenizer
+    from tests.helpers import byte_tokenizer
     model = build_model("tiny")
     with pytest.raises(ValueError, match=r"mine: projection: model 'tiny' has no KDA or MLA layers, whose "
                                          r"projection projection=cublas would choose"):
-        build_row(model, parse_row("mine=moe=gather,projection=cublas", "cpu").config, tokenizer=ByteTokenizer(),
+        build_row(model, parse_row("mine=moe=gather,projection=cublas", "cpu").config, tokenizer=byte_tokenizer(),
                   name="mine")
-    build_row(model, parse_row("+fp8-head", "cpu").config, tokenizer=ByteTokenizer())  # the defaults are fine
+    build_row(model, parse_row("+fp8-head", "cpu").config, tokenizer=byte_tokenizer())  # the defaults are fine
 
 
 def test_a_model_without_kda_or_mla_has_no_layer_backends():
@@ -155,10 +155,10 @@ def test_a_ladder_row_switches_the_layer_backends_and_provenance_holds(ling):
     from impl.serve.rows import parse_ladder
     from impl.serve.engine import EngineRow
     from impl.serve.ladder import Ladder
-    from tests.test_serve_engine import ByteTokenizer, request
+    from tests.helpers import byte_tokenizer, request
     rows = [EngineRow(a) for a in build_rows(
         ling, parse_ladder("kernels=moe=gather;torch=moe=gather,attention=torch,projection=cublas", "cpu"),
-        tokenizer=ByteTokenizer())]
+        tokenizer=byte_tokenizer())]
     try:
         served = Ladder(rows, [request("Q: 12 + 30 =", 12, ignore_eos=True)]).run()
     finally:

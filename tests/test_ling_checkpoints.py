@@ -23,6 +23,7 @@ from impl.model.build import build_model  # noqa: E402
 from impl.model.loading import CheckpointError, check_checkpoint, read_config  # noqa: E402
 from impl.quant.mxfp4 import quantize_mxfp4  # noqa: E402
 from tests.ling_checkpoint import LAYERS, write_tiny_ling  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
 
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 # Projections a Ling FP8 checkpoint quantizes: 2-D weights of attention, dense and shared MLPs
@@ -76,10 +77,6 @@ def logits_of(folder, experts="dense", backend="gather"):
     tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         return model, model(tokens)
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def test_sharded_checkpoint_loads_identically(source, tmp_path):
@@ -191,7 +188,7 @@ def test_mxfp4_experts_match_their_dequantized_reference(source, tmp_path, layou
     # Held as MXFP4: the checkpoint's bytes are kept, and the experts compute what the dequantized ones do.
     kept, got = logits_of(mx, experts="mxfp4", backend="reference")
     _, want = logits_of(ref)
-    assert rel(got, want) <= 1e-5
+    assert rel_err(got, want) <= 1e-5
     # Held dense: dequantized on load, equal to the reference's experts.
     dense, got_dense = logits_of(mx)
     assert torch.equal(got_dense, want)

@@ -18,7 +18,8 @@ from impl.model.build import build_model  # noqa: E402
 from impl.model.kda import KDAAttention  # noqa: E402
 from impl.model.loading import read_config  # noqa: E402
 from tests.decode_parity import (assert_decode_matches, assert_nextn_matches,  # noqa: E402
-                                 assert_speculative_equals_greedy, cached_logits, check_ladder_runs_unchanged, rel)
+                                 assert_speculative_equals_greedy, cached_logits, check_ladder_runs_unchanged)
+from tests.helpers import rel_rows  # noqa: E402
 from tests.ling_checkpoint import write_tiny_ling  # noqa: E402
 
 T, PROMPT = 40, 8
@@ -78,7 +79,7 @@ def test_nextn_logits_match_a_reference_from_transformers_modules(checkpoint, ou
 def test_recurrent_decode_equals_chunked_prefill(ours, tokens):
     whole = cached_logits(ours, tokens, T)          # one prefill: KDA in 4-token chunks
     stepped = cached_logits(ours, tokens, 1)        # one token at a time: the recurrent step
-    err = rel(stepped, whole)
+    err = rel_rows(stepped, whole).flatten()
     assert err.max() <= REL_TOL, f"worst position {int(err.argmax())}: {float(err.max()):.2e}"
 
 
@@ -96,7 +97,7 @@ def test_keep_verified_leaves_the_state_of_the_kept_tokens(ours, tokens, keep):
         got = ours(tokens[:, 30:31], torch.tensor([nxt]))
         ours(tokens[:, :nxt], torch.arange(nxt))
         want = ours(tokens[:, 30:31], torch.tensor([nxt]))
-    assert rel(got, want).max() <= REL_TOL
+    assert rel_rows(got, want).max() <= REL_TOL
 
 
 def test_keep_verified_is_needed(ours, tokens):
@@ -110,7 +111,7 @@ def test_keep_verified_is_needed(ours, tokens):
         got = ours(tokens[:, 30:31], torch.tensor([n + keep]))
         ours(tokens[:, :n + keep], torch.arange(n + keep))
         want = ours(tokens[:, 30:31], torch.tensor([n + keep]))
-    assert rel(got, want).max() > 100 * REL_TOL
+    assert rel_rows(got, want).max() > 100 * REL_TOL
 
 
 def test_speculative_with_rejections_equals_greedy(ours, tokens):
@@ -155,4 +156,4 @@ def test_swiglu_clipping_matches_transformers(clipped, tokens):
     unclipped = build_model(replace(config, swiglu_limits=(), shared_swiglu_limits=()), dtype=torch.float64)
     unclipped.load_state_dict(model.state_dict())
     with torch.no_grad():
-        assert rel(cached_logits(unclipped, tokens, PROMPT), ref(tokens).logits).max() > 1e-3
+        assert rel_rows(cached_logits(unclipped, tokens, PROMPT), ref(tokens).logits).max() > 1e-3

@@ -25,6 +25,7 @@ from transformers.models.bailing_hybrid.modeling_bailing_hybrid import (  # noqa
 from impl.model import mla as mla_mod  # noqa: E402
 from impl.model.layers import apply_rope  # noqa: E402
 from impl.model.mla import MLAAttention, MLACache, MLAConfig, mla_rope_tables  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
 
 HIDDEN, CACHE_LEN, PROMPT, DECODE_STEPS = 64, 64, 9, 36
 RTOL = 1e-5
@@ -68,10 +69,6 @@ def reference_full(ref, cfg, x: torch.Tensor) -> torch.Tensor:
         return ref(x, cos_sin, mask)[0]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 class Runner:
     """Prefill / decode through our module with its static cache, as a serving loop calls it."""
 
@@ -97,9 +94,9 @@ def test_prefill_then_decode_matches_reference(q_lora_rank):
     x = seq(2, PROMPT + DECODE_STEPS)
     want = reference_full(ref, cfg, x)
     run = Runner(ours)
-    errs = [rel(run.step(x[:, :PROMPT], 0), want[:, :PROMPT])]  # prefill: expanded form by default
+    errs = [rel_err(run.step(x[:, :PROMPT], 0), want[:, :PROMPT])]  # prefill: expanded form by default
     for i in range(PROMPT, PROMPT + DECODE_STEPS):               # decode: absorbed form by default
-        errs.append(rel(run.step(x[:, i:i + 1], i), want[:, i:i + 1]))
+        errs.append(rel_err(run.step(x[:, i:i + 1], i), want[:, i:i + 1]))
     assert len(errs) == 1 + DECODE_STEPS >= 33
     assert max(errs) <= RTOL, [f"{e:.2e}" for e in errs]
 
@@ -112,8 +109,8 @@ def test_bound_rejects_modelling_mistakes(monkeypatch):
 
     def worst() -> float:
         run = Runner(ours)
-        e = [rel(run.step(x[:, :PROMPT], 0), want[:, :PROMPT])]
-        e += [rel(run.step(x[:, i:i + 1], i), want[:, i:i + 1]) for i in range(PROMPT, x.shape[1])]
+        e = [rel_err(run.step(x[:, :PROMPT], 0), want[:, :PROMPT])]
+        e += [rel_err(run.step(x[:, i:i + 1], i), want[:, i:i + 1]) for i in range(PROMPT, x.shape[1])]
         return max(e)
 
     assert worst() <= RTOL
@@ -138,12 +135,12 @@ def test_absorbed_decode_equals_expanded():
     x = seq(6, PROMPT + DECODE_STEPS)
     run = Runner(ours)
     a, e = run.step(x[:, :PROMPT], 0, absorb=True), run.step(x[:, :PROMPT], 0, absorb=False)
-    assert rel(a, e) <= RTOL  # prefill in either form
+    assert rel_err(a, e) <= RTOL  # prefill in either form
     for i in range(PROMPT, PROMPT + DECODE_STEPS):
         # Both calls write the same cache row at position i, so the second sees the same state.
         a = run.step(x[:, i:i + 1], i, absorb=True)
         e = run.step(x[:, i:i + 1], i, absorb=False)
-        assert rel(a, e) <= RTOL, i
+        assert rel_err(a, e) <= RTOL, i
 
     # Default dispatch: a one-token call takes the absorbed form (never expands the cache), a
     # prompt longer than absorb_max_tokens the expanded one.
@@ -218,17 +215,17 @@ def test_overwrite_after_rejection_equals_fresh_run():
     fresh_out = [frun.step(truth[:, i:i + 1], i) for i in range(PROMPT, truth.shape[1])]
     fresh_after = fresh_out[first_rejected - PROMPT:]
     for a, b in zip(spec_out, fresh_after):
-        assert rel(a, b) <= RTOL
+        assert rel_err(a, b) <= RTOL
     n = truth.shape[1]
     torch.testing.assert_close(ours.kv_cache.kv[:, :n], fresh.kv_cache.kv[:, :n], rtol=RTOL, atol=1e-6)
 
     # The accepted drafts' outputs from the verification call equal the fresh run's decode steps
     # at those positions, and both runs equal the reference over the true sequence.
     for j in range(accepted):
-        assert rel(verify[:, j:j + 1], fresh_out[4 + j]) <= RTOL
+        assert rel_err(verify[:, j:j + 1], fresh_out[4 + j]) <= RTOL
     want = reference_full(ref, cfg, truth)
     for k, i in enumerate(range(first_rejected, n)):
-        assert rel(spec_out[k], want[:, i:i + 1]) <= RTOL
+        assert rel_err(spec_out[k], want[:, i:i + 1]) <= RTOL
 
 
 def test_bad_shapes_raise_clear_errors():

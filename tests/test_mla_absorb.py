@@ -17,13 +17,10 @@ import torch
 from impl.model.mla import MLAConfig, mla_rope_tables
 from impl.model.mla_absorb import (MLAAbsorbLaunch, mla_output, mla_output_reference, mla_query,
                                    mla_query_reference)
+from tests.helpers import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = MLAAbsorbLaunch(block_r=16, block_v=16)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def query_inputs(batch, tokens, heads, dn, dv, r, dr, dtype, seed, cache_rows=64):
@@ -55,15 +52,15 @@ def test_query_kernel_matches_the_torch_form(batch, tokens, launch):
     want_cache = cache.clone()
     want = mla_query_reference(q, kv_a, w_uk, cos, sin, norm_w, eps, pos, want_cache)
     got = mla_query(q, kv_a, w_uk, cos, sin, norm_w, eps, pos, cache, launch=launch)
-    assert got.shape == want.shape and rel(got, want) <= 1e-6
+    assert got.shape == want.shape and rel_err(got, want) <= 1e-6
     written = torch.zeros(cache.shape[:2], dtype=torch.bool)
     written[:batch, pos.cpu()] = True
-    assert rel(cache[written], want_cache[written]) <= 1e-6
+    assert rel_err(cache[written], want_cache[written]) <= 1e-6
     assert torch.equal(cache[~written], want_cache[~written]), "rows the call must not write changed"
     # Negative control: the rope rotating consecutive halves, not interleaved pairs, is far off.
     x, at = q.view(batch * tokens, 3, 40)[..., 24:], torch.arange(batch * tokens) % tokens
     halves = x * cos[at, None] + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin[at, None]
-    assert rel(got[..., 32:], halves) > 1e-2
+    assert rel_err(got[..., 32:], halves) > 1e-2
 
 
 @pytest.mark.parametrize("rows,dv,launch", [(1, 20, SMALL), (4, 32, MLAAbsorbLaunch()), (3, 48, SMALL)])
@@ -75,9 +72,9 @@ def test_output_kernel_matches_the_torch_form(rows, dv, launch):
     w_uv = (torch.randn(heads, 24 + dv, r, generator=g) * r ** -0.5).to(DEVICE)[:, 24:]
     got = mla_output(lat, gate, w_uv, launch=launch)
     want = mla_output_reference(lat, gate, w_uv)
-    assert got.shape == (rows, heads * dv) and rel(got, want) <= 1e-6
+    assert got.shape == (rows, heads * dv) and rel_err(got, want) <= 1e-6
     # Negative control: the same without the gate is far off.
-    assert rel(got, torch.einsum("bhr,hvr->bhv", lat, w_uv).reshape(rows, -1)) > 0.1
+    assert rel_err(got, torch.einsum("bhr,hvr->bhv", lat, w_uv).reshape(rows, -1)) > 0.1
 
 
 @pytest.mark.parametrize("rows,dv", [(1, 20), (4, 32)])
@@ -88,8 +85,8 @@ def test_output_kernel_without_a_gate_is_the_up_projection_alone(rows, dv):
     lat = torch.randn(rows, heads, r, generator=g).to(DEVICE)
     w_uv = (torch.randn(heads, 24 + dv, r, generator=g) * r ** -0.5).to(DEVICE)[:, 24:]
     got = mla_output(lat, None, w_uv, launch=SMALL)
-    assert rel(got, mla_output_reference(lat, None, w_uv)) <= 1e-6
-    assert rel(got, torch.einsum("bhr,hvr->bhv", lat.double(), w_uv.double()).reshape(rows, -1)) <= 1e-6
+    assert rel_err(got, mla_output_reference(lat, None, w_uv)) <= 1e-6
+    assert rel_err(got, torch.einsum("bhr,hvr->bhv", lat.double(), w_uv.double()).reshape(rows, -1)) <= 1e-6
 
 
 def test_bad_arguments_name_the_problem():
@@ -124,10 +121,10 @@ def test_bf16_at_real_shapes_on_the_gpu(tokens, heads, dn, dv, r, dr):
     want_cache = cache.clone()
     want = mla_query_reference(q, kv_a, w_uk, cos, sin, norm_w, eps, pos, want_cache)
     got = mla_query(q, kv_a, w_uk, cos, sin, norm_w, eps, pos, cache)
-    assert rel(got, want) <= 2.0 ** -7
-    assert rel(cache, want_cache) <= 2.0 ** -7
+    assert rel_err(got, want) <= 2.0 ** -7
+    assert rel_err(cache, want_cache) <= 2.0 ** -7
     lat = torch.randn(tokens, heads, r, device=DEVICE).to(torch.bfloat16)
-    assert rel(mla_output(lat, gate, w_uv), mla_output_reference(lat, gate, w_uv)) <= 2.0 ** -7
+    assert rel_err(mla_output(lat, gate, w_uv), mla_output_reference(lat, gate, w_uv)) <= 2.0 ** -7
 
 
 @pytest.mark.gpu
@@ -137,4 +134,4 @@ def test_bf16_output_without_a_gate_at_deepseek_shapes_on_the_gpu():
     g = torch.Generator().manual_seed(11)
     lat = torch.randn(4, 128, 512, generator=g).to(DEVICE, torch.bfloat16)
     w_uv = (torch.randn(128, 128, 512, generator=g) * 512 ** -0.5).to(DEVICE, torch.bfloat16)
-    assert rel(mla_output(lat, None, w_uv), mla_output_reference(lat, None, w_uv)) <= 2.0 ** -7
+    assert rel_err(mla_output(lat, None, w_uv), mla_output_reference(lat, None, w_uv)) <= 2.0 ** -7

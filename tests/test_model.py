@@ -16,6 +16,7 @@ from impl.backends import Backend, record_provenance
 from impl.model import PRESETS, MoECausalLM, ModelConfig, build_model, get_config
 from impl.model.layers import MoEBlock, Router
 from impl.moe import moe_reference
+from tests.helpers import rel_err
 
 # KV-cache vs full forward in fp32: the same weights, a different attention shape (masked
 # attention over the whole cache vs causal over the prompt), so only op order differs: ~1e-7.
@@ -24,10 +25,6 @@ RTOL = 1e-5
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
              intermediate_size=48, num_experts=8, top_k=2, moe_intermediate_size=16)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def meta_param_count(config: ModelConfig) -> int:

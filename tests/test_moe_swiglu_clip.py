@@ -16,8 +16,9 @@ from impl.model.build import build_model
 from impl.model.config import get_config
 from impl.moe.moe_launch_config import MoELaunchConfig
 from impl.moe.reference import moe_reference, swiglu_act
-from tests.test_triton_moe import (DEVICE, DP4A_RTOL, RTOL, assert_rows_close, make_shared, make_weights,
-                                   on_device, random_routing, run_both)
+from tests.helpers import assert_rows_close, rel_rows
+from tests.moe_cases import (DEVICE, DP4A_RTOL, RTOL, make_shared, make_weights, on_device, random_routing,
+                             run_both)
 
 # make_weights' rows give gate and up values of about unit size: 0.5 cuts a good share of them
 # (the control below checks that the clip changes the output by far more than the tolerance).
@@ -57,7 +58,7 @@ def test_triton_kernels_clip_as_the_oracle(fmt, tokens, cfg, routed, shared):
     # the clip moves a row there is 0.048 (the shared expert's clip alone, one token).
     plain = moe_reference(*[on_device(a) for a in (x.float(), weights, ids, w_gate_up, w_down)],
                           on_device(dataclasses.replace(expert, limit=None)))
-    assert ((plain.cpu() - ref.cpu()).norm(dim=-1) / ref.cpu().norm(dim=-1)).min() > 3 * tol
+    assert rel_rows(plain, ref).min() > 3 * tol
 
 
 # The model-level checks clip harder: at 0.1 the clip moves every logit row by at least 7% (MXFP4
@@ -76,10 +77,6 @@ def unclip(model) -> None:
         if hasattr(layer.mlp, "backend"):
             layer.mlp.swiglu_limit = None
             layer.mlp.shared_experts.limit = None
-
-
-def rel_rows(got, want):
-    return (got - want).norm(dim=-1) / want.norm(dim=-1)
 
 
 @pytest.mark.parametrize("backend", ["gather", "triton"])

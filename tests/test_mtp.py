@@ -14,12 +14,9 @@ from safetensors.torch import load_file, save_file
 from impl.model import build_model, get_config
 from impl.model.saving import save_checkpoint
 from impl.speculative import SpeculativeDecoder
+from tests.helpers import rel_err
 
 RTOL = 1e-5  # fp32 vs fp32, another op order (see tests/test_hf_parity.py)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def randomize_(model, seed: int):

@@ -1,8 +1,9 @@
 """impl.serve.engine on the embedded tiny model (CPU, fp32): greedy parity with impl.generate,
 serving metrics, stops (stop strings, EOS, length), sampled rows' seeds.
 
-The request and tokenizer here are minimal stand-ins of impl.data's (same fields): the tiny
-model is byte-level, a token id is the byte of the text."""
+The requests are tests.helpers.Request, a minimal stand-in of impl.data's (same fields, no stop
+logic); the tokenizer is impl's byte tokenizer: the tiny model is byte-level, a token id is the
+byte of the text. `model` (tiny-gsm, one torch thread) is tests/conftest.py's."""
 
 from __future__ import annotations
 
@@ -16,52 +17,7 @@ from impl.generate import generate
 from impl.serve.built_row import build_row
 from impl.serve.rows import parse_serve_config, resolve_preset
 from impl.serve.engine import _Output
-from serving import serve
-
-MAX_TOKENS = 40
-
-
-@dataclass(frozen=True)
-class Request:
-    request_id: str
-    prompt: str
-    prompt_ids: list
-    answer: str | None
-    max_tokens: int
-    stop: tuple = ()
-    ignore_eos: bool = False
-
-
-class ByteTokenizer:
-    def __init__(self, eos_id: int | None = None) -> None:
-        self.eos_id = eos_id
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("ascii"))
-
-    def decode(self, ids) -> str:
-        return bytes(list(ids)).decode("ascii", "replace")
-
-
-def request(prompt: str, max_tokens: int = MAX_TOKENS, rid: str | None = None, **kw) -> Request:
-    return Request(rid or prompt[-24:], prompt, list(prompt.encode("ascii")), None, max_tokens, **kw)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    # The CI machines are 2 shared cores: a second torch thread spinning against other processes
-    # made a tiny decode step 60x slower there.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model(one_thread):
-    from impl.model.build import build_model
-    return build_model("tiny-gsm")
-
+from tests.helpers import MAX_TOKENS, Request, byte_tokenizer, request, serve
 
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
@@ -69,7 +25,7 @@ def prompts() -> list[str]:
 
 
 def arm_of(model, spec: str, tokenizer=None, name: str | None = None):
-    return build_row(model, parse_serve_config(spec, "cpu"), tokenizer=tokenizer or ByteTokenizer(), name=name)
+    return build_row(model, parse_serve_config(spec, "cpu"), tokenizer=tokenizer or byte_tokenizer(), name=name)
 
 
 def reference_text(model, head_arm, prompt: str, n: int) -> str:
@@ -141,7 +97,7 @@ def test_stop_string_and_eos(model, prompts, spec):
     rec = serve(arm, request(prompts[1], stop=("never there", stop)))
     assert (rec.stop_reason, rec.text, rec.output_tokens) == ("stop", ref[:at], at + len(stop))
     # EOS: the first newline of the continuation, counted as an output token, not in the text.
-    eos_arm = arm_of(model, spec, ByteTokenizer(eos_id=ord("\n")))
+    eos_arm = arm_of(model, spec, byte_tokenizer(eos_id=ord("\n")))
     nl = ref.index("\n")
     rec = serve(eos_arm, request(prompts[1]))
     assert (rec.stop_reason, rec.text, rec.output_tokens) == ("eos", ref[:nl], nl + 1)

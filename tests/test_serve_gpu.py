@@ -15,8 +15,7 @@ from impl.serve.rows import PRESETS, parse_ladder, parse_serve_config
 from impl.serve.engine import EngineRow
 from impl.serve.provenance import ProvenanceError, check_provenance, unshared_head_row
 from impl.serve.ladder import Ladder
-from serving import engine_row, serve
-from tests.test_serve_engine import ByteTokenizer, request
+from tests.helpers import byte_tokenizer, engine_row, request, serve
 
 pytestmark = pytest.mark.gpu
 N = 48
@@ -38,7 +37,7 @@ def prompts():
 def test_presets_run_the_kernels_from_graphs(models, prompts):
     model = models["bfloat16"]
     arms = [EngineRow(a) for a in build_rows(model, parse_ladder(",".join(PRESETS), "cuda"),
-                                             tokenizer=ByteTokenizer())]
+                                             tokenizer=byte_tokenizer())]
     served = Ladder(arms, [request(p, N, ignore_eos=True) for p in prompts]).run()
     for arm in arms:
         arm.check()
@@ -56,8 +55,8 @@ def test_presets_run_the_kernels_from_graphs(models, prompts):
 
 def test_greedy_rows_equal_generate_on_the_device(models, prompts):
     model = models["float32"]
-    plain = build_row(model, parse_serve_config("moe=triton", "cuda"), tokenizer=ByteTokenizer())
-    mtp = build_row(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer())
+    plain = build_row(model, parse_serve_config("moe=triton", "cuda"), tokenizer=byte_tokenizer())
+    mtp = build_row(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=byte_tokenizer())
     for p in [*prompts, "Q: 1"]:
         plain.activate()
         ref = text_of(generate(model, torch.tensor(list(p.encode())), N).new_tokens[0].cpu())
@@ -73,7 +72,7 @@ def test_sampled_rows_under_graphs(models, prompts):
     model = models["bfloat16"]
     spec = "moe=triton,temperature=3.0,top_k=20,top_p=0.95,seed=3"
     for text in (spec, spec + ",spec=mtp:3"):
-        arm = build_row(model, parse_serve_config(text, "cuda"), tokenizer=ByteTokenizer())
+        arm = build_row(model, parse_serve_config(text, "cuda"), tokenizer=byte_tokenizer())
         a, b, c = (serve(arm, request(prompts[0], N, rid=r, ignore_eos=True)).text for r in ("x", "x", "y"))
         assert a == b and a != c
         assert engine_row(arm).provenance.graphs
@@ -81,7 +80,7 @@ def test_sampled_rows_under_graphs(models, prompts):
 
 def test_unshared_head_is_refused_on_the_device(models, prompts):
     model = models["bfloat16"]
-    good = build_row(model, parse_serve_config("+mtp", "cuda"), tokenizer=ByteTokenizer(), name="+mtp")
+    good = build_row(model, parse_serve_config("+mtp", "cuda"), tokenizer=byte_tokenizer(), name="+mtp")
     serve(good, request(prompts[0], N, ignore_eos=True))
     check_provenance("+mtp", good.config, good.provenance)
     bad = unshared_head_row(good, "weight")
@@ -99,7 +98,7 @@ def test_graphed_draft_prompt_pass_writes_the_eager_cache(models, s):
     the gather prefill where the eager one takes the decode kernels, which sum in another order
     (fp32 rounding, about 1e-7 a term over the few hundred terms of a row)."""
     model = models["float32"]
-    row = EngineRow(build_row(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=ByteTokenizer()))
+    row = EngineRow(build_row(model, parse_serve_config("moe=triton,spec=mtp:3", "cuda"), tokenizer=byte_tokenizer()))
     row.prepare()
     loop = row._runner
     assert loop.draft_prompt.graphs, "no bucket graphs captured on CUDA"

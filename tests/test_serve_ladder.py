@@ -15,14 +15,14 @@ from impl.serve.engine import EngineRow
 from impl.serve.provenance import ProvenanceError, unshared_head_row
 from impl.serve.result import LadderStopped
 from impl.serve.ladder import Ladder, interleaved_order
-from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
+from tests.helpers import byte_tokenizer, request
 
 
 @pytest.fixture(scope="module")
 def arms(model):
     """The ladder's rows: each arm served by its own EngineRow, kept for the module."""
     return [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
-                                             tokenizer=ByteTokenizer())]
+                                             tokenizer=byte_tokenizer())]
 
 
 def requests(n, max_tokens=3):
@@ -95,7 +95,7 @@ def test_a_row_whose_backend_refuses_the_request_is_named(model, monkeypatch):
     monkeypatch.setattr(backends, "_registry", dict(backends._registry))
     backends.register(backends.Backend("moe", "refusing", refuse, "refuses everything"))
     rows = [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;no=moe=refusing", "cpu"),
-                                             tokenizer=ByteTokenizer())]
+                                             tokenizer=byte_tokenizer())]
     with pytest.raises(LadderStopped, match=r"row 'no' refused while preparing its steps: a backend it names does "
                                             r"not cover the model's steps: Unsupported: tokens past my tiles") as e:
         Ladder(rows, requests(2)).run()

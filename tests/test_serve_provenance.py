@@ -12,8 +12,7 @@ from impl.data.arith import take
 from impl.serve.built_row import build_row
 from impl.serve.rows import PRESETS, parse_serve_config, resolve_preset
 from impl.serve.provenance import ProvenanceError, check_provenance, provenance_problems, unshared_head_row
-from serving import engine_row
-from tests.test_serve_engine import ByteTokenizer, model, one_thread, request  # noqa: F401 (fixtures)
+from tests.helpers import byte_tokenizer, engine_row, request
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,7 @@ def prompt() -> str:
 
 
 def preset_arm(model, name):
-    return build_row(model, resolve_preset(name, "cpu"), tokenizer=ByteTokenizer(), name=name)
+    return build_row(model, resolve_preset(name, "cpu"), tokenizer=byte_tokenizer(), name=name)
 
 
 def served(arm, prompt, n=12):
@@ -71,7 +70,7 @@ def test_a_draft_without_the_target_head_module_is_refused(model, prompt, mode, 
 
 
 def test_a_bf16_draft_head_around_the_same_weight_is_refused(model, prompt):
-    good = build_row(model, parse_serve_config("spec=mtp:2", "cpu"), tokenizer=ByteTokenizer(), name="bf16-mtp")
+    good = build_row(model, parse_serve_config("spec=mtp:2", "cpu"), tokenizer=byte_tokenizer(), name="bf16-mtp")
     bad = unshared_head_row(good, "weight")
     prov = served(bad, prompt)
     assert prov.draft_head == prov.head == {("bf16", "F.linear")}
@@ -91,8 +90,8 @@ def test_a_head_that_is_not_the_configured_one_is_refused(model, prompt):
 
 def test_the_fp8_backend_is_switched_per_arm(model, prompt):
     # Two arms share one FP8Head module with different backends: each request runs its own.
-    a = build_row(model, parse_serve_config("head=fp8:scaled_mm", "cpu"), tokenizer=ByteTokenizer(), name="a")
-    b = build_row(model, parse_serve_config("head=fp8:dequant", "cpu"), tokenizer=ByteTokenizer(), name="b")
+    a = build_row(model, parse_serve_config("head=fp8:scaled_mm", "cpu"), tokenizer=byte_tokenizer(), name="a")
+    b = build_row(model, parse_serve_config("head=fp8:dequant", "cpu"), tokenizer=byte_tokenizer(), name="b")
     assert a.head is b.head
     for _ in range(2):
         served(a, prompt, 3), served(b, prompt, 3)
@@ -103,7 +102,7 @@ def test_the_fp8_backend_is_switched_per_arm(model, prompt):
 
 
 def test_a_row_named_after_a_preset_must_run_it(model, prompt):
-    arm = build_row(model, resolve_preset("+fp8-head", "cpu"), tokenizer=ByteTokenizer(), name="+mtp")
+    arm = build_row(model, resolve_preset("+fp8-head", "cpu"), tokenizer=byte_tokenizer(), name="+mtp")
     problems = provenance_problems("+mtp", arm.config, served(arm, prompt))
     assert problems and problems[0].startswith("+mtp: the row is named after the preset but runs")
     mtp_named_baseline = dataclasses.replace(preset_arm(model, "+mtp"), name="baseline")

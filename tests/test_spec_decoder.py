@@ -19,19 +19,9 @@ from impl.generate import SamplingConfig, generate
 from impl.head import BF16Head
 from impl.model import build_model, get_config
 from impl.speculative import HeadSharingError, SpeculativeDecoder
+from tests.helpers import echo_draft_
 
 PROMPT_LEN, NEW = 10, 40
-
-
-def echo_draft_(model):
-    mtp = model.mtp[0]
-    h = model.config.hidden_size
-    with torch.no_grad():
-        mtp.eh_proj.weight.copy_(torch.cat((torch.zeros(h, h), torch.eye(h)), dim=1))
-        mtp.block.self_attn.o_proj.weight.zero_()
-        mtp.block.mlp.experts.down_proj.zero_()
-        mtp.block.mlp.shared_experts.down_proj.weight.zero_()
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -312,7 +312,7 @@ def test_byte_tokenizer_round_trip_and_vocabulary():
 
 
 def test_folder_tokenizer_must_fit_the_model(tmp_path):
-    from gsm8k_checkpoint import build_tokenizer
+    from tests.gsm8k_checkpoint import build_tokenizer
     build_tokenizer(vocab_size=300).save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))  # enough for detection
     assert isinstance(tokenizer_for(tmp_path, vocab_size=512), HFTokenizer)
