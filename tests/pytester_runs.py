@@ -7,6 +7,15 @@ from pytest_moeperf.device import DeviceInfo
 
 
 # For timed suites: one thread is less exposed to whatever else runs on a 2-core machine.
+def plugin_args() -> list[str]:
+    """What a pytest subprocess needs to load the gate core and the MoE harness: nothing where the
+    package is installed (its entry points load them), else both plugins by name (a bare GPU image
+    with the repository on PYTHONPATH)."""
+    from importlib.metadata import entry_points
+    installed = any(e.value == "pytest_moeperf.plugin" for e in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "pytest_moeperf.plugin", "-p", "moe_harness.plugin"]
+
+
 def one_thread(scope: str = "function") -> str:
     """An autouse fixture (source) that runs each test of its `scope` on one torch thread and
     gives the previous count back (an in-process inner run shares the outer process's torch)."""

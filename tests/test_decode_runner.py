@@ -16,6 +16,7 @@ from impl.generate import generate
 from impl.model import build_model
 from impl.speculative import SpeculativeDecoder
 from tests.helpers import echo_draft_
+from tests.pytester_runs import plugin_args
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -144,7 +145,7 @@ def test_agreement_check_catches_a_wrong_verify_pass(pytester, planted):
     if planted:
         pytester.makeconftest(WRONG_POSITIONS)
     pytester.makepyfile(test_spec_bench=(ROOT / "suites" / "test_spec_bench.py").read_text())
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--moe-bench", "--moe-freeze",
+    result = pytester.runpytest_subprocess(*plugin_args(), "-p", "no:cacheprovider", "--moe-bench", "--moe-freeze",
                                            "--moe-baselines", str(pytester.path / "baselines"),
                                            "test_spec_bench.py::test_mtp_greedy_agreement", timeout=300)
     if planted:
@@ -175,7 +176,7 @@ def test_speed_suite_times_answers_or_fixed_runs(pytester, model, mode):
     # not its figure (ten took 166 s of CI on the trained checkpoint).
     # Not the host's contention either: on a contended CI host the freeze would wait and measure
     # again (over the 300 s limit, seen under `pytest -n`), which says nothing about the mode.
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", "--moe-bench", "--moe-freeze",
+    result = pytester.runpytest_subprocess(*plugin_args(), "-p", "no:cacheprovider", "-s", "--moe-bench", "--moe-freeze",
                                            "--moe-host-stall", "off", "--moe-samples", "3", "--moe-model", model,
                                            "--moe-baselines", str(pytester.path / "baselines"),
                                            "test_spec_bench.py::test_mtp_speedup", timeout=300)

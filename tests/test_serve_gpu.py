@@ -36,20 +36,20 @@ def prompts():
 
 def test_presets_run_the_kernels_from_graphs(models, prompts):
     model = models["bfloat16"]
-    arms = [EngineRow(a) for a in build_rows(model, parse_ladder(",".join(PRESETS), "cuda"),
+    rows = [EngineRow(b) for b in build_rows(model, parse_ladder(",".join(PRESETS), "cuda"),
                                              tokenizer=byte_tokenizer())]
-    served = Ladder(arms, [request(p, N, ignore_eos=True) for p in prompts]).run()
-    for arm in arms:
-        arm.check()
-        prov = arm.provenance
-        assert prov.graphs, f"{arm.name}: steps did not replay from CUDA graphs"
-        assert prov.backends("moe") == {"gather" if arm.name == "baseline" else "triton"}
+    served = Ladder(rows, [request(p, N, ignore_eos=True) for p in prompts]).run()
+    for row in rows:
+        row.check()
+        prov = row.provenance
+        assert prov.graphs, f"{row.name}: steps did not replay from CUDA graphs"
+        assert prov.backends("moe") == {"gather" if row.name == "baseline" else "triton"}
     by = {(r.row, r.request_id): r for r in served}
     for p in prompts:
         rid = request(p).request_id
-        texts = {a.name: by[a.name, rid].text for a in arms}
-        print(f"\n{rid!r}: " + "; ".join(f"{a.name} {by[a.name, rid]['decode_tokens_per_s']:.0f} tok/s "
-                                         f"ttft {1e3 * by[a.name, rid]['ttft_s']:.2f} ms" for a in arms))
+        texts = {r.name: by[r.name, rid].text for r in rows}
+        print(f"\n{rid!r}: " + "; ".join(f"{r.name} {by[r.name, rid].decode_tokens_per_s:.0f} tok/s "
+                                         f"ttft {1e3 * by[r.name, rid].ttft_s:.2f} ms" for r in rows))
         assert texts["+mtp"][:24] == texts["+fp8-head"][:24]
 
 
@@ -72,22 +72,22 @@ def test_sampled_rows_under_graphs(models, prompts):
     model = models["bfloat16"]
     spec = "moe=triton,temperature=3.0,top_k=20,top_p=0.95,seed=3"
     for text in (spec, spec + ",spec=mtp:3"):
-        arm = build_row(model, parse_serve_config(text, "cuda"), tokenizer=byte_tokenizer())
-        a, b, c = (serve(arm, request(prompts[0], N, rid=r, ignore_eos=True)).text for r in ("x", "x", "y"))
+        built = build_row(model, parse_serve_config(text, "cuda"), tokenizer=byte_tokenizer())
+        a, b, c = (serve(built, request(prompts[0], N, rid=r, ignore_eos=True)).text for r in ("x", "x", "y"))
         assert a == b and a != c
-        assert engine_row(arm).provenance.graphs
+        assert engine_row(built).provenance.graphs
 
 
 def test_unshared_head_is_refused_on_the_device(models, prompts):
     model = models["bfloat16"]
     good = build_row(model, parse_serve_config("+mtp", "cuda"), tokenizer=byte_tokenizer(), name="+mtp")
     serve(good, request(prompts[0], N, ignore_eos=True))
-    check_provenance("+mtp", good.config, good.provenance)
+    check_provenance("+mtp", good.config, engine_row(good).provenance)
     bad = unshared_head_row(good, "weight")
-    rec = serve(bad, request(prompts[0], N, ignore_eos=True))
-    print(f"\naccept lengths, shared head: {good.provenance.verify_steps} steps; unshared: {rec['accept_lengths']}")
+    served = serve(bad, request(prompts[0], N, ignore_eos=True))
+    print(f"\nshared head: {engine_row(good).provenance.verify_steps} verify steps; unshared: {served.acceptance}")
     with pytest.raises(ProvenanceError, match="only its weight tensor is shared"):
-        check_provenance("+mtp", bad.config, bad.provenance)
+        check_provenance("+mtp", bad.config, engine_row(bad).provenance)
 
 
 @pytest.mark.parametrize("s", [5, 16, 20, 300])
