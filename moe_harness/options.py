@@ -55,49 +55,55 @@ class MoeOptions:
         return named(name, self.from_ini)
 
 
+# The harness's options: flag -> (default, metavar, help); metavar None for an on/off flag. Each
+# also has an ini key: the flag without its dashes, with underscores (--moe-model: moe_model).
+OPTIONS = {
+    "--moe-model": ("tiny-gsm", "MODEL", "model under test: an embedded checkpoint, a preset name (random weights) "
+                    "or a checkpoint folder (default: tiny-gsm, the trained tiny model)"),
+    "--moe-backend": ("auto", "NAME", "MoE implementation under test, a registered `moe` backend (default: auto = "
+                      "triton on CUDA, gather on CPU)"),
+    "--moe-head": ("bf16", "HEAD", "LM head of the model under test: bf16, or fp8 (quantized online at load; the "
+                   "Triton FP8 GEMV on CUDA, torch's scaled matmul on CPU) (default: bf16)"),
+    "--moe-ladder": ("", "ROWS", "A/B rows of the ladder suite, separated by ';': presets (baseline, +kernels, "
+                     "+fp8-head, +mtp), NAME=SPEC or SPEC with SPEC key=value items (moe, experts, head, head_scales, "
+                     "attention, projection, spec, accept, temperature, top_k, top_p, seed; see impl/serve/rows.py) "
+                     f"(default: {DEFAULT_LADDER['cuda']} on CUDA, {DEFAULT_LADDER['cpu']} on CPU)"),
+    "--moe-servers": ("", "FILE", "a TOML file of server rows for the ladder (OpenAI-compatible servers: a URL, or "
+                      "a command the plugin starts and stops; see moe_harness/ladder/endpoints/servers.py); "
+                      "--moe-ladder may then name them beside this engine's rows, and without it the ladder is the "
+                      "file's servers"),
+    "--moe-server-errors": ("stop", "stop|continue", "what a server row's failed request does to the ladder: stop "
+                            "(default) or continue (kept as failed, the run goes on)"),
+    "--moe-allow-different-models": (False, None, "let ladder rows serve different models (refused by default: "
+                                     "their outputs could not be compared)"),
+    "--moe-workload": ("arith", "WORKLOAD", "prompts of the ladder suite: arith, gsm8k[:FOLDER|HUB_ID], "
+                       "synthetic[:IN:OUT] or jsonl:FILE (prompt, optional answer and max_tokens) (default: arith)"),
+    "--moe-requests": ("", "N", "requests the ladder suite serves per row, 3 to 100000 (default: "
+                       f"{DEFAULT_REQUESTS['cpu']} on CPU, {DEFAULT_REQUESTS['cuda']} on CUDA, or all of a smaller "
+                       "file or split)"),
+    "--moe-shots": ("", "K", "few-shot examples of the gsm8k workload, which alone takes them (default: 5, as "
+                    "lm-evaluation-harness)"),
+    "--moe-margin": ("1", "POINTS", "equivalence margin of the ladder's accuracy comparison, in percentage points "
+                     "(default: 1)"),
+    "--moe-expect": ("", "faster|not-slower", "what each ladder row must show against the first, else its test "
+                     "fails: faster (its decode tokens/s interval above 1) or not-slower (not below 1); without it "
+                     "a first run, with nothing frozen, passes whatever the verdict"),
+    "--moe-ab-report": ("ab-report", "DIR", "folder for the ladder's report (JSON, Markdown, PNG figures), relative "
+                        "to rootdir (default: ab-report)"),
+    "--moe-plant": ("", "SPEC", "gate-trust run: plant a slowdown, KIND[:NAME]=FRACTION[,...] (e.g. moe=0.1: every "
+                    "call of the MoE backend under test takes 10%% longer; head:fp8-triton=0.1; decoder:mtp=0.1)"),
+}
+
+
 def add_options(parser: pytest.Parser) -> None:
-    declare(parser, "--moe-model", "moe_model", "model under test: an embedded checkpoint, a preset name (random "
-            "weights) or a checkpoint folder (default: tiny-gsm, the trained tiny model)", "tiny-gsm", metavar="MODEL")
-    declare(parser, "--moe-backend", "moe_backend", "MoE implementation under test, a registered `moe` backend "
-            "(default: auto = triton on CUDA, gather on CPU)", "auto", metavar="NAME")
-    declare(parser, "--moe-head", "moe_head", "LM head of the model under test: bf16, or fp8 (quantized online at "
-            "load; the Triton FP8 GEMV on CUDA, torch's scaled matmul on CPU) (default: bf16)", "bf16", metavar="HEAD")
-    declare(parser, "--moe-ladder", "moe_ladder", "A/B rows of the ladder suite, separated by ';': presets (baseline, "
-            "+kernels, +fp8-head, +mtp), NAME=SPEC or SPEC with SPEC key=value items (moe, experts, head, "
-            "head_scales, attention, projection, spec, accept, temperature, top_k, top_p, seed; see "
-            f"impl/serve/rows.py) (default: {DEFAULT_LADDER['cuda']} on CUDA, {DEFAULT_LADDER['cpu']} on CPU)",
-            "", metavar="ROWS")
-    declare(parser, "--moe-servers", "moe_servers", "a TOML file of server rows for the ladder (OpenAI-compatible "
-            "servers: a URL, or a command the plugin starts and stops; see moe_harness/ladder/endpoints/servers.py); "
-            "--moe-ladder may then name them beside this engine's rows, and without it the ladder is the file's "
-            "servers", "", metavar="FILE")
-    declare(parser, "--moe-server-errors", "moe_server_errors", "what a server row's failed request does to the "
-            "ladder: stop (default) or continue (kept as failed, the run goes on)", "stop", metavar="stop|continue")
-    declare(parser, "--moe-allow-different-models", "moe_allow_different_models", "let ladder rows serve different "
-            "models (refused by default: their outputs could not be compared)", action="store_true")
-    declare(parser, "--moe-workload", "moe_workload", "prompts of the ladder suite: arith, gsm8k[:FOLDER|HUB_ID], "
-            "synthetic[:IN:OUT] or jsonl:FILE (prompt, optional answer and max_tokens) (default: arith)", "arith",
-            metavar="WORKLOAD")
-    declare(parser, "--moe-requests", "moe_requests", "requests the ladder suite serves per row, 3 to 100000 "
-            f"(default: {DEFAULT_REQUESTS['cpu']} on CPU, {DEFAULT_REQUESTS['cuda']} on CUDA, or all of a smaller file "
-            "or split)", "", metavar="N")
-    declare(parser, "--moe-shots", "moe_shots", "few-shot examples of the gsm8k workload, which alone takes them "
-            "(default: 5, as lm-evaluation-harness)", "", metavar="K")
-    declare(parser, "--moe-margin", "moe_margin", "equivalence margin of the ladder's accuracy comparison, in "
-            "percentage points (default: 1)", "1", metavar="POINTS")
-    declare(parser, "--moe-expect", "moe_expect", "what each ladder row must show against the first, else its test "
-            "fails: faster (its decode tokens/s interval above 1) or not-slower (not below 1); without it a first "
-            "run, with nothing frozen, passes whatever the verdict", "", metavar="faster|not-slower")
-    declare(parser, "--moe-ab-report", "moe_ab_report", "folder for the ladder's report (JSON, Markdown, PNG "
-            "figures), relative to rootdir (default: ab-report)", "ab-report", metavar="DIR")
-    declare(parser, "--moe-plant", "moe_plant", "gate-trust run: plant a slowdown, KIND[:NAME]=FRACTION[,...] (e.g. "
-            "moe=0.1: every call of the MoE backend under test takes 10%% longer; head:fp8-triton=0.1; "
-            "decoder:mtp=0.1)", "", metavar="SPEC")
+    for flag, (default, metavar, help) in OPTIONS.items():
+        ini = flag.removeprefix("--").replace("-", "_")
+        if metavar is None:
+            declare(parser, flag, ini, help, action="store_true")
+        else:
+            declare(parser, flag, ini, help, default, metavar=metavar)
 
-
-NAMES = ("moe_model", "moe_backend", "moe_head", "moe_ladder", "moe_servers", "moe_server_errors",
-         "moe_allow_different_models", "moe_workload", "moe_requests", "moe_shots", "moe_margin", "moe_expect",
-         "moe_ab_report", "moe_plant")
+NAMES = tuple(flag.removeprefix("--").replace("-", "_") for flag in OPTIONS)
 
 
 def parse_options(config: pytest.Config, core: Options) -> MoeOptions:
