@@ -83,18 +83,18 @@ def byte_tokenizer(eos_id: int | None = None) -> ByteTokenizer:
 _rows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def engine_row(arm) -> EngineRow:
-    """One EngineRow per arm, kept while the arm lives, so its captured steps and provenance carry
+def engine_row(built) -> EngineRow:
+    """One EngineRow per row, kept while the row lives, so its captured steps and provenance carry
     over from request to request as in a ladder."""
-    row = _rows.get(arm)
+    row = _rows.get(built)
     if row is None:
-        row = _rows[arm] = EngineRow(arm)
+        row = _rows[built] = EngineRow(built)
     return row
 
 
-def serve(arm, request):
-    """What `arm` serves for `request` (impl.serve.result.ServedRequest)."""
-    return engine_row(arm).serve(request)
+def serve(built, request):
+    """What `row` serves for `request` (impl.serve.result.ServedRequest)."""
+    return engine_row(built).serve(request)
 
 
 # --- speculative decoding ------------------------------------------------------------------------

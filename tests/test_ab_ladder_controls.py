@@ -167,14 +167,14 @@ def _aa_speed_misses(report) -> list[tuple[str, float, float, float]]:
     alone is not enough on a loaded 2-core runner: with the other pytest-xdist worker busy one A/A
     run gave 0.909 (99.75% CI 0.826-0.999) over single requests."""
     tolerance = tolerance_for("ab_speed", "cpu")
-    by_arm = {arm: {r["request_id"]: r for r in report["requests"] if r["row"] == arm} for arm in ("a", "b")}
-    ids = [i for i in by_arm["a"] if i in by_arm["b"]]
+    by_row = {row: {r["request_id"]: r for r in report["requests"] if r["row"] == row} for row in ("a", "b")}
+    ids = [i for i in by_row["a"] if i in by_row["b"]]
     misses = []
     for key in ("decode_tokens_per_s", "tpot_s", "ttft_s", "latency_s"):
         blocks = [(ids[j], ids[j + 1]) for j in range(0, len(ids) - 1, 2)
-                  if all(by_arm[arm][i][key] for arm in ("a", "b") for i in ids[j:j + 2])]
-        a = [math.sqrt(by_arm["a"][i][key] * by_arm["a"][k][key]) for i, k in blocks]
-        b = [math.sqrt(by_arm["b"][i][key] * by_arm["b"][k][key]) for i, k in blocks]
+                  if all(by_row[row][i][key] for row in ("a", "b") for i in ids[j:j + 2])]
+        a = [math.sqrt(by_row["a"][i][key] * by_row["a"][k][key]) for i, k in blocks]
+        b = [math.sqrt(by_row["b"][i][key] * by_row["b"][k][key]) for i, k in blocks]
         ratio, lo, hi = paired_ratio(a, b, 0.9975)
         if not (lo <= 1 <= hi or abs(math.log(ratio)) <= math.log(1 + tolerance)):
             misses.append((key, ratio, lo, hi))

@@ -60,21 +60,21 @@ def write(r: dict, out):
 def synthetic(n=120, seed=0, scored=True, speedups=None, accept_p=(0.85, 0.7, 0.55), flip=0.03):
     """A ladder result as the report's JSON writes it: rows interleaved request by request.
 
-    Each arm's TPOT is the baseline's divided by its speedup, with 4% per-request noise; answers of
-    later arms flip with probability `flip`; the speculative arm accepts draft position j with
+    Each row's TPOT is the baseline's divided by its speedup, with 4% per-request noise; answers of
+    later rows flip with probability `flip`; the speculative row accepts draft position j with
     probability accept_p[j] given the previous one was accepted.
     """
     rng = np.random.default_rng(seed)
     speedups = speedups or {"baseline": 1.0, "+kernels": 1.09, "+fp8-head": 1.2, "+mtp": 2.5}
-    arms = [_row(name, speculative=name == "+mtp") for name in speedups]
+    entries = [_row(name, speculative=name == "+mtp") for name in speedups]
     truth = rng.random(n) < 0.85
     reqs = []
     for i in range(n):
         prompt = int(rng.integers(40, 200))
         out = 1 if i % 25 == 0 else int(rng.integers(2, 60))  # every 25th has one token: no TPOT
         ttft0 = 0.0008 * prompt
-        for arm in arms:
-            name = arm["name"]
+        for entry in entries:
+            name = entry["name"]
             tpot = 0.006 / speedups[name] * rng.lognormal(0, 0.04)
             ttft = ttft0 * rng.lognormal(0, 0.03)
             rec = {"row": name, "request_id": i, "prompt_tokens": prompt, "output_tokens": out,
@@ -82,7 +82,7 @@ def synthetic(n=120, seed=0, scored=True, speedups=None, accept_p=(0.85, 0.7, 0.
                    "tpot_s": tpot if out > 1 else None, "decode_tokens_per_s": 1 / tpot if out > 1 else None,
                    "accept_lengths": None, "accepted_per_position": None, "verify_steps": None,
                    "correct": None, "strict_correct": None, "flexible_correct": None, "text": "7"}
-            if arm["speculative"]:
+            if entry["speculative"]:
                 steps = max(1, out // 3)
                 accepted = rng.random((steps, K)) < np.array(accept_p)
                 lengths = [1 + int(np.argmin(np.append(row, False))) for row in accepted]
@@ -93,7 +93,7 @@ def synthetic(n=120, seed=0, scored=True, speedups=None, accept_p=(0.85, 0.7, 0.
                 rec.update(correct=c, strict_correct=c, flexible_correct=c)
             reqs.append(rec)
     return {"workload": {"name": "arith", "n_requests": n, "shots": 0, "details": {}},
-            "device": "cpu", "rows": arms, "requests": reqs, "complete": True}
+            "device": "cpu", "rows": entries, "requests": reqs, "complete": True}
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +106,11 @@ def full_summary(full):
     return summarize(full)
 
 
-def _records(result, arm):
-    return {r["request_id"]: r for r in result["requests"] if r["row"] == arm}
+def _records(result, name):
+    return {r["request_id"]: r for r in result["requests"] if r["row"] == name}
 
 
-def _arm_summary(summary, name):
+def _row_summary(summary, name):
     return next(s for s in summary["rows"] if s["name"] == name)
 
 
@@ -120,10 +120,10 @@ def _cmp(summary, name):
 
 # --- the numbers --------------------------------------------------------------------------------
 
-def test_per_arm_figures_are_those_of_the_records(full, full_summary):
-    for arm in ("baseline", "+mtp"):
-        recs = list(_records(full, arm).values())
-        s = _arm_summary(full_summary, arm)
+def test_per_row_figures_are_those_of_the_records(full, full_summary):
+    for name in ("baseline", "+mtp"):
+        recs = list(_records(full, name).values())
+        s = _row_summary(full_summary, name)
         assert s["n_requests"] == len(recs)
         tpot = [r["tpot_s"] for r in recs if r["tpot_s"] is not None]
         m = s["metrics"]["tpot_s"]
@@ -141,23 +141,23 @@ def test_per_arm_figures_are_those_of_the_records(full, full_summary):
 def test_comparisons_are_the_paired_statistics_of_the_matched_requests(full, full_summary):
     ref = _records(full, "baseline")
     for name in ("+kernels", "+mtp"):
-        arm = _records(full, name)
+        mine = _records(full, name)
         c = _cmp(full_summary, name)
-        ids = sorted(set(ref) & set(arm))
+        ids = sorted(set(ref) & set(mine))
         assert c["n_paired"] == len(ids) and c["reference"] == "baseline"
         both = [i for i in ids if ref[i]["tpot_s"] is not None]
-        expected = paired_ratio([ref[i]["tpot_s"] for i in both], [arm[i]["tpot_s"] for i in both])
+        expected = paired_ratio([ref[i]["tpot_s"] for i in both], [mine[i]["tpot_s"] for i in both])
         got = c["ratios"]["tpot_s"]
         assert got["n"] == len(both)
         assert (got["ratio"], *got["ci"]) == pytest.approx(expected)
-        pa = paired_accuracy([ref[i]["correct"] for i in ids], [arm[i]["correct"] for i in ids])
+        pa = paired_accuracy([ref[i]["correct"] for i in ids], [mine[i]["correct"] for i in ids])
         assert c["accuracy"]["p_value"] == pytest.approx(pa.p_value)
         assert c["accuracy"]["a_only"] == pa.a_only and c["accuracy"]["b_only"] == pa.b_only
         assert tuple(c["accuracy"]["ci_difference"]) == pytest.approx(pa.ci_difference)
 
 
 def test_the_ladder_reads_faster_where_it_is_faster(full_summary):
-    # Synthetic speedups of 9%, 20% and 2.5x with 4% noise per request on each arm: the log ratio
+    # Synthetic speedups of 9%, 20% and 2.5x with 4% noise per request on each row: the log ratio
     # has sd 0.057 over ~115 pairs, a standard error of 0.5%, so each is resolved and within 3%.
     for name, speedup in (("+kernels", 1.09), ("+fp8-head", 1.2), ("+mtp", 2.5)):
         c = _cmp(full_summary, name)
@@ -168,7 +168,7 @@ def test_the_ladder_reads_faster_where_it_is_faster(full_summary):
 
 
 def test_each_rung_is_paired_with_the_one_before_it(full, full_summary):
-    """steps: +fp8-head / +kernels and +mtp / +fp8-head, the paired statistics of those two arms
+    """steps: +fp8-head / +kernels and +mtp / +fp8-head, the paired statistics of those two rows
     (synthetic rungs of 1.2 / 1.09 = 1.101 and 2.5 / 1.2 = 2.083, each resolved)."""
     steps = {c["row"]: c for c in full_summary["steps"]}
     assert [(c["reference"], c["row"]) for c in full_summary["steps"]] == [("+kernels", "+fp8-head"),
@@ -182,12 +182,12 @@ def test_each_rung_is_paired_with_the_one_before_it(full, full_summary):
         assert 1 < got["ci"][0] and got["ratio"] == pytest.approx(rung, rel=0.03)
 
 
-def test_a_speculative_arm_reports_its_time_per_verify_step(full, full_summary):
-    """verify_step_s: per request, decode time over verify steps; only speculative arms have it."""
+def test_a_speculative_row_reports_its_time_per_verify_step(full, full_summary):
+    """verify_step_s: per request, decode time over verify steps; only speculative rows have it."""
     recs = [r for r in full["requests"] if r["row"] == "+mtp" and r["verify_steps"]]
     want = np.mean([(r["latency_s"] - r["ttft_s"]) / r["verify_steps"] for r in recs])
-    assert _arm_summary(full_summary, "+mtp")["verify_step_s"]["mean"] == pytest.approx(want)
-    assert _arm_summary(full_summary, "+kernels")["verify_step_s"] is None
+    assert _row_summary(full_summary, "+mtp")["verify_step_s"]["mean"] == pytest.approx(want)
+    assert _row_summary(full_summary, "+kernels")["verify_step_s"] is None
     assert ab_summary.verify_step_s(ServedRequest("r", 0, 1, 2, 0.1, 1.0, acceptance=Acceptance(0, 0, (0, 0, 0)))) is None
 
 
@@ -203,7 +203,7 @@ def test_aa_comparison_shows_no_difference():
     assert c["accuracy"]["a_only"] == c["accuracy"]["b_only"] == 0 and c["accuracy"]["p_value"] == 1.0
 
 
-def test_a_slower_arm_is_flagged():
+def test_a_slower_row_is_flagged():
     r = synthetic(n=80, speedups={"baseline": 1.0, "+kernels": 0.9})
     s = summarize(r)
     assert _cmp(s, "+kernels")["speed"] == "slower"
@@ -216,7 +216,7 @@ def test_accept_length_summary_by_hand():
     hand = [([4, 1, 2], [2, 1, 1]), ([3, 3], [2, 2, 0]), ([1], [0, 0, 0]), ([4, 4], [2, 2, 2])]
     for rec, (lengths, per) in zip(recs, hand):
         rec.update(accept_lengths=lengths, accepted_per_position=per, verify_steps=len(lengths))
-    a = _arm_summary(summarize(r), "+mtp")["accept_length"]
+    a = _row_summary(summarize(r), "+mtp")["accept_length"]
     # 8 verify steps committing 4+1+2+3+3+1+4+4 = 22 tokens; position 1 accepted in 6 of the 8
     # steps, position 2 in 5, position 3 in 3.
     assert a["mean"] == pytest.approx(22 / 8) and a["verify_steps"] == 8
@@ -229,7 +229,7 @@ def test_accept_length_summary_by_hand():
 @pytest.fixture(scope="module")
 def broken():
     """+kernels: its provenance contradicts it; +mtp: the draft reads the FP8 head as bf16, so
-    nothing is accepted and the arm is slower than the baseline."""
+    nothing is accepted and the row is slower than the baseline."""
     r = synthetic(n=80, speedups={"baseline": 1.0, "+kernels": 1.09, "+mtp": 0.7})
     r["rows"][1]["provenance_error"] = "asked for moe=triton, the reference backend ran"
     r["rows"][2]["provenance"]["draft_shares_head"] = False
@@ -246,18 +246,18 @@ def test_flags(broken):
     assert any("provenance error" in f for f in s["flagged"]["+kernels"])
     mtp = " | ".join(s["flagged"]["+mtp"])
     assert "accept length 1.00" in mtp and "head module" in mtp and "slower than baseline" in mtp
-    assert _arm_summary(s, "+mtp")["accept_length"]["mean"] == 1.0 < ACCEPT_LENGTH_FLOOR
+    assert _row_summary(s, "+mtp")["accept_length"]["mean"] == 1.0 < ACCEPT_LENGTH_FLOOR
 
 
-def test_an_assumed_acceptance_arm_is_labelled():
+def test_an_assumed_acceptance_row_is_labelled():
     r = synthetic(n=20, speedups={"baseline": 1.0, "+kernels": 1.5, "+mtp": 2.5})
     r["rows"][2]["config"] = "moe=triton,experts=bf16,head=bf16,spec=mtp:3,accept=3.9"
-    flags = " | ".join(_arm_summary(summarize(r), "+mtp")["flags"])
+    flags = " | ".join(_row_summary(summarize(r), "+mtp")["flags"])
     assert "acceptance assumed (accept=3.9)" in flags and "not the model's" in flags
 
 
-def test_a_healthy_speculative_arm_is_not_flagged(full_summary):
-    a = _arm_summary(full_summary, "+mtp")
+def test_a_healthy_speculative_row_is_not_flagged(full_summary):
+    a = _row_summary(full_summary, "+mtp")
     assert a["accept_length"]["mean"] > ACCEPT_LENGTH_FLOOR and not a["flags"]
 
 
@@ -273,7 +273,7 @@ def test_answers_that_differ_are_flagged():
 @pytest.fixture(scope="module")
 def partial():
     """Stopped part-way: +fp8-head holds 50 of 120 requests, +mtp none, and the baseline lost
-    request 3 (so pairs are the intersection, not the shorter arm's ids)."""
+    request 3 (so pairs are the intersection, not the shorter row's ids)."""
     r = synthetic()
     r["complete"] = False
     r["requests"] = [x for x in r["requests"]
@@ -287,11 +287,11 @@ def test_partial_run_pairs_only_common_requests(partial):
     assert not s["complete"]
     c = _cmp(s, "+fp8-head")
     assert c["n_paired"] == 49 and c["accuracy"]["n"] == 49
-    ref, arm = _records(partial, "baseline"), _records(partial, "+fp8-head")
-    ids = [i for i in sorted(set(ref) & set(arm)) if ref[i]["latency_s"] and arm[i]["latency_s"]]
-    expected = paired_ratio([ref[i]["latency_s"] for i in ids], [arm[i]["latency_s"] for i in ids])
+    ref, mine = _records(partial, "baseline"), _records(partial, "+fp8-head")
+    ids = [i for i in sorted(set(ref) & set(mine)) if ref[i]["latency_s"] and mine[i]["latency_s"]]
+    expected = paired_ratio([ref[i]["latency_s"] for i in ids], [mine[i]["latency_s"] for i in ids])
     assert (c["ratios"]["latency_s"]["ratio"], *c["ratios"]["latency_s"]["ci"]) == pytest.approx(expected)
-    assert _arm_summary(s, "+fp8-head")["partial"] and not _arm_summary(s, "+kernels")["partial"]
+    assert _row_summary(s, "+fp8-head")["partial"] and not _row_summary(s, "+kernels")["partial"]
     empty = _cmp(s, "+mtp")
     assert empty["n_paired"] == 0 and empty["speed"] == "no data" and empty["accuracy"] is None
     assert all(v is None for v in empty["ratios"].values())
@@ -360,7 +360,7 @@ def test_write_full_report(tmp_path, full):
     assert f"| baseline right | {a['both_right']} | {a['a_only']} |" in md
     assert f"| baseline wrong | {a['b_only']} | {a['both_wrong']} |" in md
     assert "PARTIAL" not in md and "⚠" not in md
-    v = _arm_summary(summarize(full), "+mtp")["verify_step_s"]
+    v = _row_summary(summarize(full), "+mtp")["verify_step_s"]
     assert f"- `+mtp`: {1e3 * v['mean']:.3g} ms a verify step" in md
     step = summarize(full)["steps"][1]["ratios"]["tpot_s"]
     assert f"| +mtp / +fp8-head | TPOT (lower is better) | {step['n']} | x{step['ratio']:.4f} |" in md
@@ -398,8 +398,8 @@ def test_a_row_named_by_a_long_spec_keeps_the_figures_laid_out(tmp_path, full):
 
 def test_the_provenance_table_names_each_column_once(tmp_path, full):
     r = copy.deepcopy(full)
-    for arm in r["rows"]:
-        arm["provenance"].update(speculative=arm["speculative"], requests=12)
+    for entry in r["rows"]:
+        entry["provenance"].update(speculative=entry["speculative"], requests=12)
     md = write(r, tmp_path)["markdown"].read_text()
     header = next(line for line in md.splitlines() if line.startswith("| row | config |"))
     assert header.count("speculative") == 1 and "requests (with warm-up)" in header
@@ -603,8 +603,8 @@ def test_rows_that_run_the_same_code_are_called_an_a_a_comparison():
     """+kernels on a CPU runs the baseline's gather MoE; a row naming attention=torch there runs
     the torch form the default runs too: their comparison is labelled, not read as a rung."""
     r = synthetic(n=30)
-    for arm in r["rows"]:
-        arm["runs_as"] = "moe=gather" if arm["name"] in ("baseline", "+kernels") else arm["config"]
+    for entry in r["rows"]:
+        entry["runs_as"] = "moe=gather" if entry["name"] in ("baseline", "+kernels") else entry["config"]
     by_arm = {c["row"]: c for c in summarize(r)["comparisons"]}
     assert by_arm["+kernels"]["same_code"] and by_arm["+kernels"]["verdict"].startswith(
         "A/A, the same code as baseline on this device: ")
@@ -617,9 +617,9 @@ def test_outputs_an_fp8_head_or_assumed_acceptance_changes_are_not_flagged():
     flagged; a row with the reference's head whose outputs differ still is."""
     r = _with_outputs(synthetic(n=40, scored=False), {"+kernels": 40, "+fp8-head": 40, "+mtp": 40})
     heads = {"baseline": "bf16", "+kernels": "bf16", "+fp8-head": "fp8:fp8-triton:row", "+mtp": "bf16"}
-    for arm in r["rows"]:
-        arm["head"] = heads[arm["name"]]
-        arm["assumed"] = arm["name"] == "+mtp"
+    for entry in r["rows"]:
+        entry["head"] = heads[entry["name"]]
+        entry["assumed"] = entry["name"] == "+mtp"
     s = summarize(r)
     assert all(c["outputs"]["identical"] == 0 for c in s["comparisons"])
     assert set(s["flagged"]) == {"+kernels"}

@@ -24,26 +24,26 @@ def prompts() -> list[str]:
     return [p.prompt for p in take("heldout", 2, seed=5)]
 
 
-def arm_of(model, spec: str, tokenizer=None, name: str | None = None):
+def built_row_of(model, spec: str, tokenizer=None, name: str | None = None):
     return build_row(model, parse_serve_config(spec, "cpu"), tokenizer=tokenizer or byte_tokenizer(), name=name)
 
 
-def reference_text(model, head_arm, prompt: str, n: int) -> str:
-    """impl.generate.generate's greedy continuation with the model switched to `head_arm`."""
-    head_arm.activate()
+def reference_text(model, head_row, prompt: str, n: int) -> str:
+    """impl.generate.generate's greedy continuation with the model switched to `head_row`."""
+    head_row.activate()
     return text_of(generate(model, torch.tensor(list(prompt.encode("ascii"))), n).new_tokens[0])
 
 
 @pytest.mark.parametrize("head", ["bf16", "fp8"])
 def test_greedy_rows_equal_plain_generate(model, prompts, head):
-    plain = arm_of(model, f"moe=gather,head={head}")
-    mtp = arm_of(model, f"moe=gather,head={head},spec=mtp:3")
+    plain = built_row_of(model, f"moe=gather,head={head}")
+    mtp = built_row_of(model, f"moe=gather,head={head},spec=mtp:3")
     short = "Q: 1"  # shorter than k+1 = 4: its first verify step runs eagerly
     for prompt in [*prompts, short]:
         ref = reference_text(model, plain, prompt, MAX_TOKENS)
-        for arm in (plain, mtp, plain):  # interleaved: each request switches the model back
-            rec = serve(arm, request(prompt, ignore_eos=True))
-            assert rec.text == ref, f"{arm.name} on {prompt[-30:]!r}"
+        for built in (plain, mtp, plain):  # interleaved: each request switches the model back
+            rec = serve(built, request(prompt, ignore_eos=True))
+            assert rec.text == ref, f"{built.name} on {prompt[-30:]!r}"
             assert rec.output_tokens == MAX_TOKENS and rec.stop_reason == "length"
     rec = serve(mtp, request(prompts[0], ignore_eos=True))
     assert rec.acceptance.verify_steps == len(rec.acceptance.lengths) >= 1
@@ -60,7 +60,7 @@ def test_greedy_rows_equal_plain_generate(model, prompts, head):
 
 def test_the_fp8_head_changes_logits_not_only_flags(model, prompts):
     # A check that the fp8 rows above are not the bf16 head under another name: its logits differ.
-    bf16, fp8 = arm_of(model, "moe=gather,head=bf16"), arm_of(model, "moe=gather,head=fp8")
+    bf16, fp8 = built_row_of(model, "moe=gather,head=bf16"), built_row_of(model, "moe=gather,head=fp8")
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         a, b = bf16.head(x), fp8.head(x)
@@ -70,17 +70,17 @@ def test_the_fp8_head_changes_logits_not_only_flags(model, prompts):
 
 def test_metrics_are_consistent(model, prompts):
     for spec in ("moe=gather", "+mtp"):
-        arm = arm_of(model, spec)
-        rec = serve(arm, request(prompts[0], 24, ignore_eos=True))
-        assert rec.row == arm.name and rec.prompt_tokens == len(prompts[0])
+        built = built_row_of(model, spec)
+        rec = serve(built, request(prompts[0], 24, ignore_eos=True))
+        assert rec.row == built.name and rec.prompt_tokens == len(prompts[0])
         assert 0 < rec.ttft_s <= rec.latency_s
         n = rec.output_tokens
         assert rec.tpot_s == pytest.approx((rec.latency_s - rec.ttft_s) / (n - 1))
         assert rec.decode_tokens_per_s == pytest.approx((n - 1) / (rec.latency_s - rec.ttft_s))
-        one = serve(arm, request(prompts[0], 1))
+        one = serve(built, request(prompts[0], 1))
         assert one.output_tokens == 1 and one.tpot_s is None and one.decode_tokens_per_s is None
         assert one.latency_s == pytest.approx(one.ttft_s, abs=0.05) and one.stop_reason == "length"
-        if arm.decoder is not None:
+        if built.decoder is not None:
             assert one.acceptance.verify_steps == 0 and one.acceptance.lengths == ()
         else:
             assert one.acceptance is None
@@ -88,26 +88,26 @@ def test_metrics_are_consistent(model, prompts):
 
 @pytest.mark.parametrize("spec", ["moe=gather", "moe=gather,head=fp8,spec=mtp:3"])
 def test_stop_string_and_eos(model, prompts, spec):
-    arm = arm_of(model, spec)
-    ref = reference_text(model, arm, prompts[1], MAX_TOKENS)
+    built = built_row_of(model, spec)
+    ref = reference_text(model, built, prompts[1], MAX_TOKENS)
     # A stop string from the middle of the continuation: the output ends with the token that
     # completes it (byte-level: its last byte), the text stops before it.
     stop = ref[12:15]
     at = ref.find(stop)
-    rec = serve(arm, request(prompts[1], stop=("never there", stop)))
+    rec = serve(built, request(prompts[1], stop=("never there", stop)))
     assert (rec.stop_reason, rec.text, rec.output_tokens) == ("stop", ref[:at], at + len(stop))
     # EOS: the first newline of the continuation, counted as an output token, not in the text.
-    eos_arm = arm_of(model, spec, byte_tokenizer(eos_id=ord("\n")))
+    eos_row = built_row_of(model, spec, byte_tokenizer(eos_id=ord("\n")))
     nl = ref.index("\n")
-    rec = serve(eos_arm, request(prompts[1]))
+    rec = serve(eos_row, request(prompts[1]))
     assert (rec.stop_reason, rec.text, rec.output_tokens) == ("eos", ref[:nl], nl + 1)
-    rec = serve(eos_arm, request(prompts[1], ignore_eos=True))
+    rec = serve(eos_row, request(prompts[1], ignore_eos=True))
     assert (rec.stop_reason, rec.text, rec.output_tokens) == ("length", ref, MAX_TOKENS)
     # A stop string that completes before the EOS wins; one only after it does not.
-    rec = serve(eos_arm, request(prompts[1], stop=(ref[:2],)))
+    rec = serve(eos_row, request(prompts[1], stop=(ref[:2],)))
     assert (rec.stop_reason, rec.output_tokens) == ("stop", 2)
     later = next(ref[j:j + 3] for j in range(nl + 1, len(ref) - 3) if ref.find(ref[j:j + 3]) == j)
-    rec = serve(eos_arm, request(prompts[1], stop=(later,)))
+    rec = serve(eos_row, request(prompts[1], stop=(later,)))
     assert (rec.stop_reason, rec.output_tokens) == ("eos", nl + 1)
 
 
@@ -117,16 +117,16 @@ def test_arith_requests_stop_where_their_answer_ends(model, prompts):
     from impl.data.arith import END, answer_length
     from impl.data.workloads import ARITH_STOP_FROM, Request as WorkloadRequest
     for spec in ("moe=gather", "+mtp"):
-        arm = arm_of(model, spec)
-        ref = reference_text(model, arm, prompts[0], 120)
+        built = built_row_of(model, spec)
+        ref = reference_text(model, built, prompts[0], 120)
         n = answer_length(ref)
         assert n is not None and ref.index(END) < n - 1  # a newline before the answer's end
         req = WorkloadRequest("a", prompts[0], list(prompts[0].encode("ascii")), None, 120, stop=(END,),
                               stop_from=ARITH_STOP_FROM)
-        rec = serve(arm, req)
+        rec = serve(built, req)
         assert (rec.stop_reason, rec.output_tokens, rec.text) == ("stop", n, ref[:n - len(END)])
         # The stand-in request (no stop_index method) gets the same from its stop_from field.
-        rec = serve(arm, StopFromRequest("b", prompts[0], list(prompts[0].encode("ascii")), None, 120,
+        rec = serve(built, StopFromRequest("b", prompts[0], list(prompts[0].encode("ascii")), None, 120,
                                                stop=(END,), stop_from=ARITH_STOP_FROM))
         assert (rec.stop_reason, rec.output_tokens) == ("stop", n)
 
@@ -169,31 +169,31 @@ def test_stops_across_token_boundaries():
 
 def test_sampled_rows_follow_their_seed(model, prompts):
     spec = "moe=gather,temperature=3.0,top_k=20,top_p=0.95,seed=7"  # flat enough to vary
-    arm, mtp = arm_of(model, spec), arm_of(model, spec + ",spec=mtp:3")
+    built, mtp = built_row_of(model, spec), built_row_of(model, spec + ",spec=mtp:3")
     texts = {}
-    for a in (arm, mtp):
+    for a in (built, mtp):
         for rid in ("r1", "r2"):
             texts[a.name, rid] = [serve(a, request(prompts[0], 48, rid=rid, ignore_eos=True)).text
                                   for _ in range(2)]
     for key, (first, again) in texts.items():
         assert first == again, f"{key}: the same request and seed sampled different text"
     # Different requests draw from different streams; a different seed too.
-    assert texts[arm.name, "r1"][0] != texts[arm.name, "r2"][0]
-    other = arm_of(model, spec.replace("seed=7", "seed=8"))
-    assert serve(other, request(prompts[0], 48, rid="r1", ignore_eos=True)).text != texts[arm.name, "r1"][0]
+    assert texts[built.name, "r1"][0] != texts[built.name, "r2"][0]
+    other = built_row_of(model, spec.replace("seed=7", "seed=8"))
+    assert serve(other, request(prompts[0], 48, rid="r1", ignore_eos=True)).text != texts[built.name, "r1"][0]
 
 
 def test_request_errors_name_the_request(model, prompts):
-    arm = arm_of(model, "+mtp")
+    built = built_row_of(model, "+mtp")
     with pytest.raises(ValueError, match=r"request 'big'.*context of 384"):
-        serve(arm, request(prompts[0], 384, rid="big"))
+        serve(built, request(prompts[0], 384, rid="big"))
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
-        serve(arm, request(prompts[0], 0, rid="zero"))
+        serve(built, request(prompts[0], 0, rid="zero"))
 
 
-def test_arms_refuse_what_the_model_cannot_run(model):
+def test_rows_refuse_what_the_model_cannot_run(model):
     with pytest.raises(ValueError, match="experts: the row expects bf16 experts but the model holds fp32"):
-        arm_of(model, "moe=gather,experts=bf16")
+        built_row_of(model, "moe=gather,experts=bf16")
     with pytest.raises(TypeError, match="tokenizer"):
         build_row(model, resolve_preset("baseline", "cpu"), tokenizer=object())
 
@@ -204,8 +204,8 @@ def test_an_assumed_acceptance_row_serves_at_its_stated_mean():
     from impl.model.build import build_model
     model = build_model("tiny", seed=3)
     for accept, length in (("1", 1), ("4", 4)):
-        arm = arm_of(model, f"+mtp,accept={accept}")
-        rec = serve(arm, request("12+30=", 33, ignore_eos=True))
+        built = built_row_of(model, f"+mtp,accept={accept}")
+        rec = serve(built, request("12+30=", 33, ignore_eos=True))
         assert set(rec.acceptance.lengths[:-1]) == {length}, accept  # the last step may be cut by the length
 
 
@@ -215,10 +215,10 @@ def test_assumed_acceptance_draws_follow_the_request_seed():
     another request id other lengths (at a mean of 2.5 of 4 every step's length varies)."""
     from impl.model.build import build_model
     model = build_model("tiny", seed=3)
-    arm = arm_of(model, "+mtp,accept=2.5,seed=11")
+    built = built_row_of(model, "+mtp,accept=2.5,seed=11")
 
     def lengths(rid):
-        return serve(arm, request("12+30=", 60, rid=rid, ignore_eos=True)).acceptance.lengths
+        return serve(built, request("12+30=", 60, rid=rid, ignore_eos=True)).acceptance.lengths
 
     first = lengths("a")
     other = lengths("b")
@@ -232,8 +232,8 @@ def test_a_model_without_a_tokenizer_serves_ids_with_no_text():
     from impl.data.text import NoTokenizer
     from impl.model.build import build_model
     model = build_model("tiny", seed=3)
-    arm = arm_of(model, "+mtp,accept=3.9", tokenizer=NoTokenizer(model.config.vocab_size, "tiny"))
-    rec = serve(arm, request("12+30=", 20, ignore_eos=True))
+    built = built_row_of(model, "+mtp,accept=3.9", tokenizer=NoTokenizer(model.config.vocab_size, "tiny"))
+    rec = serve(built, request("12+30=", 20, ignore_eos=True))
     assert rec.text == "" and rec.output_tokens == 20
 
 

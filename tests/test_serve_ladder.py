@@ -19,8 +19,8 @@ from tests.helpers import byte_tokenizer, request
 
 
 @pytest.fixture(scope="module")
-def arms(model):
-    """The ladder's rows: each arm served by its own EngineRow, kept for the module."""
+def built_rows(model):
+    """The ladder's rows: each row served by its own EngineRow, kept for the module."""
     return [EngineRow(a) for a in build_rows(model, parse_ladder("baseline;+fp8-head;+mtp", "cpu"),
                                              tokenizer=byte_tokenizer())]
 
@@ -34,24 +34,24 @@ def test_interleaved_order_alternates():
     assert [interleaved_order("ABC", i) for i in range(3)] == [list("ABC"), list("CBA"), list("ABC")]
 
 
-def test_every_row_serves_every_request_alternating(arms):
+def test_every_row_serves_every_request_alternating(built_rows):
     lines = []
-    before = [a.provenance.requests if a.provenance else 0 for a in arms]
-    served = Ladder(arms, requests(4), progress=lines.append, progress_interval_s=0, warmup=2).run()
-    names = [a.name for a in arms]
+    before = [a.provenance.requests if a.provenance else 0 for a in built_rows]
+    served = Ladder(built_rows, requests(4), progress=lines.append, progress_interval_s=0, warmup=2).run()
+    names = [a.name for a in built_rows]
     assert [(r.request_id, r.row) for r in served] == [
         (f"q{i}", a) for i in range(4) for a in (names if i % 2 == 0 else names[::-1])]
     # Two warm-up requests per row, not recorded, before the first record.
-    assert [a.provenance.requests - b for a, b in zip(arms, before)] == [4 + 2] * 3
+    assert [a.provenance.requests - b for a, b in zip(built_rows, before)] == [4 + 2] * 3
     with pytest.raises(ValueError, match="warmup must be a number of requests >= 0"):
-        Ladder(arms, requests(1), warmup=-1)
+        Ladder(built_rows, requests(1), warmup=-1)
     assert len(lines) == len(served)
     assert re.fullmatch(r"12/12 records, [\d.]+/s, elapsed \d+m\d\ds, ETA 0m00s; last baseline request 'q3'",
                         lines[-1]), lines[-1]
     assert lines[0].startswith("1/12 records")
 
 
-def test_a_run_stopped_part_way_keeps_what_completed_and_says_where(arms):
+def test_a_run_stopped_part_way_keeps_what_completed_and_says_where(built_rows):
     reqs = requests(3)
 
     def interrupt_after_four(served):
@@ -59,7 +59,7 @@ def test_a_run_stopped_part_way_keeps_what_completed_and_says_where(arms):
             raise KeyboardInterrupt
 
     lines = []
-    ladder = Ladder(arms, reqs, progress=lines.append)
+    ladder = Ladder(built_rows, reqs, progress=lines.append)
     with pytest.raises(KeyboardInterrupt):
         ladder.run(on_request=interrupt_after_four)
     assert [r.request_id for r in ladder.served] == ["q0"] * 3 + ["q1"]
@@ -67,18 +67,18 @@ def test_a_run_stopped_part_way_keeps_what_completed_and_says_where(arms):
     # An error in a later request: here one that does not fit the model's context.
     bad = [*reqs[:2], request(reqs[2].prompt, 10_000, rid="too-long")]
     with pytest.raises(LadderStopped) as e:
-        Ladder(arms, bad, warmup=0).run()
+        Ladder(built_rows, bad, warmup=0).run()
     stop = e.value
-    assert (stop.failure.row, stop.failure.request, stop.failure.kind) == (arms[0].name, "too-long", "failed")
+    assert (stop.failure.row, stop.failure.request, stop.failure.kind) == (built_rows[0].name, "too-long", "failed")
     assert stop.failure.error.startswith("ValueError: request 'too-long'") and isinstance(stop.__cause__, ValueError)
     assert [r.request_id for r in stop.served] == ["q0"] * 3 + ["q1"] * 3
     # Iterating gives the same requests one at a time.
-    assert next(iter(Ladder(arms, reqs[:1], warmup=0))).row == arms[0].name
+    assert next(iter(Ladder(built_rows, reqs[:1], warmup=0))).row == built_rows[0].name
 
 
-def test_a_defective_row_is_refused_after_its_warm_up(model, arms):
-    bad = EngineRow(unshared_head_row(arms[2].built, "copy"))
-    ladder = Ladder([arms[0], bad], requests(2))
+def test_a_defective_row_is_refused_after_its_warm_up(model, built_rows):
+    bad = EngineRow(unshared_head_row(built_rows[2].built, "copy"))
+    ladder = Ladder([built_rows[0], bad], requests(2))
     with pytest.raises(ProvenanceError, match=r"(?s)row '\+mtp'.*the draft's head is a different module"):
         ladder.run()
     assert ladder.served == []
@@ -108,12 +108,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_memory_is_flat_over_many_requests(arms):
-    # Two arms (plain and MTP), 2 x 150 short requests: neither the number of live Python
+def test_memory_is_flat_over_many_requests(built_rows):
+    # Two rows (plain and MTP), 2 x 150 short requests: neither the number of live Python
     # objects nor the process's resident set may grow with the number of requests once warm
     # (tracemalloc would be the finer tool, but it slows these torch-heavy loops tenfold). The
     # ladder keeps what it served: 300 small records, under the object bound below.
-    pair = [arms[0], arms[2]]
+    pair = [built_rows[0], built_rows[2]]
     problems = take("heldout", 150, seed=6)
     reqs = [request(p.prompt[-16:], 2, rid=f"m{i}", ignore_eos=True) for i, p in enumerate(problems)]
     for _ in Ladder(pair, reqs[:20]):
@@ -133,7 +133,7 @@ def test_memory_is_flat_over_many_requests(arms):
     assert len(pair[1].provenance.moe) <= 2  # provenance keeps sets of what ran, not events
 
 
-def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(arms, monkeypatch):
+def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(built_rows, monkeypatch):
     import dataclasses
 
     import torch
@@ -149,25 +149,25 @@ def test_an_optional_row_out_of_memory_in_its_warm_up_is_dropped(arms, monkeypat
         real(row)
 
     monkeypatch.setattr(EngineRow, "prepare", prepare)
-    key = ("moe", arms[1].built.config.moe)
+    key = ("moe", built_rows[1].built.config.moe)
     monkeypatch.setitem(backends._registry, key, dataclasses.replace(backends._registry[key],
                                                                        release=lambda: released.append(key)))
     lines = []
-    ladder = Ladder(arms, requests(2), progress=lines.append, warmup=1, optional=["+fp8-head"])
+    ladder = Ladder(built_rows, requests(2), progress=lines.append, warmup=1, optional=["+fp8-head"])
     served = ladder.run()
     assert order == ["baseline", "+mtp", "+fp8-head"]  # the optional row is warmed up last
     assert [(r.request_id, r.row) for r in served] == [("q0", "baseline"), ("q0", "+mtp"),
                                                        ("q1", "+mtp"), ("q1", "baseline")]
     assert ladder.dropped["+fp8-head"].startswith("out of device memory in its warm-up (CUDA out of memory.")
-    assert released == [key] and arms[1].provenance is None
+    assert released == [key] and built_rows[1].provenance is None
     assert any("row '+fp8-head' dropped" in line for line in lines)
     # A row not named optional ends the run, as any error does; so does an unknown optional name.
     order.clear()
     with pytest.raises(LadderStopped) as e:
-        Ladder(arms, requests(1), warmup=1).run()
+        Ladder(built_rows, requests(1), warmup=1).run()
     assert isinstance(e.value.__cause__, torch.cuda.OutOfMemoryError) and e.value.failure.row == "+fp8-head"
     with pytest.raises(ValueError, match=r"optional rows \['nope'\] are not among the rows"):
-        Ladder(arms, requests(1), optional=["nope"])
+        Ladder(built_rows, requests(1), optional=["nope"])
 
 
 # ------------------------------------------------------------------ the command line (python -m impl.serve)

@@ -20,21 +20,21 @@ def prompt() -> str:
     return take("heldout", 1, seed=9)[0].prompt
 
 
-def preset_arm(model, name):
+def preset_row(model, name):
     return build_row(model, resolve_preset(name, "cpu"), tokenizer=byte_tokenizer(), name=name)
 
 
-def served(arm, prompt, n=12):
-    row = engine_row(arm)
+def served(built, prompt, n=12):
+    row = engine_row(built)
     row.serve(request(prompt, n, ignore_eos=True))
     return row.provenance
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_each_preset_runs_what_it_says(model, prompt, name):
-    arm = preset_arm(model, name)
-    prov = served(arm, prompt)
-    check_provenance(name, arm.config, prov)
+    built = preset_row(model, name)
+    prov = served(built, prompt)
+    check_provenance(name, built.config, prov)
     assert prov.backends("moe") == {"gather"} and prov.expert_format == "fp32" and prov.requests == 1
     fp8 = name in ("+fp8-head", "+mtp")
     assert prov.head == ({("fp8-scaled-mm", "torch._scaled_mm")} if fp8 else {("bf16", "F.linear")})
@@ -49,9 +49,9 @@ def test_each_preset_runs_what_it_says(model, prompt, name):
 @pytest.mark.parametrize("mode, shared", [("weight", "only its weight tensor is shared, without its scales"),
                                           ("copy", "another module object around the same storage")])
 def test_a_draft_without_the_target_head_module_is_refused(model, prompt, mode, shared):
-    good = preset_arm(model, "+mtp")
+    good = preset_row(model, "+mtp")
     bad = unshared_head_row(good, mode)
-    # Every flag of the defective arm says MTP and FP8: the configuration is the same.
+    # Every flag of the defective row says MTP and FP8: the configuration is the same.
     assert bad.config == good.config and bad.decoder.k == good.decoder.k
     check_provenance("+mtp", good.config, served(good, prompt))
     prov = served(bad, prompt)
@@ -65,7 +65,7 @@ def test_a_draft_without_the_target_head_module_is_refused(model, prompt, mode, 
         assert not prov.draft_head and any("recorded no head kernel" in p for p in problems)
     else:
         assert prov.draft_head == prov.head  # same kernel, same numbers: only identity tells
-    # The good arm on the same model is untouched by the defective one.
+    # The good row on the same model is untouched by the defective one.
     check_provenance("+mtp", good.config, served(good, prompt))
 
 
@@ -79,17 +79,17 @@ def test_a_bf16_draft_head_around_the_same_weight_is_refused(model, prompt):
 
 
 def test_a_head_that_is_not_the_configured_one_is_refused(model, prompt):
-    arm = preset_arm(model, "+fp8-head")
-    bf16 = preset_arm(model, "baseline")
-    broken = dataclasses.replace(arm, head=bf16.head)  # a switch that lost the FP8 head
+    built = preset_row(model, "+fp8-head")
+    bf16 = preset_row(model, "baseline")
+    broken = dataclasses.replace(built, head=bf16.head)  # a switch that lost the FP8 head
     problems = provenance_problems("+fp8-head", broken.config, served(broken, prompt))
     assert any(p.startswith("head: the row names the 'fp8-scaled-mm' head backend but the target's head ran "
                             "['bf16'] (a fallback to the unquantized head)") for p in problems), problems
     assert any("model's head was ['BF16Head']" in p for p in problems)
 
 
-def test_the_fp8_backend_is_switched_per_arm(model, prompt):
-    # Two arms share one FP8Head module with different backends: each request runs its own.
+def test_the_fp8_backend_is_switched_per_row(model, prompt):
+    # Two rows share one FP8Head module with different backends: each request runs its own.
     a = build_row(model, parse_serve_config("head=fp8:scaled_mm", "cpu"), tokenizer=byte_tokenizer(), name="a")
     b = build_row(model, parse_serve_config("head=fp8:dequant", "cpu"), tokenizer=byte_tokenizer(), name="b")
     assert a.head is b.head
@@ -102,10 +102,10 @@ def test_the_fp8_backend_is_switched_per_arm(model, prompt):
 
 
 def test_a_row_named_after_a_preset_must_run_it(model, prompt):
-    arm = build_row(model, resolve_preset("+fp8-head", "cpu"), tokenizer=byte_tokenizer(), name="+mtp")
-    problems = provenance_problems("+mtp", arm.config, served(arm, prompt))
+    built = build_row(model, resolve_preset("+fp8-head", "cpu"), tokenizer=byte_tokenizer(), name="+mtp")
+    problems = provenance_problems("+mtp", built.config, served(built, prompt))
     assert problems and problems[0].startswith("+mtp: the row is named after the preset but runs")
-    mtp_named_baseline = dataclasses.replace(preset_arm(model, "+mtp"), name="baseline")
+    mtp_named_baseline = dataclasses.replace(preset_row(model, "+mtp"), name="baseline")
     with pytest.raises(ProvenanceError, match="baseline: the row is named after the preset"):
         check_provenance("baseline", mtp_named_baseline.config, served(mtp_named_baseline, prompt))
 

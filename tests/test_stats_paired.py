@@ -285,7 +285,7 @@ def test_paired_accuracy_reports_the_floored_mdd():
 
 # --- paired_ratio --------------------------------------------------------------------------------
 
-def test_identical_arms_give_one():
+def test_identical_rows_give_one():
     a = np.random.default_rng(0).lognormal(0, 0.3, 50)
     assert paired_ratio(a, a.copy()) == (1.0, 1.0, 1.0)
 
