@@ -559,11 +559,11 @@ def test_outputs_are_compared_token_for_token_with_the_first_rows():
     its outputs are not the reference's."""
     r = _with_outputs(synthetic(n=40, scored=False), {"+kernels": 30, "+fp8-head": 5})
     s = summarize(r)
-    by_arm = {c["row"]: c for c in s["comparisons"]}
-    assert by_arm["+kernels"]["outputs"] == {"n": 40, "identical": 10, "first_difference_p50": 3}
-    assert by_arm["+fp8-head"]["outputs"]["identical"] == 35
-    assert by_arm["+mtp"]["outputs"] == {"n": 40, "identical": 40, "first_difference_p50": None}
-    assert "outputs identical in 10 of 40" in by_arm["+kernels"]["verdict"]
+    by_row = {c["row"]: c for c in s["comparisons"]}
+    assert by_row["+kernels"]["outputs"] == {"n": 40, "identical": 10, "first_difference_p50": 3}
+    assert by_row["+fp8-head"]["outputs"]["identical"] == 35
+    assert by_row["+mtp"]["outputs"] == {"n": 40, "identical": 40, "first_difference_p50": None}
+    assert "outputs identical in 10 of 40" in by_row["+kernels"]["verdict"]
     assert any("greedy outputs differ from baseline's in 30 of 40 requests" in f and "index 3" in f
                for f in s["flagged"]["+kernels"])
     assert "+fp8-head" not in s["flagged"]  # 5 of 40 differ: numerics, not a broken row
@@ -605,10 +605,10 @@ def test_rows_that_run_the_same_code_are_called_an_a_a_comparison():
     r = synthetic(n=30)
     for entry in r["rows"]:
         entry["runs_as"] = "moe=gather" if entry["name"] in ("baseline", "+kernels") else entry["config"]
-    by_arm = {c["row"]: c for c in summarize(r)["comparisons"]}
-    assert by_arm["+kernels"]["same_code"] and by_arm["+kernels"]["verdict"].startswith(
+    by_row = {c["row"]: c for c in summarize(r)["comparisons"]}
+    assert by_row["+kernels"]["same_code"] and by_row["+kernels"]["verdict"].startswith(
         "A/A, the same code as baseline on this device: ")
-    assert not by_arm["+fp8-head"]["same_code"] and not by_arm["+fp8-head"]["verdict"].startswith("A/A")
+    assert not by_row["+fp8-head"]["same_code"] and not by_row["+fp8-head"]["verdict"].startswith("A/A")
 
 
 def test_outputs_an_fp8_head_or_assumed_acceptance_changes_are_not_flagged():
