@@ -69,12 +69,12 @@ def ladder():
 @pytest.mark.parametrize("row,head,drafts", [("kernels", "bf16", 0), ("+fp8-head", "fp8", 0), ("+mtp", "fp8", 3)])
 def test_each_request_is_gated_against_its_own_byte_floor(suite, tmp_path, row, head, drafts):
     # The suite runs on CUDA, where its rows named after presets run them (moe=triton): parsed for it.
-    session = SimpleNamespace(options=SimpleNamespace(ladder=ROWS, ab_report=str(tmp_path)),
-                              device=SimpleNamespace(torch_device=torch.device("cuda")))
+    harness = SimpleNamespace(options=SimpleNamespace(ladder=ROWS, ab_report=str(tmp_path)),
+                              core=SimpleNamespace(device=SimpleNamespace(torch_device=torch.device("cuda"))))
     config = get_config("ling-3.0-tiny")
     model = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=torch.empty(1)))
     run, gate = ladder(), Gate()
-    suite.test_row_floor(session, run, model, row, "1k", gate, SimpleNamespace(torch_device=torch.device("cpu")))
+    suite.test_row_floor(harness, run, model, row, "1k", gate, SimpleNamespace(torch_device=torch.device("cpu")))
     formats = Formats(experts="mxfp4", projections="bf16", head=head)
     want = []
     for rec in run.by_row[row].values():
