@@ -20,7 +20,8 @@ def test_the_check_fails_on_a_log_no_note_names(tmp_path):
     """Negative control: a copy of the notes with one log nobody names fails the check."""
     subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(tmp_path / "r")], check=True,
                    capture_output=True, timeout=120)
-    (tmp_path / "r" / "notes" / "runs" / "2099-01-01-nobody-names-this.log").write_text("x\n")
+    planted = "2099-01-01-" + "nobody-names-this.log"  # split: this file must not name it itself
+    (tmp_path / "r" / "notes" / "runs" / planted).write_text("x\n")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_notes_runs.py")], cwd=tmp_path / "r",
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "uncited: notes/runs/2099-01-01-nobody-names-this.log" in done.stdout
+    assert done.returncode == 1 and f"uncited: notes/runs/{planted}" in done.stdout, done.stdout
