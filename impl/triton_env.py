@@ -105,4 +105,54 @@ if INTERPRET:
     _builder.options = dataclasses.replace(_builder.options, sanitize_overflow=False)
 
 
-__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TritonImportOrderError", "adopt_preimported_triton", "tl", "triton"]
+def patch_language_once_a_launch() -> bool:
+    """Make the interpreter patch `triton.language` once a launch instead of at every call of a
+    device function (`@triton.jit` called from a kernel); returns whether it was installed.
+
+    The interpreter's launch patches the language modules in a kernel's globals (an
+    `inspect.getmembers` walk over `tl`, `tl.tensor`, `tl.math`: about 2 ms) and undoes that when
+    the launch ends; every device-function call inside the launch repeats that walk, though it
+    finds the same modules patched (the MXFP4 register path makes about 14,000 such calls a layer:
+    35 of 86 s of a 4-token case). Here a call whose modules the launch already patched skips it;
+    one that names other modules patches as before. A Triton without these internals is left as it is."""
+    try:
+        from triton.runtime import interpreter as ti
+        original, scope_type = ti._patch_lang, ti._LangPatchScope
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original, "once_a_launch", False):
+        return True
+    launch: dict = {"patched": None}  # the language modules patched in the launch now running
+
+    def langs(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        patched = launch["patched"]
+        if patched is not None and langs(fn) <= patched:
+            return scope_type()  # nothing patched, nothing to undo
+        scope = original(fn)
+        if patched is not None:  # a device function naming other modules: patched from now on
+            patched |= langs(fn)
+            return scope
+        launch["patched"] = langs(fn)
+        restore = scope.restore
+
+        def end_launch():
+            launch["patched"] = None
+            restore()
+
+        scope.restore = end_launch
+        return scope
+
+    patch_lang.once_a_launch = True
+    ti._patch_lang = patch_lang
+    return True
+
+
+if INTERPRET:
+    patch_language_once_a_launch()
+
+
+__all__ = ["ASM", "FP32_MATH", "INTERPRET", "TritonImportOrderError", "adopt_preimported_triton",
+           "patch_language_once_a_launch", "tl", "triton"]

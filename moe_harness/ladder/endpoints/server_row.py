@@ -43,10 +43,15 @@ class ServerRowError(RuntimeError):
     """A server row that cannot serve: its key's variable unset, the server unreachable or unhealthy."""
 
 
+# A server that has just started on a loaded 2-core machine took over 10 s to answer /server_info
+# (a vLLM CPU build beside three others): its description is read once a row, so it may wait.
+DESCRIBE_TIMEOUT_S = 60.0
+
+
 def _get_json(client: httpx.Client, url: str, headers: dict) -> dict | None:
     """The JSON a GET returns, None for a missing endpoint (404/405) or a body that is not JSON."""
     try:
-        response = client.get(url, headers=headers, timeout=10.0)
+        response = client.get(url, headers=headers, timeout=DESCRIBE_TIMEOUT_S)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
