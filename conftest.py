@@ -1,6 +1,8 @@
-"""Repo-root conftest: hypothesis profiles only (the plugin itself loads via its entry point)."""
+"""Repo-root conftest: hypothesis profiles, and each xdist worker's torch threads (the plugin
+itself loads via its entry point)."""
 
 import os
+import sys
 
 from hypothesis import HealthCheck, settings
 
@@ -20,3 +22,20 @@ settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None
 settings.register_profile("fuzz", max_examples=parse_fuzz_examples(os.environ.get("MOEPERF_FUZZ_EXAMPLES")),
                           deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def worker_threads(cores: int, workers: str | None) -> int | None:
+    """Torch threads for one of `workers` xdist workers (PYTEST_XDIST_WORKER_COUNT) on `cores`:
+    the cores shared out, at least one; None outside xdist."""
+    return max(1, cores // parse_count("PYTEST_XDIST_WORKER_COUNT", workers, 1)) if workers else None
+
+
+# Under `pytest -n auto`, every worker's torch took all the cores: on 2 cores two workers ran 4
+# spinning threads, and a test's pytest subprocess (which inherits this environment) ran about 4x
+# slower than alone (the scrambled-draft control: 142 s against 35 s).
+_threads = worker_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                          os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
+if _threads is not None and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    if "torch" in sys.modules:  # already imported (the MoE harness imports it): set it as well
+        sys.modules["torch"].set_num_threads(_threads)
