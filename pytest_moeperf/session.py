@@ -85,19 +85,17 @@ class MoePerfSession:
                 **self.harness_header(), "baselines": str(self.options.baselines)}
 
     def header(self) -> dict:
+        h = self.run_header()  # the code, the harnesses' fields, the baselines (named per device below)
         if self.workers:  # the controller of an xdist run: the workers' devices
-            h = {"device": "; ".join(f"GPU {w['gpu']}: {w['device']}" for w in self.workers),
-                 "fingerprint": ", ".join(sorted({short_key(w["fingerprint"]) for w in self.workers})),
-                 **self.harness_header(),
-                 "baselines": ", ".join(sorted({str(s.path) for s, _ in self._stores()}))}
+            h.update(device="; ".join(f"GPU {w['gpu']}: {w['device']}" for w in self.workers),
+                     fingerprint=", ".join(sorted({short_key(w["fingerprint"]) for w in self.workers})),
+                     baselines=", ".join(sorted({str(s.path) for s, _ in self._stores()})))
         else:
-            h = {"device": self.device.describe(), "fingerprint": self.device.key,
-                 **self.harness_header(), "baselines": str(self.store.path)}
+            h.update(device=self.device.describe(), fingerprint=self.device.key, baselines=str(self.store.path))
         if not self.device.is_cuda:  # CPU timings are judged with the host's CPU stall beside them
             stall = self.options.host_stall
             h["host_stall_threshold"] = "off" if stall is None else stall
             h["host_wait_s"] = self.options.host_wait
-        h = {**self.run_header(), **h}
         if self.options.trust:
             h["trust_evaluations"] = self.options.trust
         return h

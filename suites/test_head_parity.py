@@ -39,9 +39,9 @@ import torch
 from impl import backends
 from impl.generate import generate
 from impl.head import FP8Head, compare_logits, require_head_backend
+from impl.head.fp8_head import HEAD_GRANULARITIES as GRANULARITIES
 
 BACKEND = "triton"
-GRANULARITIES = ("row", "tensor")
 MAX_REL_ERR = 0.04
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 8, 16
 

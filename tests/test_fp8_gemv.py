@@ -25,6 +25,7 @@ from impl.head import compare_logits
 from impl.head.gemv_config import ANY, GENERIC, INTERPRETER, TUNED, GemvConfig, lookup, m_bucket
 from impl.head.fp8_gemv import _to_e4m3, fp8_gemv, fp8_gemv_reference, kernel_path
 from impl.quant import quantize_fp8
+from impl.quant.fp8 import dequantize_fp8
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 from tests.helpers import rel_err
 
@@ -139,6 +140,78 @@ def test_default_output_dtype_is_the_input_dtype():
     gen = torch.Generator().manual_seed(4)
     q = weights(40, 64, gen)
     assert fp8_gemv(activations(2, 64, gen, torch.bfloat16), q.data, q.scale).dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------- block scales (FP8 checkpoints)
+
+def block_weights(n: int, k: int, block: tuple[int, int], gen: torch.Generator):
+    """Gaussian weights whose blocks differ in magnitude by up to 2**+-6 (so a scale read from
+    the wrong block, or applied after the K tiles were summed, is off by far more than rounding),
+    quantized per block."""
+    gn, gk = -(-n // block[0]), -(-k // block[1])
+    level = torch.exp2(torch.randint(-6, 7, (gn, gk), generator=gen).float())
+    spread = level.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return quantize_fp8(torch.randn(n, k, generator=gen) * spread, "block", block=block).to(DEVICE)
+
+
+# Small blocks keep the interpreter's work small while giving several blocks each way, tiles cut
+# to the block (64 -> 32) and ragged tails of both, through every path; 128 x 128, the
+# checkpoints' own size, through the table's config.
+BLOCK_CASES = [pytest.param(block, n, k, m, name, id=f"{block[0]}x{block[1]}-M{m}-{name or 'table'}")
+               for block, n, k in [((16, 32), 77, 333), ((32, 64), 150, 200), ((128, 128), 160, 384)]
+               for m in (1, 2, 4, 16) for name in ([None, *sorted(CONFIGS)] if block[0] < 128 else [None])]
+
+
+@pytest.mark.parametrize("block, n, k, m, name", BLOCK_CASES)
+def test_block_scaled_weights_equal_reference(block, n, k, m, name):
+    """Every path at M = 1..4 (a decode step and a verify pass) and 16 (a prompt pass), bf16
+    activations, against the oracle on the dequantized weight; tolerances as per row."""
+    gen = torch.Generator().manual_seed(m * 13 + n + (len(name) if name else 0))
+    q = block_weights(n, k, block, gen)
+    assert q.scale.shape == (-(-n // block[0]), -(-k // block[1]))
+    x = activations(m, k, gen, torch.bfloat16)
+    out = fp8_gemv(x, q.data, q.scale, torch.float32, config=CONFIGS.get(name), block=block)
+    ref = fp8_gemv_reference(x, q.data, q.scale, torch.float32, block=block)
+    path = CONFIGS[name].path if name else kernel_path(INTERPRETER if INTERPRET else GENERIC[m_bucket(m)],
+                                                       torch.bfloat16, DEVICE)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= tolerance(path)
+
+
+@pytest.mark.parametrize("planted", ["scales of the next K block", "one scale a row block"])
+def test_a_block_scale_read_wrongly_is_caught(planted):
+    """The check above fails on block scales misread: shifted one block along K, or one scale
+    used for a whole row of blocks (what a per-row kernel given block scales would compute)."""
+    gen = torch.Generator().manual_seed(21)
+    block = (32, 64)
+    q = block_weights(150, 200, block, gen)
+    x = activations(4, 200, gen, torch.bfloat16)
+    wrong = q.scale.roll(1, dims=1) if planted.startswith("scales") else q.scale[:, :1].expand_as(q.scale)
+    out = fp8_gemv(x, q.data, wrong.contiguous(), torch.float32, block=block)
+    assert rel_err(out, fp8_gemv_reference(x, q.data, q.scale, torch.float32, block=block)) > 100 * EXACT
+
+
+def test_block_scales_cover_their_blocks_and_the_ragged_tails():
+    """Ones [5, 7] in blocks of 2 x 4 (a 3 x 2 scale, the last block row and column partial): each
+    element takes its own block's scale, built here element by element."""
+    scale = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    got = dequantize_fp8(torch.ones(5, 7).to(torch.float8_e4m3fn), scale, block=(2, 4))
+    assert got.tolist() == [[scale[i // 2, j // 4].item() for j in range(7)] for i in range(5)]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("scale of the wrong shape", r"a scale per block of 32x64 of a \(150, 200\) weight must be float32 \[5, 4\]"),
+    ("columns not a power of two", r"block must be \(rows, columns\) with a power-of-two column count"),
+    ("block scale without block", r"scale must be float32 \[N=150\] \(per row\) or \[\] \(per tensor\)"),
+])
+def test_bad_block_scales_are_named(case, message):
+    gen = torch.Generator().manual_seed(23)
+    q = block_weights(150, 200, (32, 64), gen)
+    x = activations(1, 200, gen, torch.bfloat16)
+    scale, block = {"scale of the wrong shape": (q.scale[:, :3], (32, 64)),
+                    "columns not a power of two": (q.scale, (32, 48)),
+                    "block scale without block": (q.scale, None)}[case]
+    with pytest.raises(ValueError, match=message):
+        fp8_gemv(x, q.data, scale, torch.float32, block=block)
 
 
 # ------------------------------------------------------------------------------------ edge cases

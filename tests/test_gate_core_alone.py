@@ -6,6 +6,7 @@ harness's plugin off (`-p no:moeperf-moe`: it is the part that needs them)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -85,7 +86,11 @@ def test_the_core_alone_gates_a_plain_python_timing_and_catches_a_2x_slowdown(py
 
     rc, out = run("--moe-freeze")
     assert rc == 0 and "froze 1 metric(s)" in out, out
+    # Against itself: compared and not failed. Which of the passing verdicts depends on the host:
+    # on a loaded CI machine (half its CPU time stolen) the same loop read 25% faster than frozen,
+    # REFREEZE (better, not a failure).
     rc, out = run()
-    assert rc == 0 and "1 figure(s) compared" in out and "PASS" in out, out
+    assert rc == 0 and "1 figure(s) compared" in out, out
+    assert re.search(r"mine_over_reference +\S+ x +\S+ x .* (PASS|REFREEZE) ", out), out
     rc, out = run(slowdown=2)
     assert rc == 1 and "regression" in out.lower() and "mine_over_reference" in out, out

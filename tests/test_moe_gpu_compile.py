@@ -312,6 +312,15 @@ def _compile_all(tiles) -> int:
     from impl.model import add_rms_norm as arn
     attempt("add_rms_norm_kernel", arn.add_rms_norm_kernel, dict(BLOCK_H=4096, PDL=True), {}, ("eps",),
             arn.NUM_WARPS, releases_early=True)
+    # The FP8 GEMV (impl/head/fp8_gemv.py) on each path: the head's scales per row, and the FP8
+    # checkpoints' scales per block of 128 x 128 applied per K tile.
+    from impl.head import fp8_gemv as fg
+    for path, rows in (("split", 8), ("dot", 16), ("fma", 4)):
+        for scale in ("row", "block"):
+            attempt(f"fp8_gemv_kernel path={path} scale={scale}", fg.fp8_gemv_kernel,
+                    dict(SCALE=2 if scale == "block" else 1, SCALE_BN=128, SCALE_BK=128, BLOCK_M=rows, BLOCK_N=64,
+                         BLOCK_K=128, PATH=fg._PATH_IDS[path], EVEN_K=True, IEEE_DOT=False, FP32_MATH=False),
+                    dict(w_ptr="*fp8e4nv", scale_ptr="*fp32", out_ptr="*bf16"))
     routing_ptrs = dict(ids_ptr="*i32", slot_expert_ptr="*i32", slot_weight_ptr="*fp32",
                         slot_tokens_ptr="*i32", weights_ptr="*fp32", logits_ptr="*fp32", bias_ptr="*fp32",
                         w_ptr="*fp32", x_ptr="*bf16", xq_ptr="*i32", xs_ptr="*fp32")

@@ -239,7 +239,7 @@ def test_fp8_tensor_container() -> None:
 
 
 def test_quantize_errors() -> None:
-    with pytest.raises(ValueError, match=r"unknown FP8 granularity 'col'; allowed: 'row', 'tensor'"):
+    with pytest.raises(ValueError, match=r"unknown FP8 granularity 'col'; allowed: 'row', 'tensor', 'block'"):
         quantize_fp8(torch.zeros(2, 2), "col")
     with pytest.raises(ValueError, match=r"must be 2-D \[N, K\], got shape \(2, 3, 4\)"):
         quantize_fp8(torch.zeros(2, 3, 4))
@@ -262,9 +262,37 @@ def test_container_and_dequantize_errors() -> None:
         FP8Tensor(data, torch.ones(3))
     with pytest.raises(ValueError, match=r"'tensor' scale must have shape \(\) .* got \(4,\)"):
         FP8Tensor(data, scale, "tensor")
-    with pytest.raises(ValueError, match="unknown FP8 granularity 'block'"):
+    with pytest.raises(ValueError, match="unknown FP8 granularity 'col'"):
+        FP8Tensor(data, scale, "col")
+    with pytest.raises(ValueError, match="an FP8 block size goes with granularity 'block' only, got 'block' and block None"):
         FP8Tensor(data, scale, "block")
+    with pytest.raises(ValueError, match=r"'block' scale must have shape \(2, 1\) .* got \(4,\)"):
+        FP8Tensor(data, scale, "block", (2, 8))
+    with pytest.raises(ValueError, match=r"an FP8 block must be two positive whole numbers \(rows, columns\), got \(0, 8\)"):
+        dequantize_fp8(data, torch.ones(2, 1), block=(0, 8))
     with pytest.raises(TypeError, match="output dtype must be .*got torch.int32"):
         dequantize_fp8(data, scale, torch.int32)
     with pytest.raises(TypeError, match="FP8 scale must be a torch.Tensor, got float"):
         dequantize_fp8(data, 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape, block", [((300, 260), (128, 128)), ((7, 5), (2, 4)), ((64, 64), (64, 64))])
+def test_block_quantization_is_within_half_an_e4m3_step_of_each_element(shape, block) -> None:
+    """Blocks of very different magnitudes (2**+-12 apart): each element within half an e4m3 step
+    of its value at its own block's scale (3 mantissa bits: 2**-4 relative; below the normal
+    range, half the subnormal step, 2**-10 of the scale), and each block's largest magnitude
+    maps to 448 exactly."""
+    g = torch.Generator().manual_seed(shape[0])
+    gn, gk = -(-shape[0] // block[0]), -(-shape[1] // block[1])
+    level = torch.exp2(torch.randint(-12, 13, (gn, gk), generator=g).float())
+    w = torch.randn(*shape, generator=g) * level.repeat_interleave(block[0], 0)[:shape[0]].repeat_interleave(
+        block[1], 1)[:, :shape[1]]
+    q = quantize_fp8(w, "block", block=block)
+    assert q.scale.shape == (gn, gk) and q.block == block
+    scale = q.scale.repeat_interleave(block[0], 0)[:shape[0]].repeat_interleave(block[1], 1)[:, :shape[1]]
+    err = (q.dequantize() - w).abs()
+    assert (err <= torch.maximum(w.abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)).all()
+    for i in range(gn):
+        for j in range(gk):
+            tile = q.data[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]].float().abs()
+            assert tile.max().item() == 448.0

@@ -1,6 +1,11 @@
 """FP8 (e4m3) weight x bf16 activation GEMV/GEMM for small M (decode and verify), in Triton.
 
 out[m, n] = scale[n] * sum_k x[m, k] * w[n, k]   (scale per row [N], or one per tensor [])
+out[m, n] = sum_k scale[n // bn, k // bk] * x[m, k] * w[n, k]   (scale per block of bn x bk weights)
+
+The block form is how FP8 checkpoints ship their projections (DeepSeek-V3's layout, 128 x 128
+blocks): each K tile's products take their block's scale before they are added up, so a K tile
+never spans two blocks (BLOCK_K is cut to bk where it is larger; bk a power of two).
 
 Bandwidth is the whole story at decode: the weight [N, K] is read once (N*K bytes), the
 activations (M*K*2 bytes) and the output (M*N*2 or *4 bytes) are small. The grid runs over
@@ -48,7 +53,7 @@ import torch
 
 from impl.head.gemv_config import DOT_ROWS, GemvConfig, lookup
 from impl.launch_tables import config_devices
-from impl.quant.fp8 import dequantize_fp8
+from impl.quant.fp8 import block_scale_shape, dequantize_fp8
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 __all__ = ["ACTIVATION_DTYPES", "OUTPUT_DTYPES", "fp8_gemv", "fp8_gemv_kernel", "fp8_gemv_reference",
@@ -83,11 +88,22 @@ def _to_e4m3(r, FP32_MATH: tl.constexpr):
 
 
 @triton.jit
-def _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, PER_ROW: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] (vocab rows by tokens) times the weight scales, stored as out[m, n]."""
-    if PER_ROW:
-        acc = acc * tl.load(scale_ptr + rows_n)[:, None]
+def _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
+                  SCALE_BK: tl.constexpr):
+    """The weight scale of each row's block at K offset k0 [BLOCK_N] (SCALE 2), else 1."""
+    if SCALE == 2:
+        return tl.load(scale_ptr + (rows_n // SCALE_BN) * stride_sn + k0 // SCALE_BK)
     else:
+        return 1.0
+
+
+@triton.jit
+def _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, SCALE: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (vocab rows by tokens) times the weight scales (block scales were
+    applied per K tile already), stored as out[m, n]."""
+    if SCALE == 1:
+        acc = acc * tl.load(scale_ptr + rows_n)[:, None]
+    elif SCALE == 0:
         acc = acc * tl.load(scale_ptr)
     # 64-bit row offsets: a prompt's logits pass past 2**31 elements (13,663 tokens of a 157,184 vocabulary).
     out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
@@ -98,8 +114,8 @@ def _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om,
 def fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_om,
-    PER_ROW: tl.constexpr,
+    stride_xm, stride_wn, stride_om, stride_sn,
+    SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PATH: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr,
     FP32_MATH: tl.constexpr,
@@ -144,12 +160,14 @@ def fp8_gemv_kernel(
             if not FP32_MATH:
                 hl = hl.to(tl.float8e4nv)
             part = _dot(w, tl.trans(hl), tl.zeros((BLOCK_N, 2 * BLOCK_M), dtype=tl.float32), FP32_MATH)
+            if SCALE == 2:
+                part = part * _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE, SCALE_BN, SCALE_BK)[:, None]
             acc2 += part * tl.reshape(tl.join(s, s * 0.03125), (2 * BLOCK_M,))[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         a, b = tl.split(tl.reshape(acc2, (BLOCK_N, BLOCK_M, 2)))
         acc = a + b
-        _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, PER_ROW)
+        _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, SCALE)
     elif PATH == 1:
         # 16-bit (or IEEE fp32) tensor cores: w upcast exactly to x's dtype; x^T [BLOCK_K, BLOCK_M].
         x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
@@ -161,7 +179,13 @@ def fp8_gemv_kernel(
             else:
                 w = tl.load(w_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 xt = tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k[:, None] < K - k0), other=0.0)
-            if FP32_MATH:
+            if SCALE == 2:  # each tile's products take its block's scale before they are added
+                ws = _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE, SCALE_BN, SCALE_BK)[:, None]
+                if FP32_MATH or IEEE_DOT:
+                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee") * ws
+                else:
+                    acc += tl.dot(w.to(xt.dtype), xt) * ws
+            elif FP32_MATH:
                 acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
             elif IEEE_DOT:
                 acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
@@ -169,7 +193,7 @@ def fp8_gemv_kernel(
                 acc = tl.dot(w.to(xt.dtype), xt, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, PER_ROW)
+        _scale_and_store(acc, scale_ptr, rows_n, out_ptr, offs_n, offs_m, stride_om, N, m_ok, SCALE)
     else:
         # fp32 multiply-accumulate on CUDA cores; the K reduction is deferred to the end.
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
@@ -181,13 +205,16 @@ def fp8_gemv_kernel(
             else:
                 w = tl.load(w_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K - k0), other=0.0)
-            acc3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            wf = w.to(tl.float32)
+            if SCALE == 2:  # e4m3 times its block's scale, rounded once in fp32 as the reference does
+                wf = wf * _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE, SCALE_BN, SCALE_BK)[:, None]
+            acc3 += wf[None, :, :] * x.to(tl.float32)[:, None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
-        if PER_ROW:
+        if SCALE == 1:
             acc = acc * tl.load(scale_ptr + rows_n)[None, :]
-        else:
+        elif SCALE == 0:
             acc = acc * tl.load(scale_ptr)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_n[None, :] < N))
@@ -203,7 +230,8 @@ def launch_config(n: int, k: int, m: int, device: torch.device) -> tuple[GemvCon
     return lookup(n, k, m, config_devices(device), interpreter=INTERPRET)
 
 
-def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> None:
+def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+           block: tuple[int, int] | None) -> None:
     for what, t in (("x", x), ("data", data), ("scale", scale)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fp8_gemv: {what} must be a torch.Tensor, got {type(t).__name__}")
@@ -214,9 +242,18 @@ def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: 
     if data.ndim != 2 or data.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8_gemv: data must be a 2-D float8_e4m3fn [N, K] tensor, got {data.dtype} "
                         f"{tuple(data.shape)}")
-    if scale.dtype != torch.float32 or tuple(scale.shape) not in ((data.shape[0],), ()):
+    if block is not None:
+        if (len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block)
+                or block[1] & (block[1] - 1)):
+            raise ValueError(f"fp8_gemv: block must be (rows, columns) with a power-of-two column count "
+                             f"(a K tile never spans two blocks), got {block!r}")
+        expected = block_scale_shape(tuple(data.shape), block)
+        if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+            raise ValueError(f"fp8_gemv: a scale per block of {block[0]}x{block[1]} of a {tuple(data.shape)} weight "
+                             f"must be float32 {list(expected)}, got {scale.dtype} {tuple(scale.shape)}")
+    elif scale.dtype != torch.float32 or tuple(scale.shape) not in ((data.shape[0],), ()):
         raise ValueError(f"fp8_gemv: scale must be float32 [N={data.shape[0]}] (per row) or [] (per tensor), "
-                         f"got {scale.dtype} {tuple(scale.shape)}")
+                         f"or per block with `block` given, got {scale.dtype} {tuple(scale.shape)}")
     if x.shape[1] != data.shape[1]:
         raise ValueError(f"fp8_gemv: x has K={x.shape[1]} but the weight has K={data.shape[1]}")
     if out_dtype not in OUTPUT_DTYPES:
@@ -232,11 +269,14 @@ def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: 
 
 
 def fp8_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
-             config: GemvConfig | None = None) -> torch.Tensor:
+             config: GemvConfig | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, K] (bf16, fp16 or fp32) @ (data e4m3 [N, K] * scale).T -> [M, N] in `out_dtype`
-    (default: x's dtype), accumulated in fp32. `config` overrides the table in impl.head.gemv_config."""
+    (default: x's dtype), accumulated in fp32. scale: per row [N], per tensor [], or with `block`
+    = (bn, bk) per block [ceil(N/bn), ceil(K/bk)]. `config` overrides the table in
+    impl.head.gemv_config."""
     out_dtype = x.dtype if out_dtype is None and isinstance(x, torch.Tensor) else out_dtype
-    _check(x, data, scale, out_dtype)
+    block = tuple(block) if block is not None else None
+    _check(x, data, scale, out_dtype, block)
     m, k = x.shape
     n = data.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
@@ -251,11 +291,16 @@ def fp8_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype
     cfg = config if config is not None else launch_config(n, k, m, x.device)[0]
     path = kernel_path(cfg, x.dtype, x.device)
     block_m = cfg.rows_per_program(m) if path == cfg.path else max(cfg.block_m, DOT_ROWS)
+    block_k = cfg.block_k if block is None else min(cfg.block_k, block[1])  # a tile within one block
+    if block is not None and scale.stride(1) != 1:
+        scale = scale.contiguous()
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))
     fp8_gemv_kernel[grid](
         x, data, scale, out, m, n, k, x.stride(0), data.stride(0), out.stride(0),
-        PER_ROW=scale.ndim == 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PATH=_PATH_IDS[path], EVEN_K=k % cfg.block_k == 0,
+        scale.stride(0) if block is not None else 0,
+        SCALE=2 if block is not None else scale.ndim, SCALE_BN=block[0] if block else 1,
+        SCALE_BK=block[1] if block else 1, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        PATH=_PATH_IDS[path], EVEN_K=k % block_k == 0,
         IEEE_DOT=x.dtype == torch.float32, FP32_MATH=FP32_MATH,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -276,8 +321,8 @@ def kernel_path(config: GemvConfig, x_dtype: torch.dtype, device: torch.device) 
 
 
 def fp8_gemv_reference(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The oracle: dequantize to fp32 (e4m3 value times the fp32 scale, rounded once), fp32 matmul."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    w = dequantize_fp8(data, scale, torch.float32)
+    w = dequantize_fp8(data, scale, torch.float32, block=block)
     return (x.to(torch.float32) @ w.t()).to(out_dtype)

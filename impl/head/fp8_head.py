@@ -29,9 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from impl import backends
-from impl.quant.fp8 import E4M3_MAX, GRANULARITIES, FP8Tensor, quantize_fp8
+from impl.quant.fp8 import E4M3_MAX, FP8Tensor, quantize_fp8
 
-__all__ = ["ACTIVATION_DTYPES", "BF16Head", "FP8Head", "FP8_DTYPES", "HEAD_BACKEND_ALIASES", "LogitParity",
+# A head's scales: per vocabulary row or per tensor (the FP8 head quantizes a checkpoint's bf16 head
+# itself; block scales are how checkpoints ship their projections, impl.quant.fp8).
+HEAD_GRANULARITIES = ("row", "tensor")
+
+__all__ = ["ACTIVATION_DTYPES", "BF16Head", "FP8Head", "FP8_DTYPES", "HEAD_BACKEND_ALIASES", "HEAD_GRANULARITIES", "LogitParity",
            "as_bf16_weight", "compare_logits", "default_fp8_backend", "require_head_backend", "resolve_fp8_backend"]
 
 FP8_DTYPES = tuple(getattr(torch, name) for name in (
@@ -239,8 +243,8 @@ class FP8Head(nn.Module):
         else:
             weight = linear
         weight = as_bf16_weight(weight)
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"unknown FP8 granularity {granularity!r}; allowed: {GRANULARITIES}")
+        if granularity not in HEAD_GRANULARITIES:
+            raise ValueError(f"unknown FP8 granularity {granularity!r}; allowed: {HEAD_GRANULARITIES}")
         resolve_fp8_backend(backend)  # fail before quantizing
         with torch.no_grad():
             fp8 = quantize_fp8(weight.detach(), granularity)

@@ -84,10 +84,10 @@ def build_model(spec: str | ModelConfig, device: str | torch.device = "cpu",
         raise ValueError(f"head_backend={head_backend!r} needs head='fp8' (the bf16 head has one backend)")
     if head == "fp8":
         from impl.head import resolve_fp8_backend
-        from impl.quant.fp8 import GRANULARITIES
+        from impl.head.fp8_head import HEAD_GRANULARITIES
         resolve_fp8_backend(head_backend or "fp8-triton")  # a name that does not exist fails before the build
-        if head_granularity not in GRANULARITIES:
-            raise ValueError(f"unknown head_granularity {head_granularity!r}; allowed: {GRANULARITIES}")
+        if head_granularity not in HEAD_GRANULARITIES:
+            raise ValueError(f"unknown head_granularity {head_granularity!r}; allowed: {HEAD_GRANULARITIES}")
     device = resolve_device(device)
     if isinstance(spec, ModelConfig):
         config, folder = spec, None

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from impl.quant.fp8 import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK, dequantize_fp8
 from impl.quant.mxfp4 import MXFP4Tensor, decode_e8m0
 
 QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
 COMPRESSED_FORMATS = ("float-quantized", "mxfp4-pack-quantized")
-DEFAULT_FP8_BLOCK = (128, 128)
 MXFP4_GROUP = 32  # values a scale covers: OCP MX's block, the only one the MXFP4 kernels take
 _PACKED = (torch.uint8, torch.int8)  # dtypes MXFP4 bytes are stored as: two E2M1 codes a byte
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
@@ -172,7 +172,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, quant: Quantizati
     if tuple(s.shape) != blocks:
         raise CheckpointError(f"{where}: FP8 scale of shape {tuple(s.shape)} fits neither a channel ({n},), a tensor "
                               f"nor blocks of {bn}x{bk} of a [{n}, {k}] weight (expected {blocks})")
-    return w * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return dequantize_fp8(data, s.to(torch.float32), torch.float32, block=(bn, bk))
 
 
 def is_mxfp4(data: torch.Tensor, scale: torch.Tensor | None) -> bool:
