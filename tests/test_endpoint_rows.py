@@ -71,7 +71,10 @@ def test_this_engine_over_http_serves_what_it_serves_in_process_and_never_writes
     steps = {(r["row"], r["request_id"]): r["verify_steps"] for r in doc["requests"]}
     alike = [i for (row, i), n in steps.items() if row == "+mtp" and steps[("http-mtp", i)] == n]
     assert len(alike) >= 4, steps
-    assert len(http["acceptance_per_position"]) == 3 and not rows["http-mtp"]["flags"]
+    # Flagged for nothing it computes. Reading slower than in process is allowed: each token crosses
+    # a stream from another process, and on a loaded 2-core host that read x0.88 [0.81, 0.96].
+    unexpected = [f for f in rows["http-mtp"]["flags"] if not f.startswith("slower than +mtp:")]
+    assert len(http["acceptance_per_position"]) == 3 and not unexpected, unexpected
     server = rows["http-mtp"]["server"]
     assert (server["engine"], server["model"]) == ("moeperf", str(CHECKPOINT)) and server["speculative"]["k"] == 3
     written = [p for p in pytester.path.rglob("*") if p.is_file()]
