@@ -53,7 +53,7 @@ import torch
 
 from impl.head.gemv_config import DOT_ROWS, GemvConfig, lookup
 from impl.launch_tables import config_devices
-from impl.quant.fp8 import block_scale_shape, dequantize_fp8
+from impl.quant.fp8 import block_scale_shape, check_block, dequantize_fp8
 from impl.triton_env import FP32_MATH, INTERPRET, tl, triton
 
 __all__ = ["ACTIVATION_DTYPES", "OUTPUT_DTYPES", "fp8_gemv", "fp8_gemv_kernel", "fp8_gemv_reference",
@@ -88,13 +88,9 @@ def _to_e4m3(r, FP32_MATH: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
-                  SCALE_BK: tl.constexpr):
-    """The weight scale of each row's block at K offset k0 [BLOCK_N] (SCALE 2), else 1."""
-    if SCALE == 2:
-        return tl.load(scale_ptr + (rows_n // SCALE_BN) * stride_sn + k0 // SCALE_BK)
-    else:
-        return 1.0
+def _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    """The weight scale of each row's block at K offset k0 [BLOCK_N]."""
+    return tl.load(scale_ptr + (rows_n // SCALE_BN) * stride_sn + k0 // SCALE_BK)
 
 
 @triton.jit
@@ -161,7 +157,7 @@ def fp8_gemv_kernel(
                 hl = hl.to(tl.float8e4nv)
             part = _dot(w, tl.trans(hl), tl.zeros((BLOCK_N, 2 * BLOCK_M), dtype=tl.float32), FP32_MATH)
             if SCALE == 2:
-                part = part * _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE, SCALE_BN, SCALE_BK)[:, None]
+                part = part * _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE_BN, SCALE_BK)[:, None]
             acc2 += part * tl.reshape(tl.join(s, s * 0.03125), (2 * BLOCK_M,))[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -180,7 +176,7 @@ def fp8_gemv_kernel(
                 w = tl.load(w_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
                 xt = tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k[:, None] < K - k0), other=0.0)
             if SCALE == 2:  # each tile's products take its block's scale before they are added
-                ws = _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE, SCALE_BN, SCALE_BK)[:, None]
+                ws = _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE_BN, SCALE_BK)[:, None]
                 if FP32_MATH or IEEE_DOT:
                     acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee") * ws
                 else:
@@ -207,7 +203,7 @@ def fp8_gemv_kernel(
                 x = tl.load(x_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K - k0), other=0.0)
             wf = w.to(tl.float32)
             if SCALE == 2:  # e4m3 times its block's scale, rounded once in fp32 as the reference does
-                wf = wf * _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE, SCALE_BN, SCALE_BK)[:, None]
+                wf = wf * _block_scales(scale_ptr, rows_n, stride_sn, k0, SCALE_BN, SCALE_BK)[:, None]
             acc3 += wf[None, :, :] * x.to(tl.float32)[:, None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -243,8 +239,7 @@ def _check(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype: 
         raise TypeError(f"fp8_gemv: data must be a 2-D float8_e4m3fn [N, K] tensor, got {data.dtype} "
                         f"{tuple(data.shape)}")
     if block is not None:
-        if (len(block) != 2 or not all(isinstance(b, int) and b >= 1 for b in block)
-                or block[1] & (block[1] - 1)):
+        if check_block(block)[1] & (block[1] - 1):
             raise ValueError(f"fp8_gemv: block must be (rows, columns) with a power-of-two column count "
                              f"(a K tile never spans two blocks), got {block!r}")
         expected = block_scale_shape(tuple(data.shape), block)
@@ -275,8 +270,8 @@ def fp8_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out_dtype
     = (bn, bk) per block [ceil(N/bn), ceil(K/bk)]. `config` overrides the table in
     impl.head.gemv_config."""
     out_dtype = x.dtype if out_dtype is None and isinstance(x, torch.Tensor) else out_dtype
-    block = tuple(block) if block is not None else None
     _check(x, data, scale, out_dtype, block)
+    block = tuple(block) if block is not None else None
     m, k = x.shape
     n = data.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from impl.quant.fp8 import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK, dequantize_fp8
+from impl.quant.fp8 import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK, block_scale_shape, dequantize_fp8
 from impl.quant.mxfp4 import MXFP4Tensor, decode_e8m0
 
 QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
@@ -168,7 +168,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor | None, quant: Quantizati
     if s.shape in ((n,), (n, 1)):
         return w * s.reshape(n, 1)
     bn, bk = quant.fp8_block
-    blocks = (-(-n // bn), -(-k // bk))
+    blocks = block_scale_shape((n, k), (bn, bk))
     if tuple(s.shape) != blocks:
         raise CheckpointError(f"{where}: FP8 scale of shape {tuple(s.shape)} fits neither a channel ({n},), a tensor "
                               f"nor blocks of {bn}x{bk} of a [{n}, {k}] weight (expected {blocks})")

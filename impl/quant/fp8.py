@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_BLOCK", "E4M3_MAX", "FP8Tensor", "GRANULARITIES", "block_scale_shape", "dequantize_fp8",
+__all__ = ["DEFAULT_BLOCK", "E4M3_MAX", "FP8Tensor", "GRANULARITIES", "block_scale_shape", "check_block", "dequantize_fp8",
            "quantize_fp8"]
 
 E4M3_MAX = 448.0
@@ -43,7 +43,7 @@ def block_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[i
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
 
-def _check_block(block: object) -> tuple[int, int]:
+def check_block(block: object) -> tuple[int, int]:
     if (not isinstance(block, (tuple, list)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
         raise ValueError(f"an FP8 block must be two positive whole numbers (rows, columns), got {block!r}")
@@ -85,7 +85,7 @@ class FP8Tensor:
             raise ValueError(f"an FP8 block size goes with granularity 'block' only, got {self.granularity!r} "
                              f"and block {self.block!r}")
         if self.block is not None:
-            object.__setattr__(self, "block", _check_block(self.block))
+            object.__setattr__(self, "block", check_block(self.block))
         _check_data_scale(self.data, self.scale, self.granularity, self.block)
 
     @property
@@ -130,7 +130,7 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "row", block: tuple[int, in
     _check_granularity(granularity)
     if block is not None and granularity != "block":
         raise ValueError(f"an FP8 block size goes with granularity 'block' only, got {granularity!r}")
-    block = _check_block(block or DEFAULT_BLOCK) if granularity == "block" else None
+    block = check_block(block or DEFAULT_BLOCK) if granularity == "block" else None
     _check_2d(w, "FP8 input")
     if w.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"FP8 input must be float16, bfloat16, float32 or float64, got {w.dtype}")
@@ -159,7 +159,7 @@ def dequantize_fp8(
     `block` = (bn, bk): [ceil(N/bn), ceil(K/bk)]) -> dtype [N, K]."""
     per_tensor = isinstance(scale, torch.Tensor) and scale.ndim == 0
     granularity = "block" if block is not None else "tensor" if per_tensor else "row"
-    block = _check_block(block) if block is not None else None
+    block = check_block(block) if block is not None else None
     _check_data_scale(data, scale, granularity, block)
     if dtype not in _FLOAT_DTYPES:
         raise TypeError(f"FP8 output dtype must be float16, bfloat16, float32 or float64, got {dtype}")
