@@ -21,12 +21,15 @@ from pytest_moeperf.gate import Reported
 GPU_TIMING = 0.05
 
 TOLERANCES: dict[str, dict[str, float | Reported]] = {
-    # An absolute time or rate (tokens/s, microseconds). CPU, 40%: on the shared 2-core VMs the
-    # same code measured in consecutive processes came out at 0.66-1.66x of the frozen figure (80
-    # A/A evaluations over four rounds, 2026-12-02), a drift of the host that no statistic over one
-    # run's samples can see; 40% is the worst A/A ratio seen (0.659) plus a 5% margin, and a
-    # slowdown to about 3x is what is caught reliably there.
-    "timing": {"cuda": GPU_TIMING, "cpu": 0.40},
+    # An absolute time or rate (tokens/s, microseconds). CPU: reported, not gated. On the shared
+    # 2-core VMs the same code measured in consecutive processes came out at 0.57-1.66x of the
+    # frozen figure (80 A/A evaluations, 2026-12-02; then a fresh clone whose MoE layer read 0.573x
+    # and decode 0.625x while the PSI stall read under 1% and moe_over_plain_torch, timed
+    # interleaved, read 0.99x; notes/gate-trust.md): the host's speed drifts by more than any
+    # tolerance that catches a change worth catching, and no statistic over one run's samples sees it.
+    "timing": {"cuda": GPU_TIMING, "cpu": Reported(
+        "not gated on a CPU: absolute times move 0.57-1.66x between processes on one shared VM; "
+        "the ratios timed interleaved gate there (moe_over_plain_torch, mtp_speedup, the ladder's rows)")},
     # A ratio of two sides timed interleaved, of a suite that runs only on a GPU (FP8/bf16 head,
     # ours/Humming's MoE layer): no CPU figure was ever measured.
     "ratio": {"cuda": GPU_TIMING},
