@@ -37,5 +37,5 @@ _threads = worker_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_get
                           os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
 if _threads is not None and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
-    if "torch" in sys.modules:  # already imported (the MoE harness imports it): set it as well
+    if "torch" in sys.modules:  # already imported (by a plugin loaded before this file): set it as well
         sys.modules["torch"].set_num_threads(_threads)

@@ -14,7 +14,7 @@ import pytest
 
 from pytest_moeperf.options import (Options, check_trust_run, declare, ini_names, named, number, option, parse_count,
                                     parsed, under_root)
-from impl.serve.rows import DEFAULT_LADDER, DEFAULT_REQUESTS
+from impl.serve.defaults import DEFAULT_LADDER, DEFAULT_REQUESTS
 from moe_harness.ladder.run import MIN_REQUESTS
 
 # Requests a ladder row serves at most: every request is built and checked before the first is
@@ -132,7 +132,7 @@ def parse_options(config: pytest.Config, core: Options) -> MoeOptions:
 
 
 def parse_model(value: str, rootpath: Path) -> str:
-    from impl.model.build import EMBEDDED
+    from impl.model.config import EMBEDDED
     from impl.model.config import PRESETS
     if value in PRESETS or value in EMBEDDED:
         return value
@@ -169,7 +169,7 @@ def parse_backend(value: str, device: str = "auto") -> str:
 
 
 def parse_head(value: str) -> str:
-    from impl.model.build import HEADS
+    from impl.model.config import HEADS
     if value not in HEADS:
         raise ValueError(f"--moe-head must be one of {', '.join(HEADS)}, got {value!r}")
     return value

@@ -11,8 +11,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as sps
-from scipy.optimize import brentq
 
 DIRECTIONS = ("higher", "lower")
 CONFIDENCE = 0.95
@@ -21,6 +19,18 @@ N_RESAMPLES = 2000
 # values sees too few distinct samples, and its intervals come out narrow (an A/A ladder of 3
 # requests a row read "faster" or "slower" in 5 of 15 runs through BCa).
 SMALL_SAMPLE = 20
+
+
+def _sps():
+    """scipy.stats, imported on first use: it takes about a second, which every pytest process
+    loading the plugin (each xdist worker, each inner run) would otherwise pay at start."""
+    from scipy import stats
+    return stats
+
+
+def _brentq():
+    from scipy.optimize import brentq
+    return brentq
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ def ratio_interval(current, frozen, confidence: float = CONFIDENCE, seed: int = 
     point = float(_median_ratio(a, b))
     if len(a) < 2 or len(b) < 2 or np.ptp(a) == 0 and np.ptp(b) == 0 or np.median(b) == 0:
         return point, point, point  # nothing to resample, or (a zero frozen fraction) no scale to resample on
-    res = sps.bootstrap((a, b), _median_ratio, n_resamples=N_RESAMPLES, confidence_level=confidence,
+    res = _sps().bootstrap((a, b), _median_ratio, n_resamples=N_RESAMPLES, confidence_level=confidence,
                         method="percentile", vectorized=True, rng=np.random.default_rng(seed))
     return point, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
@@ -71,7 +81,7 @@ def compare(current, frozen, direction: str, tolerance: float, confidence: float
         cur, ref = 1 / cur, 1 / ref
     ratio, low, high = ratio_interval(cur, ref, confidence)
     if len(cur) >= 2 and len(ref) >= 2 and not (np.ptp(cur) == 0 and np.ptp(ref) == 0 and cur[0] == ref[0]):
-        p = float(sps.mannwhitneyu(cur, ref, alternative="two-sided").pvalue)
+        p = float(_sps().mannwhitneyu(cur, ref, alternative="two-sided").pvalue)
     else:
         p = 0.0 if ratio != 1 else 1.0
     if ratio < 1 - tolerance and high < 1:
@@ -91,7 +101,7 @@ def compare(current, frozen, direction: str, tolerance: float, confidence: float
 def _z(confidence: float) -> float:
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    return float(sps.norm.ppf(1 - (1 - confidence) / 2))
+    return float(_sps().norm.ppf(1 - (1 - confidence) / 2))
 
 
 def wilson_interval(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -124,7 +134,7 @@ def mcnemar_exact(a_only: int, b_only: int) -> float:
     m = a_only + b_only
     if m == 0:
         return 1.0  # no discordant pair: no evidence of any difference
-    return float(sps.binomtest(b_only, m, 0.5, alternative="two-sided").pvalue)
+    return float(_sps().binomtest(b_only, m, 0.5, alternative="two-sided").pvalue)
 
 
 def _tango_statistic(delta0: float, n12: int, n21: int, n: int) -> float:
@@ -159,7 +169,7 @@ def tango_interval(n12: int, n21: int, n: int, confidence: float = CONFIDENCE) -
         inner, outer = est, bound - math.copysign(eps, bound)
         if f(outer) * f(inner) > 0:
             return bound  # the test rejects nowhere on this side: the limit is the boundary
-        return float(brentq(f, min(inner, outer), max(inner, outer), xtol=1e-12))
+        return float(_brentq()(f, min(inner, outer), max(inner, outer), xtol=1e-12))
 
     lo = -1.0 if est <= -1 else limit(z, -1.0)
     hi = 1.0 if est >= 1 else limit(-z, 1.0)
@@ -175,11 +185,11 @@ def _connor_d(n: int, psi: float, za: float, zb: float) -> float:
 def mdd_floor(n: int, alpha: float = 0.05, power: float = 0.8) -> float:
     """The smallest paired difference that n pairs can detect at all: every discordant pair goes
     one way (d = psi), i.e. the root of n d = [za + zb sqrt(1 - d)]^2; 1.0 when none is below 1."""
-    za, zb = float(sps.norm.ppf(1 - alpha / 2)), float(sps.norm.ppf(power))
+    za, zb = float(_sps().norm.ppf(1 - alpha / 2)), float(_sps().norm.ppf(power))
     g = lambda d: n * d - (za + zb * math.sqrt(1 - d)) ** 2  # noqa: E731  (increasing in d)
     if g(1.0) <= 0:
         return 1.0
-    return float(brentq(g, 1e-15, 1.0, xtol=1e-14))
+    return float(_brentq()(g, 1e-15, 1.0, xtol=1e-14))
 
 
 def connor_mdd(n: int, discordant: float, alpha: float = 0.05, power: float = 0.8) -> tuple[float, float]:
@@ -202,7 +212,7 @@ def connor_mdd(n: int, discordant: float, alpha: float = 0.05, power: float = 0.
     if floor >= 1.0:
         return 1.0, 1.0
     psi = max(discordant, floor)
-    za, zb = float(sps.norm.ppf(1 - alpha / 2)), float(sps.norm.ppf(power))
+    za, zb = float(_sps().norm.ppf(1 - alpha / 2)), float(_sps().norm.ppf(power))
     return min(1.0, _connor_d(n, psi, za, zb)), psi
 
 
@@ -310,11 +320,11 @@ def _positive(name: str, values) -> np.ndarray:
 def _mean_interval(x: np.ndarray, confidence: float, seed: int) -> tuple[float, float]:
     # BCa bootstrap of a mean; percentile where BCa is undefined (a jackknife with no spread).
     rng = np.random.default_rng(seed)
-    res = sps.bootstrap((x,), np.mean, n_resamples=N_RESAMPLES, confidence_level=confidence,
+    res = _sps().bootstrap((x,), np.mean, n_resamples=N_RESAMPLES, confidence_level=confidence,
                         method="BCa", vectorized=True, rng=rng)
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        res = sps.bootstrap((x,), np.mean, n_resamples=N_RESAMPLES, confidence_level=confidence,
+        res = _sps().bootstrap((x,), np.mean, n_resamples=N_RESAMPLES, confidence_level=confidence,
                             method="percentile", vectorized=True, rng=np.random.default_rng(seed))
         lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     return lo, hi
@@ -333,7 +343,7 @@ def mean_interval(values, confidence: float = CONFIDENCE, seed: int = 0) -> tupl
     if np.ptp(x) == 0:
         return point, point, point
     if x.size < SMALL_SAMPLE:
-        half = float(sps.t.ppf((1 + confidence) / 2, x.size - 1) * np.std(x, ddof=1) / math.sqrt(x.size))
+        half = float(_sps().t.ppf((1 + confidence) / 2, x.size - 1) * np.std(x, ddof=1) / math.sqrt(x.size))
         return point, point - half, point + half
     lo, hi = _mean_interval(x, confidence, seed)
     return point, lo, hi

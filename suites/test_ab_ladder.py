@@ -29,7 +29,7 @@ import statistics
 import pytest
 
 from impl.data.workloads import AtMost
-from impl.serve.rows import DEFAULT_LADDER, DEFAULT_REQUESTS
+from impl.serve.defaults import DEFAULT_LADDER, DEFAULT_REQUESTS
 from moe_harness.ladder.run import (WARMUP, LadderRun, accuracy_chunks, fail_on_provenance, paired, row_config,
                                    run_suite_ladder, workload_key)
 from moe_harness.tolerances import tolerance_for

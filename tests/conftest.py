@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import scipy.stats  # noqa: F401  (below)
 import torch
+
+from impl import backends
+
+# In-process inner runs (pytester.runpytest) put sys.modules back as they found them, so what an
+# inner run imports first is imported again by the next one: an extension module cannot load
+# twice in one process, and a backend module would register its backends twice. The plugins load
+# scipy.stats and the engine only when a run needs them, so both are loaded here, outside any
+# inner run: the statistics, and every built-in backend module with what it imports.
+backends.available("moe")
 
 
 @pytest.fixture(scope="module")

@@ -178,7 +178,7 @@ def tokenizer_for(spec, vocab_size: int | None = None) -> Tokenizer:
     from the spec when omitted. A folder with tokenizer files gets its own tokenizer (which must
     not produce ids past the model's embedding); otherwise a vocabulary of at most 256 ids is
     bytes, and a larger one has no tokenizer."""
-    from impl.model.build import EMBEDDED
+    from impl.model.config import EMBEDDED
     from impl.model.config import PRESETS, ModelConfig, get_config
 
     folder: Path | None = None

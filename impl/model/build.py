@@ -8,15 +8,12 @@ from pathlib import Path
 import torch
 
 from impl.model.causal_lm import MoECausalLM
-from impl.model.config import PRESETS, ModelConfig, get_config
+from impl.model.config import EMBEDDED, HEADS, PRESETS, ModelConfig, get_config
 from impl.model.kda import KDAAttention
 from impl.model.layers import EXPERT_FORMATS, Router
 from impl.model.mla import MLAAttention
 from pytest_moeperf.device import resolve_device  # noqa: F401  (one rule for a device name, the gate's)
 
-HEADS = ("bf16", "fp8")
-# Trained checkpoints committed with the repository, by name (scripts/train_tiny.py made tiny-gsm).
-EMBEDDED = {"tiny-gsm": Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-gsm"}
 
 
 def _free_bytes(device: torch.device) -> int:

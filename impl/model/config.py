@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 RouterKind = Literal["softmax", "sigmoid_grouped"]
@@ -249,6 +250,10 @@ class ModelConfig:
     def replace(self, **overrides) -> "ModelConfig":
         return dataclasses.replace(self, **overrides)
 
+
+# Trained checkpoints committed with the repository, by name (scripts/train_tiny.py made tiny-gsm).
+EMBEDDED = {"tiny-gsm": Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-gsm"}
+HEADS = ("bf16", "fp8")  # LM heads a model is built with: as stored, or FP8 quantized online at load
 
 PRESETS: dict[str, dict] = {
     # Byte-level vocabulary; every dimension a multiple of 32 so Triton blocks tile it.

@@ -18,7 +18,8 @@ import torch
 
 from impl.serve import engine
 from impl.serve.built_row import build_rows
-from impl.serve.rows import DEFAULT_LADDER, parse_ladder
+from impl.serve.defaults import DEFAULT_LADDER
+from impl.serve.rows import parse_ladder
 from impl.serve.engine import EngineRow
 from impl.serve.ladder import Ladder
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
             served_rows = build_rows(model, [row], tokenizer=tokenizer)
         except (ValueError, TypeError, RuntimeError) as e:
             p.error(str(e))
-        from impl.model.build import EMBEDDED
+        from impl.model.config import EMBEDDED
         from pathlib import Path
         root = str(EMBEDDED.get(args.model, Path(args.model)))
         serve_http(EngineRow(served_rows[0]), args.http, args.model, root)

@@ -69,10 +69,6 @@ __all__ = ["DEFAULT_K", "EXPERT_FORMATS", "PRESETS", "Row", "ServeConfig", "pars
            "parse_serve_config", "resolve_preset"]
 
 PRESETS = ("baseline", "+kernels", "+fp8-head", "+mtp")
-# The ladder and the requests a row serves when none are given, per device type: on a CPU the
-# kernels exist only interpreted, so +kernels is left out there.
-DEFAULT_LADDER = {"cuda": "baseline;+kernels;+fp8-head;+mtp", "cpu": "baseline;+fp8-head;+mtp"}
-DEFAULT_REQUESTS = {"cuda": 1000, "cpu": 60}
 DEFAULT_K = 3  # drafts per verify step of the embedded checkpoint's MTP layer (its eval.json: k=3)
 EXPERT_FORMATS = ("auto", *backends.WEIGHT_FORMATS)
 HEADS = ("bf16", "fp8")

@@ -199,7 +199,7 @@ def _drafts(row) -> int:
 def _build_rows(model, rows, tokenizer, harness, report_dir: Path) -> list:
     """The rows the ladder interleaves: this engine's built rows (impl.serve.engine.EngineRow) on
     `model`, and servers (moe_harness.ladder.endpoints.server_row.ServerRow), their logs beside the report."""
-    from impl.model.build import EMBEDDED
+    from impl.model.config import EMBEDDED
     from impl.serve import EngineRow, build_rows
     from impl.serve.rows import Row
     from moe_harness.ladder.endpoints.server_row import ServerRow
@@ -216,7 +216,7 @@ def _same_model(rows, model, opts) -> None:
     """Start the server rows and refuse a ladder whose rows serve different models (unless
     --moe-allow-different-models): their outputs and answers could not be compared. A server's
     model is where it loaded it from (`root`), else the id it serves it under."""
-    from impl.model.build import EMBEDDED
+    from impl.model.config import EMBEDDED
     from moe_harness.ladder.endpoints.server_row import ServerRow
     servers = [r for r in rows if isinstance(r, ServerRow)]
     alone = getattr(opts.servers, "one_at_a_time", False)
