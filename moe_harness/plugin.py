@@ -10,7 +10,7 @@ import pytest
 
 from moe_harness import options as harness_options
 from moe_harness.fixtures import moe_backend, moe_checked_backend, moe_model, moe_run  # noqa: F401  (registered by import)
-from moe_harness.state import HARNESS_KEY, SCOPE_KEYS, MoeRun
+from moe_harness.state import HARNESS_KEY, SCOPE_KEYS, MoeRun, moe_backend_under_test
 from pytest_moeperf.options import from_ini, option
 
 
@@ -21,17 +21,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_moeperf_configure(config: pytest.Config, session) -> None:
     """Parse the harness's options and check, before anything is measured, what every test would
     otherwise fail on: the checkpoint (under --moe-bench) and the ladder's rows."""
-    run = MoeRun(harness_options.parse_options(config, session.options), session)
+    options = harness_options.parse_options(config, session.options)
+    plants = _parse_plants(config, moe_backend_under_test(options.backend, session.device.is_cuda))
+    run = MoeRun(dataclasses.replace(options, plants=plants), session)
     config.stash[HARNESS_KEY] = run
-    plant_spec = option(config, "moe_plant")
-    if plant_spec:
-        plant = _plant_module()
-        try:
-            plants = plant.parse_plants(plant_spec, {"moe": run.moe_backend})
-        except ValueError as e:
-            raise ValueError(from_ini(config, "moe_plant", f"--moe-plant: {e}")) from None
-        run.options = dataclasses.replace(run.options, plants=plants)
-        plant.activate(plants, session.device.torch_device)
+    if plants:
+        _plant_module().activate(plants, session.device.torch_device)
     if session.options.bench:
         try:  # read once here: an unreadable file is a usage error, not an error in every gated test
             run.checkpoint_digest
@@ -44,6 +39,17 @@ def pytest_moeperf_configure(config: pytest.Config, session) -> None:
             harness_options.parse_ladder_option(opts.ladder, session.device.torch_device.type, opts.servers)
         except ValueError as e:
             raise ValueError(from_ini(config, "moe_ladder", str(e))) from None
+
+
+def _parse_plants(config: pytest.Config, moe_backend: str) -> tuple:
+    """--moe-plant's planted slowdowns (impl.plant.Plant), `moe` naming the backend under test."""
+    spec = option(config, "moe_plant")
+    if not spec:
+        return ()
+    try:
+        return _plant_module().parse_plants(spec, {"moe": moe_backend})
+    except ValueError as e:
+        raise ValueError(from_ini(config, "moe_plant", f"--moe-plant: {e}")) from None
 
 
 def _run(session) -> MoeRun | None:

@@ -12,6 +12,14 @@ import pytest
 from moe_harness.options import MoeOptions
 
 
+def moe_backend_under_test(backend: str, is_cuda: bool) -> str:
+    """The MoE backend under test for --moe-backend `backend`: `auto` is Triton on a GPU and gather
+    on a CPU, where Triton only runs in its (slow) interpreter."""
+    if backend != "auto":
+        return backend
+    return "triton" if is_cuda else "gather"
+
+
 class MoeRun:
     def __init__(self, options: MoeOptions, core) -> None:
         self.options = options
@@ -26,11 +34,7 @@ class MoeRun:
 
     @property
     def moe_backend(self) -> str:
-        """The MoE backend under test; `auto` is Triton on a GPU and gather on a CPU, where
-        Triton only runs in its (slow) interpreter."""
-        if self.options.backend != "auto":
-            return self.options.backend
-        return "triton" if self.core.device.is_cuda else "gather"
+        return moe_backend_under_test(self.options.backend, self.core.device.is_cuda)
 
     def backends_under_test(self) -> list[str]:
         """The MoE backends a correctness suite checks: the one under test and, when it was left
