@@ -22,7 +22,7 @@ def pytest_moeperf_configure(config: pytest.Config, session) -> None:
     """Parse the harness's options and check, before anything is measured, what every test would
     otherwise fail on: the checkpoint (under --moe-bench) and the ladder's rows."""
     options = harness_options.parse_options(config, session.options)
-    plants = _parse_plants(config, moe_backend_under_test(options.backend, session.device.is_cuda))
+    plants = _parse_plants(config, options.backend, session)
     run = MoeRun(dataclasses.replace(options, plants=plants), session)
     config.stash[HARNESS_KEY] = run
     if plants:
@@ -41,11 +41,14 @@ def pytest_moeperf_configure(config: pytest.Config, session) -> None:
             raise ValueError(from_ini(config, "moe_ladder", str(e))) from None
 
 
-def _parse_plants(config: pytest.Config, moe_backend: str) -> tuple:
-    """--moe-plant's planted slowdowns (impl.plant.Plant), `moe` naming the backend under test."""
+def _parse_plants(config: pytest.Config, backend: str, session) -> tuple:
+    """--moe-plant's planted slowdowns (impl.plant.Plant), `moe` naming the backend under test
+    (--moe-backend `backend` on the session's device, resolved only here: a run without plants
+    never needs the device)."""
     spec = option(config, "moe_plant")
     if not spec:
         return ()
+    moe_backend = moe_backend_under_test(backend, session.device.is_cuda)
     try:
         return _plant_module().parse_plants(spec, {"moe": moe_backend})
     except ValueError as e:
